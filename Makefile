@@ -1,0 +1,36 @@
+# kvmesh — disaggregated LLM serving with KV-aware routing.
+SHELL := /bin/bash
+PY    ?= python3
+VENV  := .venv
+VPY   := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROTO_FILES := $(wildcard protos/kvmesh/v1/*.proto)
+
+.PHONY: install run test protos bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt scripts/install.sh
+	bash scripts/install.sh
+	touch $@
+
+run: install
+	$(VPY) -m services.launch $(ARGS)
+
+test: install
+	$(VPY) -m pytest $(PYTEST_ARGS)
+
+protos: install
+	$(VPY) -m grpc_tools.protoc -I protos --python_out=gen --grpc_python_out=gen --pyi_out=gen $(PROTO_FILES)
+	@# protoc writes imports relative to the proto root; the generated code lives in package `gen`.
+	sed -i -E 's/^from kvmesh\.v1 import/from gen.kvmesh.v1 import/' gen/kvmesh/v1/*.py gen/kvmesh/v1/*.pyi
+
+bench: install
+	$(VPY) -m bench $(ARGS)
+
+lint: install
+	$(VPY) -m ruff check services tests bench
+	$(VPY) -m mypy services
+
+clean:
+	rm -rf $(VENV) .pytest_cache

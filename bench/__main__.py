@@ -1,0 +1,22 @@
+"""make bench: every benchmark in one run (or `--only NAME`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from bench import mesh_overhead
+
+BENCHMARKS = {"mesh": mesh_overhead.run}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench")
+    parser.add_argument("--only", choices=sorted(BENCHMARKS), action="append")
+    args = parser.parse_args()
+    for name in args.only or list(BENCHMARKS):
+        BENCHMARKS[name]()
+    print("\nplots and JSON in bench/results/")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+from gen.kvmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerGenerateRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "sampling", "prefix_hit_rate", "overlap_blocks")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    prefix_hit_rate: float
+    overlap_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefix_hit_rate: _Optional[float] = ..., overlap_blocks: _Optional[int] = ...) -> None: ...
+
+class WorkerGenerateResponse(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "prompt_tokens", "cached_tokens", "prefill")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    prefill: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill: _Optional[str] = ...) -> None: ...
+
+class SubscribeKvEventsRequest(_message.Message):
+    __slots__ = ("from_event_id",)
+    FROM_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    from_event_id: int
+    def __init__(self, from_event_id: _Optional[int] = ...) -> None: ...
+
+class StoredBlock(_message.Message):
+    __slots__ = ("block_hash", "tokens_hash")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_HASH_FIELD_NUMBER: _ClassVar[int]
+    block_hash: int
+    tokens_hash: int
+    def __init__(self, block_hash: _Optional[int] = ..., tokens_hash: _Optional[int] = ...) -> None: ...
+
+class BlocksStored(_message.Message):
+    __slots__ = ("parent_hash", "blocks")
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    parent_hash: int
+    blocks: _containers.RepeatedCompositeFieldContainer[StoredBlock]
+    def __init__(self, parent_hash: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[StoredBlock, _Mapping]]] = ...) -> None: ...
+
+class BlocksRemoved(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AllBlocksCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("event_id", "stored", "removed", "cleared")
+    EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    event_id: int
+    stored: BlocksStored
+    removed: BlocksRemoved
+    cleared: AllBlocksCleared
+    def __init__(self, event_id: _Optional[int] = ..., stored: _Optional[_Union[BlocksStored, _Mapping]] = ..., removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("events", "snapshot")
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    snapshot: bool
+    def __init__(self, events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ...) -> None: ...
+
+class SubscribeMetricsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadMetrics(_message.Message):
+    __slots__ = ("request_active_slots", "request_total_slots", "kv_active_blocks", "kv_total_blocks", "num_requests_waiting", "gpu_cache_usage_perc", "gpu_prefix_cache_hit_rate", "timestamp_ms")
+    REQUEST_ACTIVE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_TOTAL_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    KV_ACTIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    GPU_CACHE_USAGE_PERC_FIELD_NUMBER: _ClassVar[int]
+    GPU_PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    request_active_slots: int
+    request_total_slots: int
+    kv_active_blocks: int
+    kv_total_blocks: int
+    num_requests_waiting: int
+    gpu_cache_usage_perc: float
+    gpu_prefix_cache_hit_rate: float
+    timestamp_ms: int
+    def __init__(self, request_active_slots: _Optional[int] = ..., request_total_slots: _Optional[int] = ..., kv_active_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., gpu_cache_usage_perc: _Optional[float] = ..., gpu_prefix_cache_hit_rate: _Optional[float] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,101 @@
+"""An instance's registration in etcd: keys held under a lease that is kept alive.
+
+When the process dies the lease expires (TTL) and every watcher forgets the instance. When etcd
+blips and the lease is lost while the process lives, the registration grants a new lease and puts
+its keys again; it never takes the service down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from services.common.etcd_store import KeyValueStore, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LeaseConfig:
+    ttl_s: int = 10
+    # Refresh three times per TTL: two refreshes can be lost before the lease lapses.
+    refreshes_per_ttl: int = 3
+    retry_backoff_s: float = 0.5
+
+
+class LeasedRegistration:
+    """Holds keys under one etcd lease for the life of the owning service."""
+
+    def __init__(self, store: KeyValueStore, config: LeaseConfig = LeaseConfig()) -> None:
+        self._store = store
+        self._config = config
+        self._keys: dict[str, bytes] = {}
+        self._lease_id: int | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.registrations = 0  # how many times the keys were (re)put under a fresh lease
+
+    @property
+    def lease_id(self) -> int | None:
+        return self._lease_id
+
+    async def start(self, keys: dict[str, bytes]) -> int:
+        """Grants the lease and puts the keys; raises StoreUnavailable if etcd is down now."""
+        self._keys = dict(keys)
+        await self._register()
+        self._task = asyncio.create_task(self._keep_alive(), name="lease-keepalive")
+        assert self._lease_id is not None
+        return self._lease_id
+
+    async def put(self, key: str, value: bytes) -> None:
+        """Adds or replaces a key under the lease; it is re-put after a lease loss too."""
+        self._keys[key] = value
+        if self._lease_id is not None:
+            await self._store.put(key, value, self._lease_id)
+
+    async def stop(self) -> None:
+        """Cancels the keep-alive and revokes the lease so watchers forget us at once."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._lease_id is not None:
+            try:
+                await asyncio.wait_for(self._store.revoke_lease(self._lease_id), 2)
+            except (TimeoutError, StoreUnavailable) as exc:
+                log.warning("could not revoke lease %x on shutdown: %s", self._lease_id, exc)
+            self._lease_id = None
+
+    async def _register(self) -> None:
+        lease_id = await self._store.grant_lease(self._config.ttl_s)
+        for key, value in self._keys.items():
+            await self._store.put(key, value, lease_id)
+        self._lease_id = lease_id
+        self.registrations += 1
+
+    async def _keep_alive(self) -> None:
+        period = self._config.ttl_s / self._config.refreshes_per_ttl
+        while True:
+            await asyncio.sleep(period)
+            try:
+                assert self._lease_id is not None
+                ttl = await self._store.keepalive(self._lease_id)
+                if ttl > 0:
+                    continue
+                log.warning("lease %x expired; registering again", self._lease_id)
+            except StoreUnavailable as exc:
+                log.warning("lease refresh failed (%s); will retry", exc)
+                continue
+            await self._reregister()
+
+    async def _reregister(self) -> None:
+        backoff = self._config.retry_backoff_s
+        while True:
+            try:
+                await self._register()
+                log.info("registered again under lease %x", self._lease_id)
+                return
+            except StoreUnavailable as exc:
+                log.warning("re-registration failed (%s); retrying in %.1fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._config.ttl_s / 2)

@@ -1,0 +1,129 @@
+"""The gRPC face of an engine worker: generate, KV event and load metric streams.
+
+Shared by decode and prefill workers; the engine behind it is vLLM or the mocker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import aclosing
+
+import grpc
+
+from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.kv_event_log import KvEventLog, NumberedEvent
+from services.engines.base import (
+    Engine,
+    EngineOutput,
+    EngineRequest,
+    KvCleared,
+    KvRemoved,
+    KvStored,
+    LoadSnapshot,
+    Sampling,
+)
+
+log = logging.getLogger(__name__)
+
+METRICS_MAX_INTERVAL_S = 1.0
+METRICS_POLL_S = 0.05
+
+
+def sampling_from_proto(p: common_pb2.SamplingParams) -> Sampling:
+    return Sampling(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature if p.HasField("temperature") else None,
+        top_p=p.top_p if p.HasField("top_p") else None,
+        top_k=p.top_k if p.HasField("top_k") else None,
+        seed=p.seed if p.HasField("seed") else None,
+        ignore_eos=p.ignore_eos,
+        min_tokens=p.min_tokens,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        stop_token_ids=tuple(p.stop_token_ids),
+    )
+
+
+def output_to_proto(out: EngineOutput) -> worker_pb2.WorkerGenerateResponse:
+    msg = worker_pb2.WorkerGenerateResponse(
+        token_ids=out.token_ids, finish_reason=out.finish_reason or "", cached_tokens=out.cached_tokens
+    )
+    if out.logprobs:
+        for lp in out.logprobs:
+            msg.logprobs.append(
+                common_pb2.TokenLogprob(
+                    token_id=lp.token_id,
+                    logprob=lp.logprob,
+                    top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+                )
+            )
+    return msg
+
+
+def event_to_proto(event: NumberedEvent) -> worker_pb2.KvEvent:
+    data = event.data
+    msg = worker_pb2.KvEvent(event_id=event.event_id)
+    if isinstance(data, KvStored):
+        stored = msg.stored
+        if data.parent_hash is not None:
+            stored.parent_hash = data.parent_hash
+        stored.blocks.extend(worker_pb2.StoredBlock(block_hash=b, tokens_hash=t) for b, t in data.blocks)
+    elif isinstance(data, KvRemoved):
+        msg.removed.block_hashes.extend(data.block_hashes)
+    elif isinstance(data, KvCleared):
+        msg.cleared.SetInParent()
+    return msg
+
+
+def load_to_proto(load: LoadSnapshot) -> worker_pb2.LoadMetrics:
+    return worker_pb2.LoadMetrics(
+        request_active_slots=load.request_active_slots,
+        request_total_slots=load.request_total_slots,
+        kv_active_blocks=load.kv_active_blocks,
+        kv_total_blocks=load.kv_total_blocks,
+        num_requests_waiting=load.num_requests_waiting,
+        gpu_cache_usage_perc=load.gpu_cache_usage_perc,
+        gpu_prefix_cache_hit_rate=load.gpu_prefix_cache_hit_rate,
+        timestamp_ms=int(time.time() * 1000),
+    )
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, engine: Engine, worker_id: str, events: KvEventLog) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.events = events
+        self.served = 0
+
+    async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext):
+        engine_request = EngineRequest(request.request_id, list(request.token_ids), sampling_from_proto(request.sampling))
+        log.debug("request %s: %d prompt tokens", request.request_id, len(request.token_ids))
+        first = True
+        try:
+            async with aclosing(self.engine.generate(engine_request)) as stream:
+                async for out in stream:
+                    msg = output_to_proto(out)
+                    if first:
+                        msg.prefill = "local"
+                        msg.prompt_tokens = len(request.token_ids)
+                        first = False
+                    yield msg
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self.served += 1
+
+    async def SubscribeKvEvents(self, request: worker_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext):
+        async for batch, is_snapshot in self.events.subscribe(request.from_event_id):
+            yield worker_pb2.KvEventBatch(events=[event_to_proto(e) for e in batch], snapshot=is_snapshot)
+
+    async def SubscribeMetrics(self, request: worker_pb2.SubscribeMetricsRequest, context: grpc.aio.ServicerContext):
+        last: LoadSnapshot | None = None
+        last_sent = 0.0
+        while True:
+            load = self.engine.load()
+            now = time.monotonic()
+            if load != last or now - last_sent >= METRICS_MAX_INTERVAL_S:
+                yield load_to_proto(load)
+                last, last_sent = load, now
+            await asyncio.sleep(METRICS_POLL_S)

@@ -1,0 +1,123 @@
+"""The one interface every engine implements, and the plain data that crosses it.
+
+Engines know nothing of gRPC or etcd: the worker services translate protobuf to these types.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    max_tokens: int = 16
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    request_id: str
+    token_ids: list[int]
+    sampling: Sampling
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """Tokens produced since the previous output of the same request."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length" or "abort" on the last output
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSnapshot:
+    """The seed's worker load fields, read from the engine's own stats."""
+
+    request_active_slots: int = 0
+    request_total_slots: int = 0
+    kv_active_blocks: int = 0
+    kv_total_blocks: int = 0
+    num_requests_waiting: int = 0
+    gpu_cache_usage_perc: float = 0.0
+    gpu_prefix_cache_hit_rate: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class KvStored:
+    parent_hash: int | None
+    # (engine block hash, local tokens hash) per block, parent first.
+    blocks: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KvRemoved:
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KvCleared:
+    pass
+
+
+KvEventData = KvStored | KvRemoved | KvCleared
+KvEventSink = Callable[[KvEventData], None]
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_dir: str
+    served_model_name: str
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+class Engine(abc.ABC):
+    """An inference engine: generates tokens for token prompts and reports its cache and load."""
+
+    name: str
+    info: EngineInfo
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Loads and warms the engine; returns when it can serve."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Aborts everything in flight and releases the engine's resources."""
+
+    @abc.abstractmethod
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """Streams outputs; closing the iterator early aborts the request in the engine."""
+
+    @abc.abstractmethod
+    def load(self) -> LoadSnapshot:
+        """Current load, cheap enough to call on every metrics tick."""
+
+    def set_kv_event_sink(self, sink: KvEventSink) -> None:
+        """Receives every change to the engine's prefix cache, in order."""
+        self._kv_sink = sink
+
+    def emit_kv_event(self, event: KvEventData) -> None:
+        sink = getattr(self, "_kv_sink", None)
+        if sink is not None:
+            sink(event)

@@ -1,0 +1,262 @@
+"""The mocker engine: continuous batching over a real block manager, with simulated step times.
+
+No weights: the token at each position is a hash of the prompt, the sampling parameters and the
+position, so every worker produces the same continuation and a request moved mid-stream goes on
+exactly. Everything else — admission under a token budget, prefix-cache hits, eviction,
+preemption when the cache is full, KV events and load — is real bookkeeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from services.common.hashing import block_bytes, chain_hash, chained_block_hashes, local_block_hashes
+from services.engines.base import (
+    Engine,
+    EngineInfo,
+    EngineOutput,
+    EngineRequest,
+    KvCleared,
+    LoadSnapshot,
+)
+from services.engines.mocker.block_manager import BlockManager
+from services.engines.mocker.timing import TimingModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MockerConfig:
+    model_dir: str
+    served_model_name: str
+    block_size: int = 16
+    num_gpu_blocks: int = 16384
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    timing: TimingModel = field(default_factory=TimingModel)
+
+
+@dataclass(eq=False, slots=True)
+class _Seq:
+    request: EngineRequest
+    tokens: list[int]
+    prompt_len: int
+    digest: int
+    out: asyncio.Queue[EngineOutput]
+    blocks: list[int] = field(default_factory=list)
+    # Chained hashes of the full blocks of `tokens`, grown as decode fills blocks.
+    chain: list[int] = field(default_factory=list)
+    locals_: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    generated: int = 0
+    done: bool = False
+
+
+def read_model_facts(model_dir: str) -> tuple[int, int, tuple[int, ...]]:
+    """(vocab size, context length, eos ids) from a Hugging Face config.json."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    return int(config["vocab_size"]), int(config.get("max_position_embeddings", 4096)), eos_ids
+
+
+class MockerEngine(Engine):
+    name = "mocker"
+
+    def __init__(self, config: MockerConfig) -> None:
+        vocab, context, eos_ids = read_model_facts(config.model_dir)
+        self.config = config
+        self.info = EngineInfo(config.model_dir, config.served_model_name, config.block_size, context, vocab, eos_ids)
+        # Generated ids skip the lowest ids, where byte-level tokenizers keep special tokens.
+        self._token_low = min(8, vocab - 1)
+        self._token_span = max(1, vocab - self._token_low)
+        self.blocks = BlockManager(config.num_gpu_blocks, config.block_size, self.emit_kv_event)
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._prompt_tokens_seen = 0
+        self._prompt_tokens_hit = 0
+
+    async def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._step_loop(), name="mocker-steps")
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+            self._loop_task = None
+        for seq in list(self._running) + list(self._waiting):
+            self._finish(seq, "abort")
+
+    def load(self) -> LoadSnapshot:
+        total = self.config.num_gpu_blocks
+        active = self.blocks.active_blocks
+        seen = self._prompt_tokens_seen
+        return LoadSnapshot(
+            request_active_slots=len(self._running),
+            request_total_slots=self.config.max_num_seqs,
+            kv_active_blocks=active,
+            kv_total_blocks=total,
+            num_requests_waiting=len(self._waiting),
+            gpu_cache_usage_perc=active / total if total else 0.0,
+            gpu_prefix_cache_hit_rate=self._prompt_tokens_hit / seen if seen else 0.0,
+        )
+
+    def reset_prefix_cache(self) -> None:
+        self.blocks.clear()
+        self.emit_kv_event(KvCleared())
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        max_blocks = -(-(len(request.token_ids) + request.sampling.max_tokens) // self.config.block_size)
+        if max_blocks > self.config.num_gpu_blocks:
+            raise ValueError(
+                f"request needs {max_blocks} KV blocks; this worker has {self.config.num_gpu_blocks}"
+            )
+        seq = _Seq(
+            request=request,
+            tokens=list(request.token_ids),
+            prompt_len=len(request.token_ids),
+            digest=self._digest(request),
+            out=asyncio.Queue(maxsize=request.sampling.max_tokens + 1),
+        )
+        self._waiting.append(seq)
+        self._wake.set()
+        try:
+            while True:
+                output = await seq.out.get()
+                yield output
+                if output.finish_reason is not None:
+                    return
+        finally:
+            if not seq.done:
+                self._finish(seq, "abort")
+
+    # -- scheduling ----------------------------------------------------------------------------
+
+    async def _step_loop(self) -> None:
+        while True:
+            if not self._waiting and not self._running:
+                self._wake.clear()
+                await self._wake.wait()
+            decode_seqs = len(self._running)
+            admitted, prefill_tokens = self._admit()
+            await asyncio.sleep(self.config.timing.step_seconds(prefill_tokens, decode_seqs))
+            self._emit_tokens(admitted)
+
+    def _admit(self) -> tuple[list[_Seq], int]:
+        admitted: list[_Seq] = []
+        budget = self.config.max_num_batched_tokens
+        used = 0
+        while self._waiting and len(self._running) + len(admitted) < self.config.max_num_seqs:
+            seq = self._waiting[0]
+            bs = self.config.block_size
+            if not seq.chain and len(seq.tokens) >= bs:
+                seq.locals_ = local_block_hashes(seq.tokens, bs)
+                seq.chain = chained_block_hashes(seq.tokens, bs)
+            chain = seq.chain
+            uncached = len(seq.tokens) - self.blocks.cached_prefix_blocks(chain) * bs
+            # A prompt longer than the budget runs alone in its step (chunked prefill, collapsed).
+            if used and used + uncached > budget:
+                break
+            allocation = self.blocks.allocate(chain, seq.locals_, len(seq.tokens))
+            if allocation is None:
+                break
+            self._waiting.popleft()
+            seq.blocks, hit_blocks = allocation
+            if seq.generated == 0:
+                seq.cached_tokens = min(hit_blocks * bs, seq.prompt_len)
+                self._prompt_tokens_seen += seq.prompt_len
+                self._prompt_tokens_hit += seq.cached_tokens
+            used += len(seq.tokens) - hit_blocks * bs
+            admitted.append(seq)
+        return admitted, used
+
+    def _emit_tokens(self, admitted: list[_Seq]) -> None:
+        running = self._running
+        running.extend(admitted)
+        still: list[_Seq] = []
+        for seq in running:
+            if seq.done:
+                continue
+            if not self._grow(seq):
+                self._preempt(seq)
+                continue
+            token = self._token_at(seq, seq.generated)
+            seq.tokens.append(token)
+            seq.generated += 1
+            finish = self._finish_reason(seq, token)
+            seq.out.put_nowait(EngineOutput([token], finish, seq.cached_tokens))
+            if finish is None:
+                still.append(seq)
+            else:
+                self._release(seq)
+        self._running = still
+
+    def _grow(self, seq: _Seq) -> bool:
+        """Makes room for one more token; caches the block the previous token filled."""
+        bs = self.config.block_size
+        n = len(seq.tokens)
+        if n % bs == 0 and n // bs > len(seq.chain):
+            parent = seq.chain[-1] if seq.chain else None
+            local = local_block_hashes(seq.tokens[n - bs : n], bs)[0]
+            seq.chain.append(chain_hash(parent or 0, local))
+            seq.locals_.append(local)
+            self.blocks.cache_block(seq.blocks[n // bs - 1], parent, seq.chain[-1], local)
+        if n + 1 > len(seq.blocks) * bs:
+            block = self.blocks.append_block()
+            if block is None:
+                return False
+            seq.blocks.append(block)
+        return True
+
+    def _preempt(self, seq: _Seq) -> None:
+        """Out of blocks: give this sequence's back and recompute it later, as vLLM does."""
+        log.debug("preempting %s", seq.request.request_id)
+        self.blocks.free(seq.blocks)
+        seq.blocks = []
+        self._waiting.appendleft(seq)
+
+    def _finish_reason(self, seq: _Seq, token: int) -> str | None:
+        sampling = seq.request.sampling
+        if seq.generated >= sampling.max_tokens:
+            return "length"
+        if token in sampling.stop_token_ids and seq.generated >= sampling.min_tokens:
+            return "stop"
+        return None
+
+    def _release(self, seq: _Seq) -> None:
+        seq.done = True
+        self.blocks.free(seq.blocks)
+        seq.blocks = []
+
+    def _finish(self, seq: _Seq, reason: str) -> None:
+        if seq.done:
+            return
+        if seq in self._running:
+            self._running.remove(seq)
+        elif seq in self._waiting:
+            self._waiting.remove(seq)
+        self._release(seq)
+        if not seq.out.full():
+            seq.out.put_nowait(EngineOutput([], reason, seq.cached_tokens))
+
+    # -- deterministic tokens ------------------------------------------------------------------
+
+    @staticmethod
+    def _digest(request: EngineRequest) -> int:
+        s = request.sampling
+        params = f"{s.seed}|{s.temperature}|{s.top_p}|{s.top_k}".encode()
+        return xxhash.xxh3_64_intdigest(block_bytes(request.token_ids) + params)
+
+    def _token_at(self, seq: _Seq, position: int) -> int:
+        h = xxhash.xxh3_64_intdigest(position.to_bytes(8, "little"), seq.digest)
+        return self._token_low + h % self._token_span

@@ -1,0 +1,32 @@
+"""How long the mocker's engine steps take.
+
+Defaults approximate an 8B-parameter model on one H100-class GPU (bf16): prefill around
+16k tokens/s with a mild quadratic attention term, and a decode step of ~12 ms that grows
+by ~0.08 ms per sequence in the batch. `speedup` divides every duration; `inf` makes steps free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TimingModel:
+    prefill_base_ms: float = 5.0
+    prefill_per_token_us: float = 60.0
+    # Attention cost of a long prompt grows with its square; per token of prompt, per 1k tokens.
+    prefill_quadratic_us_per_1k: float = 4.0
+    decode_base_ms: float = 12.0
+    decode_per_seq_us: float = 80.0
+    speedup: float = 1.0
+
+    def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
+        if self.speedup == float("inf") or (prefill_tokens == 0 and decode_seqs == 0):
+            return 0.0
+        ms = 0.0
+        if prefill_tokens:
+            ms += self.prefill_base_ms + prefill_tokens * self.prefill_per_token_us / 1000.0
+            ms += prefill_tokens * (prefill_tokens / 1000.0) * self.prefill_quadratic_us_per_1k / 1000.0
+        if decode_seqs:
+            ms += self.decode_base_ms + decode_seqs * self.decode_per_seq_us / 1000.0
+        return ms / 1000.0 / self.speedup

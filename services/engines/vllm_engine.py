@@ -1,0 +1,204 @@
+"""vLLM v1 (`AsyncLLM`) in-process behind the `Engine` interface; CUDA or CPU build.
+
+vLLM's stat-logger and output types are unstable interfaces: this module is the only place that
+touches them, and the pinned version in scripts/install.sh is the one it is tested against.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from services.engines.base import (
+    Engine,
+    EngineInfo,
+    EngineOutput,
+    EngineRequest,
+    LoadSnapshot,
+    TokenLogprobs,
+)
+from services.engines.mocker.engine import read_model_facts
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    model_dir: str
+    served_model_name: str
+    block_size: int = 32
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    # On CPU, the KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE); ignored on GPU.
+    cpu_kv_cache_gib: int = 1
+    gpu_memory_utilization: float = 0.85
+    kv_events_endpoint: str | None = None
+    kv_transfer: dict[str, Any] | None = None
+
+
+def on_cpu() -> bool:
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except ImportError:
+        return True
+
+
+class _LoadRecorder:
+    """Keeps the latest scheduler stats that vLLM hands its stat loggers every engine step."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+        self.kv_usage = 0.0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    def factory(self):
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        recorder = self
+
+        class _Logger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+                if scheduler_stats is None:
+                    return
+                recorder.running = scheduler_stats.num_running_reqs
+                recorder.waiting = scheduler_stats.num_waiting_reqs
+                recorder.kv_usage = scheduler_stats.kv_cache_usage
+                pcs = scheduler_stats.prefix_cache_stats
+                recorder.prefix_queries += pcs.queries
+                recorder.prefix_hits += pcs.hits
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Logger
+
+
+class VllmEngine(Engine):
+    name = "vllm"
+
+    def __init__(self, config: VllmConfig) -> None:
+        vocab, context, eos_ids = read_model_facts(config.model_dir)
+        max_len = min(config.max_model_len or context, context)
+        self.config = config
+        self.info = EngineInfo(config.model_dir, config.served_model_name, config.block_size, max_len, vocab, eos_ids)
+        self._llm: Any = None
+        self._load = _LoadRecorder()
+        self._num_blocks = 0
+
+    async def start(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if on_cpu():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gib))
+        kwargs: dict[str, Any] = dict(
+            model=self.config.model_dir,
+            served_model_name=self.config.served_model_name,
+            block_size=self.config.block_size,
+            max_model_len=self.info.max_model_len,
+            max_num_seqs=self.config.max_num_seqs,
+            enable_prefix_caching=True,
+            disable_log_stats=False,
+            enforce_eager=on_cpu(),
+        )
+        if not on_cpu():
+            kwargs["gpu_memory_utilization"] = self.config.gpu_memory_utilization
+        if self.config.kv_events_endpoint:
+            from vllm.config import KVEventsConfig
+
+            kwargs["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq", endpoint=self.config.kv_events_endpoint
+            )
+        if self.config.kv_transfer:
+            from vllm.config import KVTransferConfig
+
+            kwargs["kv_transfer_config"] = KVTransferConfig(**self.config.kv_transfer)
+        args = AsyncEngineArgs(**kwargs)
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._load.factory()])
+        self._num_blocks = int(self._llm.vllm_config.cache_config.num_gpu_blocks or 0)
+        log.info("vLLM engine ready: %s, %d KV blocks of %d tokens", self.config.model_dir,
+                 self._num_blocks, self.config.block_size)
+
+    async def stop(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+    def load(self) -> LoadSnapshot:
+        r = self._load
+        total = self._num_blocks
+        return LoadSnapshot(
+            request_active_slots=r.running,
+            request_total_slots=self.config.max_num_seqs,
+            kv_active_blocks=int(round(r.kv_usage * total)),
+            kv_total_blocks=total,
+            num_requests_waiting=r.waiting,
+            gpu_cache_usage_perc=r.kv_usage,
+            gpu_prefix_cache_hit_rate=r.prefix_hits / r.prefix_queries if r.prefix_queries else 0.0,
+        )
+
+    def _sampling_params(self, request: EngineRequest, extra_args: dict[str, Any] | None = None) -> Any:
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        s = request.sampling
+        kwargs: dict[str, Any] = dict(
+            max_tokens=s.max_tokens,
+            ignore_eos=s.ignore_eos,
+            min_tokens=s.min_tokens,
+            stop_token_ids=list(s.stop_token_ids),
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=False,
+        )
+        for name in ("temperature", "top_p", "top_k", "seed", "logprobs"):
+            value = getattr(s, name)
+            if value is not None:
+                kwargs[name] = value
+        if extra_args:
+            kwargs["extra_args"] = extra_args
+        return SamplingParams(**kwargs)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        async for output in self._generate(request, None):
+            yield output
+
+    async def _generate(self, request: EngineRequest, extra_args: dict[str, Any] | None) -> AsyncIterator[EngineOutput]:
+        if self._llm is None:
+            raise RuntimeError("vLLM engine is not started")
+        params = self._sampling_params(request, extra_args)
+        prompt = {"prompt_token_ids": list(request.token_ids)}
+        # Closing this generator early (client gone) makes AsyncLLM abort the request.
+        async with aclosing(self._llm.generate(prompt, params, request.request_id)) as stream:
+            async for out in stream:
+                completion = out.outputs[0]
+                yield EngineOutput(
+                    token_ids=list(completion.token_ids),
+                    finish_reason=_finish_reason(completion.finish_reason) if out.finished else None,
+                    cached_tokens=int(out.num_cached_tokens or 0),
+                    logprobs=_logprobs(completion) if request.sampling.logprobs is not None else None,
+                )
+
+
+def _finish_reason(reason: str | None) -> str:
+    return reason if reason in ("stop", "length") else "abort"
+
+
+def _logprobs(completion: Any) -> list[TokenLogprobs] | None:
+    if not completion.logprobs:
+        return None
+    result = []
+    for token_id, entries in zip(completion.token_ids, completion.logprobs):
+        chosen = entries.get(token_id)
+        top = tuple(sorted(((t, float(lp.logprob)) for t, lp in entries.items()), key=lambda x: -x[1]))
+        result.append(TokenLogprobs(token_id, float(chosen.logprob) if chosen else 0.0, top))
+    return result

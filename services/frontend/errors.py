@@ -1,0 +1,53 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right status."""
+
+from __future__ import annotations
+
+import grpc
+from starlette.responses import JSONResponse
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+# How long a client should wait before retrying an overloaded or worker-less mesh.
+RETRY_AFTER_S = 1
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        out_headers = dict(headers or {})
+        if self.status in (429, 503):
+            out_headers["retry-after"] = str(RETRY_AFTER_S)
+        body = {"error": {"message": self.message, "type": _TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=out_headers)
+
+
+_GRPC_TO_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "context_length_exceeded"),
+    grpc.StatusCode.NOT_FOUND: (404, "model_not_found"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "overloaded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (503, "timeout"),
+    grpc.StatusCode.CANCELLED: (503, "cancelled"),
+}
+
+
+def from_grpc(exc: grpc.aio.AioRpcError) -> ApiError:
+    status, code = _GRPC_TO_HTTP.get(exc.code(), (500, "internal_error"))
+    return ApiError(status, exc.details() or exc.code().name, code=code)

@@ -1,0 +1,54 @@
+"""What the gateway knows of the mesh: processors per model, routers, decode workers."""
+
+from __future__ import annotations
+
+from itertools import count
+
+from gen.kvmesh.v1 import processor_pb2_grpc
+from services.common.discovery import DECODE_WORKER, PROCESSOR, ROUTER, ComponentView, InstanceInfo
+from services.common.etcd_store import KeyValueStore
+from services.common.grpc_server import ChannelPool
+
+
+class MeshView:
+    def __init__(self, store: KeyValueStore, namespace: str) -> None:
+        self.processors = ComponentView(store, namespace, PROCESSOR)
+        self.routers = ComponentView(store, namespace, ROUTER)
+        self.decoders = ComponentView(store, namespace, DECODE_WORKER)
+        self.channels = ChannelPool()
+        self._turn = count()
+
+    async def start(self) -> None:
+        for view in (self.processors, self.routers, self.decoders):
+            await view.start()
+
+    async def stop(self) -> None:
+        for view in (self.processors, self.routers, self.decoders):
+            await view.stop()
+        await self.channels.close()
+
+    def models(self) -> list[str]:
+        served = {i.model for i in self.decoders.instances.values()}
+        return sorted(served & {p.model for p in self.processors.instances.values()})
+
+    def knows_model(self, model: str) -> bool:
+        return any(i.model == model for i in self.decoders.instances.values()) or any(
+            p.model == model for p in self.processors.instances.values())
+
+    def processor_for(self, model: str) -> processor_pb2_grpc.ProcessorStub | None:
+        candidates: list[InstanceInfo] = sorted(
+            (p for p in self.processors.instances.values() if p.model == model), key=lambda p: p.instance_id)
+        if not candidates:
+            return None
+        chosen = candidates[next(self._turn) % len(candidates)]
+        return processor_pb2_grpc.ProcessorStub(self.channels.get(chosen.address))
+
+    def health(self) -> tuple[bool, str]:
+        if not self.routers.instances:
+            return False, "no kv-router is registered"
+        models = self.models()
+        if not models:
+            if not self.decoders.instances:
+                return False, "no decode worker is registered"
+            return False, "no processor serves the decode workers' model"
+        return True, "serving " + ", ".join(models)

@@ -1,0 +1,24 @@
+"""The gateway's Prometheus metrics (its own registry)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from services.common.telemetry import LATENCY_BUCKETS
+
+ITL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class FrontendMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvmesh_frontend_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.inflight = Gauge("kvmesh_frontend_inflight_requests", "requests being served", registry=r)
+        self.ttft = Histogram("kvmesh_frontend_time_to_first_token_seconds", "time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("kvmesh_frontend_inter_token_latency_seconds", "time between streamed deltas",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.duration = Histogram("kvmesh_frontend_request_duration_seconds", "request duration",
+                                  buckets=LATENCY_BUCKETS, registry=r)

@@ -1,0 +1,60 @@
+"""OpenAI response bodies and stream chunks built from the processor's messages."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from gen.kvmesh.v1 import processor_pb2
+
+
+@dataclass
+class ChoiceAccumulator:
+    """One choice of a non-streamed response, assembled from its deltas."""
+
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    tokens: list[processor_pb2.ChoiceDelta] = field(default_factory=list)
+
+
+def usage_body(usage: processor_pb2.Usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def _token_bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(deltas: list[processor_pb2.ChoiceDelta]) -> dict:
+    content = []
+    for d in deltas:
+        for lp, text in zip(d.logprobs, d.token_texts):
+            content.append({
+                "token": text, "logprob": lp.logprob, "bytes": _token_bytes(text),
+                "top_logprobs": [{"token": str(t.token_id), "logprob": t.logprob} for t in lp.top],
+            })
+    return {"content": content}
+
+
+def completion_logprobs(deltas: list[processor_pb2.ChoiceDelta], offset: int = 0) -> dict:
+    tokens, token_logprobs, top, text_offset = [], [], [], []
+    for d in deltas:
+        for lp, text in zip(d.logprobs, d.token_texts):
+            tokens.append(text)
+            token_logprobs.append(lp.logprob)
+            top.append({str(t.token_id): t.logprob for t in lp.top})
+            text_offset.append(offset)
+            offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}
+
+
+def sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

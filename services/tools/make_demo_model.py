@@ -1,0 +1,125 @@
+"""Writes the demo model: a tiny random-weight Llama and a byte-level BPE tokenizer.
+
+The model is useless as a language model but exercises the real loading path of every engine
+and tokenizer, in Hugging Face layout, so any real model directory can replace it.
+
+    python -m services.tools.make_demo_model --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+CORPUS = Path(__file__).with_name("corpus.txt")
+SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+DEFAULT_DIR = Path(".cache/models/kvmesh-demo")
+
+
+@dataclass(frozen=True)
+class DemoModelSpec:
+    vocab_size: int = 2048
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_context: int = 4096
+    seed: int = 0
+
+
+def build_tokenizer(spec: DemoModelSpec):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train([str(CORPUS)], trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|im_end|>",
+        pad_token="<|end_of_text|>",
+        model_max_length=spec.max_context,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def write_demo_model(out: Path, spec: DemoModelSpec = DemoModelSpec()) -> Path:
+    """Builds the model into a temp dir and renames it into place, so a crash leaves no half model."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(spec)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_context,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
+        staging = Path(tmp) / "model"
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+        ).save_pretrained(staging)
+        (staging / "kvmesh_demo.json").write_text(json.dumps(spec.__dict__, indent=1))
+        if out.exists():
+            raise FileExistsError(f"{out} already exists")
+        os.rename(staging, out)
+    return out
+
+
+def ensure_demo_model(path: Path = DEFAULT_DIR) -> Path:
+    """Returns the demo model directory, creating it on first use."""
+    if (path / "config.json").exists():
+        return path.resolve()
+    print(f"creating the demo model in {path} (first run only) ...", file=sys.stderr, flush=True)
+    return write_demo_model(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_DIR)
+    args = parser.parse_args()
+    if (args.out / "config.json").exists():
+        print(f"{args.out} already holds a model; nothing to do", file=sys.stderr)
+        return
+    print(write_demo_model(args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Session-wide real infrastructure: one etcd, one mocker mesh, one vLLM mesh (started lazily)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from tests.procs import Etcd, Mesh
+
+
+@pytest.fixture(scope="session")
+def etcd() -> Iterator[Etcd]:
+    server = Etcd.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def mocker_mesh(etcd: Etcd) -> Iterator[Mesh]:
+    # speedup 20: the timing model still orders events, but a 16-token answer takes milliseconds.
+    mesh = Mesh.launch(etcd.endpoint, "mocker", "mocker", "--speedup", "20", "--decode-workers", "1")
+    yield mesh
+    assert mesh.stop() == 0, mesh.launcher.tail()
+
+
+@pytest.fixture(scope="session")
+def vllm_mesh(etcd: Etcd) -> Iterator[Mesh]:
+    mesh = Mesh.launch(etcd.endpoint, "vllm", "vllm", timeout_s=400)
+    yield mesh
+    assert mesh.stop() == 0, mesh.launcher.tail()
+
+
+@pytest.fixture(scope="session")
+def mocker_client(mocker_mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=mocker_mesh.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def vllm_client(vllm_mesh: Mesh) -> openai.OpenAI:
+    return openai.OpenAI(base_url=vllm_mesh.base_url, api_key="unused", max_retries=0, timeout=120)

@@ -1,0 +1,147 @@
+"""Real processes for the tests: etcd, the launcher, single services. Output is kept for failures."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    """A child whose merged output is collected line by line on a thread."""
+
+    def __init__(self, argv: Sequence[str], name: str, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        self.popen = subprocess.Popen(
+            list(argv), cwd=ROOT, env=full_env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+        )
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_for(self, pattern: str, timeout_s: float) -> re.Match[str]:
+        """The first output line matching `pattern`; fails with the output tail if the child dies."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout_s
+        seen = 0
+        with self._cond:
+            while True:
+                for line in self.lines[seen:]:
+                    if m := regex.search(line):
+                        return m
+                seen = len(self.lines)
+                if self.popen.poll() is not None and not self._reader.is_alive():
+                    raise RuntimeError(f"{self.name} exited ({self.popen.returncode}) before {pattern!r}:\n{self.tail()}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"{self.name}: no {pattern!r} within {timeout_s}s:\n{self.tail()}")
+                self._cond.wait(min(remaining, 0.5))
+
+    def tail(self, n: int = 60) -> str:
+        with self._cond:
+            return "\n".join(self.lines[-n:])
+
+    def stop(self, timeout_s: float = 20) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        self._reader.join(5)
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        self.popen.kill()
+        self.popen.wait(10)
+
+
+@dataclass
+class Etcd:
+    proc: Proc
+    endpoint: str
+    data_dir: str
+
+    @classmethod
+    def start(cls) -> Etcd:
+        etcd = shutil.which("etcd")
+        if etcd is None:
+            raise RuntimeError("etcd is not installed: run `make install`")
+        client, peer = free_port(), free_port()
+        data = tempfile.mkdtemp(prefix="kvmesh-test-etcd-")
+        url = f"http://127.0.0.1:{client}"
+        proc = Proc([etcd, "--name", "t", "--data-dir", data, "--listen-client-urls", url,
+                     "--advertise-client-urls", url, "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                     "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                     "--initial-cluster", f"t=http://127.0.0.1:{peer}"], "etcd")
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", client), 0.5).close()
+                return cls(proc, url, data)
+            except OSError:
+                time.sleep(0.1)
+        proc.stop()
+        raise RuntimeError("etcd did not start:\n" + proc.tail())
+
+    def stop(self) -> None:
+        self.proc.stop()
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+def service(module: str, *args: str, name: str | None = None, env: dict[str, str] | None = None) -> Proc:
+    return Proc([sys.executable, "-m", module, *args], name or module, env)
+
+
+@dataclass
+class Mesh:
+    """A mesh started by `services.launch` against the test etcd, in its own namespace."""
+
+    launcher: Proc
+    base_url: str
+    http_port: int
+    etcd: str
+    namespace: str
+    model: str
+
+    @classmethod
+    def launch(cls, etcd: str, namespace: str, engine: str, *extra: str, timeout_s: float = 300) -> Mesh:
+        port = free_port()
+        launcher = service("services.launch", "--engine", engine, "--etcd-endpoints", etcd, "--namespace", namespace,
+                           "--http-port", str(port), "--prefill-workers", "0", *extra, name=f"launch-{namespace}")
+        m = launcher.wait_for(r"^READY (\S+)", timeout_s)
+        return cls(launcher, m.group(1), port, etcd, namespace, "kvmesh-demo")
+
+    def stop(self) -> int:
+        return self.launcher.stop(timeout_s=30)

@@ -1,0 +1,70 @@
+"""The launcher: config files in the seed's shape, start-up failures, clean shutdown."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from services.launch.config import load
+from tests.procs import Etcd, free_port, service
+
+
+def test_yaml_config_in_the_seed_shape_sets_defaults_and_flags_win(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "mesh.yaml"
+    cfg_file.write_text(
+        "VllmWorker:\n  model: /models/x\n  enable-prefix-caching: true\n  router: round-robin\n"
+        "  remote-prefill: true\n  conditional-disagg: false\n  max-local-prefill-length: 1000\n"
+        "ServiceArgs:\n  workers: 3\nengine: mocker\n")
+    cfg = load(["--config", str(cfg_file), "--max-local-prefill-length", "64"])
+    assert cfg.model == "/models/x"
+    assert cfg.router_mode == "round-robin"
+    assert cfg.conditional_disagg is False
+    assert cfg.decode_workers == 3
+    assert cfg.engine == "mocker"
+    assert cfg.max_local_prefill_length == 64
+
+
+def test_unknown_yaml_setting_is_refused(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "bad.yaml"
+    cfg_file.write_text("routr: kv\n")
+    with pytest.raises(SystemExit) as exc:
+        load(["--config", str(cfg_file)])
+    assert exc.value.code == 2
+
+
+def test_a_child_dying_at_start_up_fails_the_launch_with_its_reason(tmp_path: Path) -> None:
+    launcher = service("services.launch", "--engine", "mocker", "--model", str(tmp_path / "missing"),
+                       "--http-port", str(free_port()), "--prefill-workers", "0")
+    code = launcher.popen.wait(120)
+    launcher.stop()
+    assert code == 1
+    out = launcher.tail(200)
+    assert "exited with code 2 during start-up" in out
+    assert "no config.json" in out
+
+
+def test_launch_starts_embedded_etcd_and_stops_every_child_on_sigterm() -> None:
+    port = free_port()
+    launcher = service("services.launch", "--engine", "mocker", "--http-port", str(port), "--prefill-workers", "0",
+                       "--decode-workers", "2")
+    launcher.wait_for(rf"^READY http://127.0.0.1:{port}/v1$", 120)
+    children = [line.split()[1] for line in launcher.lines if line.startswith("CHILD ")]
+    assert children == ["etcd", "kv-router", "processor", "decode-worker", "frontend"]
+    pids = [int(line.split("pid=")[1]) for line in launcher.lines if line.startswith("CHILD ")]
+    launcher.popen.send_signal(signal.SIGTERM)
+    assert launcher.popen.wait(60) == 0
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_launch_joins_an_existing_etcd_without_starting_one(etcd: Etcd) -> None:
+    port = free_port()
+    launcher = service("services.launch", "--engine", "mocker", "--http-port", str(port), "--prefill-workers", "0",
+                       "--etcd-endpoints", etcd.endpoint, "--namespace", "launch-join")
+    try:
+        launcher.wait_for(r"^READY ", 120)
+        assert not any(line.startswith("CHILD etcd") for line in launcher.lines)
+    finally:
+        assert launcher.stop() == 0

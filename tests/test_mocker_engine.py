@@ -1,0 +1,164 @@
+"""The mocker engine: a real block manager with prefix caching and eviction, deterministic tokens."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.common.hashing import chained_block_hashes, local_block_hashes
+from services.engines.base import EngineRequest, KvRemoved, KvStored, Sampling
+from services.engines.mocker.block_manager import BlockManager
+from services.engines.mocker.engine import MockerConfig, MockerEngine
+from services.engines.mocker.timing import TimingModel
+from services.tools.make_demo_model import ensure_demo_model
+
+BS = 4
+
+
+def make_blocks(num_blocks: int) -> tuple[BlockManager, list]:
+    events: list = []
+    return BlockManager(num_blocks, BS, events.append), events
+
+
+def seq(tokens: list[int]) -> tuple[list[int], list[int]]:
+    return chained_block_hashes(tokens, BS), local_block_hashes(tokens, BS)
+
+
+def test_full_blocks_are_cached_and_announced_with_their_parent() -> None:
+    bm, events = make_blocks(8)
+    chain, locals_ = seq(list(range(10)))  # 2 full blocks + 2 tokens
+    blocks, hit = bm.allocate(chain, locals_, 10)
+    assert hit == 0 and len(blocks) == 3
+    assert events == [KvStored(None, ((chain[0], locals_[0]), (chain[1], locals_[1])))]
+    assert bm.active_blocks == 3
+
+
+def test_a_shared_prefix_is_reused_and_only_new_blocks_are_announced() -> None:
+    bm, events = make_blocks(8)
+    a = list(range(8))
+    b = list(range(4)) + [99, 98, 97, 96]
+    ca, la = seq(a)
+    bm.allocate(ca, la, 8)
+    cb, lb = seq(b)
+    blocks, hit = bm.allocate(cb, lb, 8)
+    assert hit == 1
+    assert events[-1] == KvStored(ca[0], ((cb[1], lb[1]),))
+    assert bm.active_blocks == 3  # the shared first block is counted once
+
+
+def test_freed_blocks_stay_cached_until_space_is_needed_then_lru_goes_first() -> None:
+    bm, events = make_blocks(4)
+    c1, l1 = seq(list(range(8)))
+    c2, l2 = seq(list(range(100, 108)))
+    b1, _ = bm.allocate(c1, l1, 8)
+    bm.free(b1)
+    b2, _ = bm.allocate(c2, l2, 8)
+    bm.free(b2)
+    assert bm.active_blocks == 0 and bm.cached_prefix_blocks(c1) == 2
+    c3, l3 = seq(list(range(200, 208)))
+    bm.allocate(c3, l3, 8)
+    removed = [e for e in events if isinstance(e, KvRemoved)]
+    assert len(removed) == 1
+    # The first sequence's blocks were freed first; the tail of a chain is freed before its head.
+    assert set(removed[0].block_hashes) == set(c1)
+    assert bm.cached_prefix_blocks(c2) == 2
+
+
+def test_allocation_fails_cleanly_when_every_block_is_referenced() -> None:
+    bm, _ = make_blocks(2)
+    c1, l1 = seq(list(range(8)))
+    assert bm.allocate(c1, l1, 8) is not None
+    c2, l2 = seq(list(range(50, 58)))
+    assert bm.allocate(c2, l2, 8) is None
+    assert bm.append_block() is None
+
+
+def engine(num_blocks: int = 1024, speedup: float = float("inf"), block_size: int = 16) -> MockerEngine:
+    return MockerEngine(MockerConfig(str(ensure_demo_model()), "demo", block_size=block_size,
+                                     num_gpu_blocks=num_blocks, timing=TimingModel(speedup=speedup)))
+
+
+async def run(e: MockerEngine, rid: str, tokens: list[int], max_tokens: int = 8, **sampling) -> tuple[list[int], int, str]:
+    out: list[int] = []
+    cached, finish = 0, ""
+    async for o in e.generate(EngineRequest(rid, tokens, Sampling(max_tokens=max_tokens, **sampling))):
+        out += o.token_ids
+        cached = o.cached_tokens
+        finish = o.finish_reason or finish
+    return out, cached, finish
+
+
+async def test_output_is_a_pure_function_of_prompt_params_and_position() -> None:
+    a, b = engine(), engine()
+    await a.start()
+    await b.start()
+    try:
+        prompt = list(range(20, 60))
+        first, _, finish = await run(a, "r1", prompt, 12)
+        assert finish == "length" and len(first) == 12
+        assert (await run(b, "r2", prompt, 12))[0] == first
+        assert (await run(a, "r3", prompt, 5))[0] == first[:5]
+        assert (await run(a, "r4", prompt, 12, seed=1))[0] != first
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_second_request_with_the_same_prefix_hits_the_cache() -> None:
+    e = engine()
+    await e.start()
+    try:
+        prompt = list(range(100, 164))  # 4 full blocks of 16
+        _, cached_first, _ = await run(e, "a", prompt)
+        _, cached_second, _ = await run(e, "b", prompt + [7, 8, 9])
+        assert cached_first == 0
+        assert cached_second == 64
+        assert e.load().gpu_prefix_cache_hit_rate > 0
+    finally:
+        await e.stop()
+
+
+async def test_many_concurrent_requests_in_a_small_cache_all_finish() -> None:
+    e = engine(num_blocks=24, speedup=1000)
+    await e.start()
+    try:
+        results = await asyncio.wait_for(asyncio.gather(
+            *(run(e, f"r{i}", list(range(i * 100, i * 100 + 40)), 40) for i in range(8))), 60)
+        assert all(len(tokens) == 40 and finish == "length" for tokens, _, finish in results)
+        load = e.load()
+        assert load.request_active_slots == 0 and load.num_requests_waiting == 0 and load.kv_active_blocks == 0
+    finally:
+        await e.stop()
+
+
+async def test_closing_the_stream_aborts_and_frees_the_blocks() -> None:
+    e = engine(speedup=100)
+    await e.start()
+    try:
+        stream = e.generate(EngineRequest("x", list(range(64)), Sampling(max_tokens=1000)))
+        await anext(stream)
+        assert e.load().kv_active_blocks > 0
+        await stream.aclose()
+        await asyncio.sleep(0.05)
+        assert e.load().kv_active_blocks == 0 and e.load().request_active_slots == 0
+    finally:
+        await e.stop()
+
+
+async def test_a_request_larger_than_the_whole_cache_is_refused() -> None:
+    e = engine(num_blocks=4)
+    await e.start()
+    try:
+        with pytest.raises(ValueError, match="KV blocks"):
+            await run(e, "big", list(range(100)), 10)
+    finally:
+        await e.stop()
+
+
+def test_timing_model_charges_uncached_prefill_and_batch_size() -> None:
+    t = TimingModel()
+    assert t.step_seconds(2000, 0) > t.step_seconds(200, 0) > 0
+    assert t.step_seconds(0, 64) > t.step_seconds(0, 1) > 0
+    assert TimingModel(speedup=10).step_seconds(2000, 8) == pytest.approx(t.step_seconds(2000, 8) / 10)
+    assert TimingModel(speedup=float("inf")).step_seconds(2000, 8) == 0
