@@ -32,7 +32,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "chat", "text", "tokens", "sampling", "n", "stop", "choice_offset", "echo")
+    __slots__ = ("request_id", "model", "chat", "text", "tokens", "sampling", "n", "stop", "choice_offset")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -42,7 +42,6 @@ class GenerateRequest(_message.Message):
     N_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     CHOICE_OFFSET_FIELD_NUMBER: _ClassVar[int]
-    ECHO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     chat: ChatInput
@@ -52,8 +51,7 @@ class GenerateRequest(_message.Message):
     n: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     choice_offset: int
-    echo: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., text: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., choice_offset: _Optional[int] = ..., echo: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., text: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., choice_offset: _Optional[int] = ...) -> None: ...
 
 class RouteInfo(_message.Message):
     __slots__ = ("worker_id", "prefill", "prompt_tokens")
