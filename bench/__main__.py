@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from bench import mesh_overhead
+from bench import indexer, mesh_overhead, routing_quality
 
-BENCHMARKS = {"mesh": mesh_overhead.run}
+BENCHMARKS = {"mesh": mesh_overhead.run, "indexer": indexer.run, "routing": routing_quality.run}
 
 
 def main() -> None:

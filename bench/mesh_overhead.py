@@ -8,15 +8,12 @@ the same machine; the ratio column is mesh / direct.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
 import aiohttp
 
+from bench.mesh_process import launched
 from bench.report import bar_plot, median, percentile, save_json, table
 from services.engines.base import EngineRequest, Sampling
 from services.engines.mocker.engine import MockerConfig, MockerEngine
@@ -121,35 +118,15 @@ async def mesh_levels(base: str) -> tuple[list[Level], list[float]]:
         return levels, gaps
 
 
-def start_mesh(port: int) -> subprocess.Popen[str]:
-    argv = [sys.executable, "-m", "services.launch", "--engine", "mocker", "--speedup", "inf",
-            "--prefill-workers", "0", "--decode-workers", "1", "--http-port", str(port), "--log-level", "WARNING"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 120
-    for line in proc.stdout:
-        if line.startswith("READY"):
-            return proc
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise RuntimeError("the mesh did not become ready")
-
-
-def run(port: int = 18400) -> dict:
+def run() -> dict:
     print("mesh overhead: direct in-process engine ...", flush=True)
     from services.processor.tokenizer import ModelTokenizer
 
     prompt_ids = ModelTokenizer(str(ensure_demo_model())).encode_text(PROMPT)
     direct, direct_gaps = asyncio.run(direct_levels(prompt_ids))
     print("mesh overhead: whole mesh (frontend, processor, router, worker) ...", flush=True)
-    proc = start_mesh(port)
-    try:
-        mesh, mesh_gaps = asyncio.run(mesh_levels(f"http://127.0.0.1:{port}"))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+    with launched("--engine", "mocker", "--speedup", "inf", "--decode-workers", "1") as base:
+        mesh, mesh_gaps = asyncio.run(mesh_levels(base))
     rows = []
     for d, m in zip(direct, mesh):
         rows.append([m.concurrency, m.requests, d.rps, m.rps, m.rps / d.rps, d.p50, m.p50, m.p50 - d.p50, d.p99, m.p99])

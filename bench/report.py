@@ -7,15 +7,11 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.common.stats import percentile
+
+__all__ = ["percentile", "median", "table", "save_json", "bar_plot"]
+
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
 
 
 def median(values: Sequence[float]) -> float:

@@ -27,7 +27,7 @@ def mocker_mesh(etcd: Etcd) -> Iterator[Mesh]:
 
 @pytest.fixture(scope="session")
 def vllm_mesh(etcd: Etcd) -> Iterator[Mesh]:
-    mesh = Mesh.launch(etcd.endpoint, "vllm", "vllm", timeout_s=400)
+    mesh = Mesh.launch(etcd.endpoint, "vllm", "vllm", "--decode-workers", "2", timeout_s=400)
     yield mesh
     assert mesh.stop() == 0, mesh.launcher.tail()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -12,17 +13,19 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
+from services.common.discovery import InstanceInfo, component_prefix
+from services.common.etcd_store import EtcdStore
+from services.common.net import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+MODEL = "kvmesh-demo"
 
 
 class Proc:
@@ -145,3 +148,90 @@ class Mesh:
 
     def stop(self) -> int:
         return self.launcher.stop(timeout_s=30)
+
+
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return False
+
+
+def registered(etcd: str, namespace: str, component: str) -> list[InstanceInfo]:
+    """The instances of a component registered in etcd right now."""
+
+    async def fetch() -> list[InstanceInfo]:
+        store = EtcdStore((etcd,))
+        await store.connect()
+        try:
+            items, _ = await store.get_prefix(component_prefix(namespace, component))
+            return [InstanceInfo.from_json(kv.value) for kv in items]
+        finally:
+            await store.close()
+
+    return asyncio.run(fetch())
+
+
+class ServiceMesh:
+    """Router, processor and frontend as separate processes; workers are added by the tests."""
+
+    def __init__(self, etcd: str, router_mode: str = "kv") -> None:
+        self.etcd = etcd
+        self.namespace = f"mesh-{uuid.uuid4().hex[:8]}"
+        self.port = free_port()
+        common = ["--etcd-endpoints", etcd, "--namespace", self.namespace]
+        self.procs = [
+            service("services.kv_router", *common, "--router-mode", router_mode, name="router"),
+            service("services.processor", *common, name="processor"),
+            service("services.frontend", *common, "--http-port", str(self.port), name="frontend"),
+        ]
+        self.procs[2].wait_for("listening on", 60)
+        self.procs[1].wait_for(r"processor \w+ for", 60)
+
+    def worker(self, *extra: str) -> tuple[Proc, list[str]]:
+        proc = service("services.decode_worker", "--etcd-endpoints", self.etcd, "--namespace", self.namespace,
+                       "--engine", "mocker", "--speedup", "20", *extra, name="worker")
+        ids = proc.wait_for(r"decode-worker ready: (.+)$", 60).group(1).split()
+        self.procs.append(proc)
+        return proc, ids
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def complete(self, prompt: str | list[int] = "hello", max_tokens: int = 3) -> httpx.Response:
+        return httpx.post(self.url("/v1/completions"), json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens},
+                          timeout=30)
+
+    def find_matches(self, token_ids: list[int]) -> dict[str, int]:
+        return find_matches(self.etcd, self.namespace, token_ids)
+
+    def restart_router(self, router_mode: str = "kv") -> None:
+        old = self.procs[0]
+        old_ids = {i.instance_id for i in registered(self.etcd, self.namespace, "kv-router")}
+        assert old.stop() == 0, old.tail()
+        self.procs[0] = service("services.kv_router", "--etcd-endpoints", self.etcd, "--namespace", self.namespace,
+                                "--router-mode", router_mode, name="router")
+        assert wait_until(lambda: {i.instance_id for i in registered(self.etcd, self.namespace, "kv-router")} - old_ids
+                          and not old_ids & {i.instance_id for i in registered(self.etcd, self.namespace, "kv-router")},
+                          30)
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+
+
+def find_matches(etcd: str, namespace: str, token_ids: list[int], model: str = MODEL) -> dict[str, int]:
+    """Asks the mesh's router (over gRPC, as any client could) which workers cache these tokens."""
+    import grpc
+
+    from gen.kvmesh.v1 import router_pb2, router_pb2_grpc
+
+    (router,) = registered(etcd, namespace, "kv-router")
+    with grpc.insecure_channel(router.address) as channel:
+        reply = router_pb2_grpc.RouterStub(channel).FindMatches(
+            router_pb2.FindMatchesRequest(model=model, token_ids=token_ids), timeout=10)
+    return dict(reply.scores)
+
+

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import Iterator
@@ -13,64 +12,20 @@ import pytest
 from services.common.discovery import DECODE_WORKER, ComponentView, InstanceInfo, instance_key
 from services.common.etcd_lease import LeaseConfig, LeasedRegistration
 from services.common.etcd_store import EtcdStore
-from tests.procs import Etcd, Proc, free_port, service
+from tests.procs import Etcd, ServiceMesh, free_port, registered, service, wait_until
 
 MODEL = "kvmesh-demo"
 LEASE_TTL_S = 10
 
 
-class SmallMesh:
-    """Router, processor and frontend as separate processes; workers are added by the tests."""
-
-    def __init__(self, etcd: str) -> None:
-        self.etcd = etcd
-        self.namespace = f"disc-{uuid.uuid4().hex[:8]}"
-        self.port = free_port()
-        common = ["--etcd-endpoints", etcd, "--namespace", self.namespace]
-        self.procs = [
-            service("services.kv_router", *common, "--router-mode", "round-robin", name="router"),
-            service("services.processor", *common, name="processor"),
-            service("services.frontend", *common, "--http-port", str(self.port), name="frontend"),
-        ]
-        self.procs[2].wait_for("listening on", 60)
-        self.procs[1].wait_for(r"processor \w+ for", 60)
-
-    def worker(self, *extra: str) -> tuple[Proc, list[str]]:
-        proc = service("services.decode_worker", "--etcd-endpoints", self.etcd, "--namespace", self.namespace,
-                       "--engine", "mocker", "--speedup", "20", *extra, name="worker")
-        ids = proc.wait_for(r"decode-worker ready: (.+)$", 60).group(1).split()
-        self.procs.append(proc)
-        return proc, ids
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def complete(self) -> httpx.Response:
-        return httpx.post(self.url("/v1/completions"), json={"model": MODEL, "prompt": "hello", "max_tokens": 3},
-                          timeout=30)
-
-    def stop(self) -> None:
-        for proc in reversed(self.procs):
-            proc.stop()
-
-
 @pytest.fixture
-def small_mesh(etcd: Etcd) -> Iterator[SmallMesh]:
-    mesh = SmallMesh(etcd.endpoint)
+def small_mesh(etcd: Etcd) -> Iterator[ServiceMesh]:
+    mesh = ServiceMesh(etcd.endpoint, router_mode="round-robin")
     yield mesh
     mesh.stop()
 
 
-def wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return False
-
-
-def test_a_worker_started_after_the_frontend_becomes_usable(small_mesh: SmallMesh) -> None:
+def test_a_worker_started_after_the_frontend_becomes_usable(small_mesh: ServiceMesh) -> None:
     health = httpx.get(small_mesh.url("/health"), timeout=10)
     assert health.status_code == 503
     assert "decode worker" in health.json()["reason"]
@@ -84,7 +39,7 @@ def test_a_worker_started_after_the_frontend_becomes_usable(small_mesh: SmallMes
     assert r.headers["x-kvmesh-worker"] == worker_id
 
 
-def test_a_sigkilled_worker_leaves_routing_within_the_lease_ttl(small_mesh: SmallMesh) -> None:
+def test_a_sigkilled_worker_leaves_routing_within_the_lease_ttl(small_mesh: ServiceMesh) -> None:
     _, (survivor,) = small_mesh.worker()
     victim_proc, (victim,) = small_mesh.worker()
     assert wait_until(lambda: {small_mesh.complete().headers.get("x-kvmesh-worker") for _ in range(4)} == {survivor, victim}, 15)
@@ -106,17 +61,8 @@ def test_a_sigkilled_worker_leaves_routing_within_the_lease_ttl(small_mesh: Smal
     assert workers == {survivor}
 
 
-def _registered_workers(mesh: SmallMesh) -> set[str]:
-    async def list_ids() -> set[str]:
-        store = EtcdStore((mesh.etcd,))
-        await store.connect()
-        try:
-            items, _ = await store.get_prefix(f"/{mesh.namespace}/instances/{DECODE_WORKER}/")
-            return {kv.key.rsplit("/", 1)[1] for kv in items}
-        finally:
-            await store.close()
-
-    return asyncio.run(list_ids())
+def _registered_workers(mesh: ServiceMesh) -> set[str]:
+    return {i.instance_id for i in registered(mesh.etcd, mesh.namespace, DECODE_WORKER)}
 
 
 async def test_a_lost_lease_is_registered_again_and_watchers_see_it(etcd: Etcd) -> None:

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.procs import Mesh
+from tests.procs import Mesh, find_matches, wait_until
 
 pytestmark = pytest.mark.vllm
 MODEL = "kvmesh-demo"
@@ -72,3 +72,17 @@ def test_bad_request_on_vllm_is_400_and_the_next_one_is_served(vllm_mesh: Mesh, 
 def test_models_and_health_on_vllm(vllm_mesh: Mesh, vllm_client: openai.OpenAI) -> None:
     assert [m.id for m in vllm_client.models.list().data] == [MODEL]
     assert httpx.get(vllm_mesh.base_url.removesuffix("/v1") + "/health", timeout=10).status_code == 200
+
+
+def test_vllm_kv_events_reach_the_router_and_steer_the_next_request(vllm_mesh: Mesh) -> None:
+    tokens = [(i * 7) % 900 + 20 for i in range(3 * 32 + 5)]  # three full 32-token blocks and a tail
+    url = f"{vllm_mesh.base_url}/completions"
+    first = httpx.post(url, json={"model": MODEL, "prompt": tokens, "max_tokens": 1}, timeout=60)
+    assert first.status_code == 200
+    home = first.headers["x-kvmesh-worker"]
+    assert wait_until(lambda: find_matches(vllm_mesh.etcd, vllm_mesh.namespace, tokens) == {home: 3}, 10), \
+        find_matches(vllm_mesh.etcd, vllm_mesh.namespace, tokens)
+    for tail in ([1, 2], [3, 4, 5]):
+        again = httpx.post(url, json={"model": MODEL, "prompt": tokens + tail, "max_tokens": 1}, timeout=60)
+        assert again.headers["x-kvmesh-worker"] == home
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 3 * 32

@@ -43,10 +43,11 @@ class KvEventLog:
         self._buffer.append(event)
         self._track(data)
         for queue in list(self._subscribers):
-            if queue.full():
-                # A subscriber this far behind resumes from its last id (or a snapshot) instead.
+            if queue.qsize() >= self._subscriber_queue:
+                # A subscriber this far behind resumes from its last id (or a snapshot) instead;
+                # the queue keeps one place free for this end-of-stream mark.
                 self._subscribers.discard(queue)
-                queue.put_nowait(None) if not queue.full() else None
+                queue.put_nowait(None)
                 continue
             queue.put_nowait(event)
 
@@ -73,17 +74,20 @@ class KvEventLog:
 
     async def subscribe(self, from_event_id: int) -> AsyncIterator[tuple[list[NumberedEvent], bool]]:
         """Yields (events, is_snapshot) batches after `from_event_id`, then live ones, forever."""
-        queue: asyncio.Queue[NumberedEvent | None] = asyncio.Queue(maxsize=self._subscriber_queue)
+        queue: asyncio.Queue[NumberedEvent | None] = asyncio.Queue(maxsize=self._subscriber_queue + 1)
         self._subscribers.add(queue)
         try:
             oldest = self._buffer[0].event_id if self._buffer else self._last_id + 1
+            # Everything up to `sent` is delivered by the backlog or snapshot; later events are
+            # already in (or will reach) the queue. Fixed before yielding: the consumer may
+            # resume only after more events were appended.
+            sent = self._last_id
             if from_event_id + 1 >= oldest or from_event_id >= self._last_id:
                 backlog = [e for e in self._buffer if e.event_id > from_event_id]
                 if backlog:
                     yield backlog, False
             else:
                 yield self.snapshot(), True
-            sent = self._last_id
             while True:
                 event = await queue.get()
                 if event is None:

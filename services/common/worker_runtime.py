@@ -47,15 +47,18 @@ def worker_parser(component: str) -> argparse.ArgumentParser:
                         help="independent workers in this process (mocker only)")
     parser.add_argument("--port", type=int, default=0, help="gRPC port of the first worker (0 = any free)")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = any free)")
+    parser.add_argument("--kv-event-buffer", type=positive_int, default=65536,
+                        help="KV events kept for subscribers that resume; older ones get a full snapshot")
     return parser
 
 
 async def start_worker(
-    spec: EngineSpec, component: str, role: str, store: KeyValueStore, mesh: MeshConfig, port: int, metrics_port: int
+    spec: EngineSpec, component: str, role: str, store: KeyValueStore, mesh: MeshConfig, port: int, metrics_port: int,
+    event_buffer: int,
 ) -> RunningWorker:
     instance_id = new_instance_id()
     engine = build_engine(spec)
-    events = KvEventLog()
+    events = KvEventLog(capacity=event_buffer)
     engine.set_kv_event_sink(events.append)
     await engine.start()
     servicer = WorkerServicer(engine, instance_id, events)
@@ -103,7 +106,8 @@ def main(component: str, role: str) -> None:
         metrics_port = serve_metrics(registry, mesh.host, args.metrics_port)
         for i in range(args.num_workers):
             port = args.port + i if args.port else 0
-            workers.append(await start_worker(spec, component, role, store, mesh, port, metrics_port))
+            workers.append(await start_worker(spec, component, role, store, mesh, port, metrics_port,
+                                              args.kv_event_buffer))
         print(f"{component} ready: " + " ".join(w.instance_id for w in workers), flush=True)
         await stop.wait()
         log.info("shutting down")

@@ -13,6 +13,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.net import free_port
 from services.engines.base import (
     Engine,
     EngineInfo,
@@ -22,6 +23,7 @@ from services.engines.base import (
     TokenLogprobs,
 )
 from services.engines.mocker.engine import read_model_facts
+from services.engines.vllm_kv_events import VllmKvEventListener
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,6 @@ class VllmConfig:
     # On CPU, the KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE); ignored on GPU.
     cpu_kv_cache_gib: int = 1
     gpu_memory_utilization: float = 0.85
-    kv_events_endpoint: str | None = None
     kv_transfer: dict[str, Any] | None = None
 
 
@@ -95,6 +96,7 @@ class VllmEngine(Engine):
         self._llm: Any = None
         self._load = _LoadRecorder()
         self._num_blocks = 0
+        self._events: VllmKvEventListener | None = None
 
     async def start(self) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -114,12 +116,13 @@ class VllmEngine(Engine):
         )
         if not on_cpu():
             kwargs["gpu_memory_utilization"] = self.config.gpu_memory_utilization
-        if self.config.kv_events_endpoint:
-            from vllm.config import KVEventsConfig
+        from vllm.config import KVEventsConfig
 
-            kwargs["kv_events_config"] = KVEventsConfig(
-                enable_kv_cache_events=True, publisher="zmq", endpoint=self.config.kv_events_endpoint
-            )
+        self._events = VllmKvEventListener(free_port(), self.emit_kv_event)
+        self._events.start()
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=self._events.publisher_endpoint
+        )
         if self.config.kv_transfer:
             from vllm.config import KVTransferConfig
 
@@ -134,6 +137,9 @@ class VllmEngine(Engine):
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        if self._events is not None:
+            await self._events.stop()
+            self._events = None
 
     def load(self) -> LoadSnapshot:
         r = self._load

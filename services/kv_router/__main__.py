@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from prometheus_client import CollectorRegistry
 
 from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.common.config import add_mesh_flags, mesh_config, setup_logging
+from services.common.config import add_mesh_flags, die, mesh_config, setup_logging
 from services.common.discovery import (
     DECODE_WORKER,
     PREFILL_WORKER,
@@ -20,6 +21,7 @@ from services.common.discovery import (
 from services.common.grpc_server import ChannelPool, ServiceBinding, start_server
 from services.common.lifecycle import connect_store, register_instance, run, stop_event_on_signals
 from services.common.telemetry import serve_metrics
+from services.kv_router.cost_function import CostWeights
 from services.kv_router.service import ROUTER_MODES, RouterConfig, RouterMetrics, RouterServicer
 from services.kv_router.worker_pool import WorkerPool
 
@@ -33,14 +35,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--metrics-port", type=int, default=0)
     p.add_argument("--seed", type=int, default=None, help="seed for random tie-breaking (reproducible runs)")
+    p.add_argument("--overlap-weight", type=float, default=2.0, help="cost function: weight of the cached share")
+    p.add_argument("--cache-usage-weight", type=float, default=1.0, help="cost function: weight of KV cache usage")
+    p.add_argument("--waiting-weight", type=float, default=1.0, help="cost function: weight of the normalized queue")
+    p.add_argument("--router-temperature", type=float, default=0.0,
+                   help="0 = best logit wins; > 0 = sample from softmax(logit / T)")
     return p
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["replay"]:
+        from services.kv_router.replay import main as replay
+
+        replay(sys.argv[2:])
+        return
     args = parser().parse_args()
     mesh = mesh_config(args)
     setup_logging(mesh.log_level, ROUTER)
-    config = RouterConfig(mode=args.router_mode, seed=args.seed)
+    if args.router_temperature < 0:
+        die("--router-temperature must be >= 0")
+    weights = CostWeights(overlap=args.overlap_weight, cache_usage=args.cache_usage_weight,
+                          waiting=args.waiting_weight, temperature=args.router_temperature)
+    config = RouterConfig(mode=args.router_mode, seed=args.seed, weights=weights)
 
     async def amain() -> None:
         stop = stop_event_on_signals()

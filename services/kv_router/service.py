@@ -1,18 +1,26 @@
-"""The router's gRPC service: picks a worker for each tokenized prompt."""
+"""The router's gRPC service: picks a worker for each tokenized prompt.
+
+`kv` mode scores every eligible worker with the cost function (cached prefix vs load); with no
+cached prefix anywhere that reduces to least-loaded. `round-robin` and `random` ignore the
+cache for the choice but still report the chosen worker's overlap, which the decode worker's
+disaggregation decision uses.
+"""
 
 from __future__ import annotations
 
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.kv_router.policies import LeastLoaded, RandomChoice, RoundRobin
-from services.kv_router.worker_pool import WorkerPool
+from services.common.hashing import local_block_hashes
+from services.kv_router.cost_function import Candidate, CostWeights, choose
+from services.kv_router.policies import RandomChoice, RoundRobin
+from services.kv_router.worker_pool import WorkerPool, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +31,7 @@ ROUTER_MODES = ("kv", "round-robin", "random")
 class RouterConfig:
     mode: str = "kv"
     seed: int | None = None
+    weights: CostWeights = field(default_factory=CostWeights)
 
 
 class RouterMetrics:
@@ -31,10 +40,22 @@ class RouterMetrics:
             "kvmesh_router_decision_latency_seconds", "time to pick a worker", registry=registry,
             buckets=(0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05),
         )
-        self.routed = Counter(
-            "kvmesh_router_routed_requests_total", "requests routed, per worker", ["worker_id", "role"], registry=registry
-        )
-        self.no_worker = Counter("kvmesh_router_no_worker_total", "route requests with no eligible worker", registry=registry)
+        self.routed = Counter("kvmesh_router_routed_requests", "requests routed, per worker",
+                              ["worker_id", "role"], registry=registry)
+        self.no_worker = Counter("kvmesh_router_no_worker", "route requests with no eligible worker", registry=registry)
+        self.hit_rate = Gauge("kvmesh_router_kv_hit_rate",
+                              "share of routed prompt tokens already cached on the chosen worker", registry=registry)
+        self.prompt_tokens = Counter("kvmesh_router_prompt_tokens", "prompt tokens routed", registry=registry)
+        self.overlap_tokens = Counter("kvmesh_router_overlap_tokens", "routed prompt tokens cached on the chosen worker",
+                                      registry=registry)
+        self._totals = [0, 0]
+
+    def record(self, prompt_tokens: int, overlap_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.overlap_tokens.inc(overlap_tokens)
+        self._totals[0] += prompt_tokens
+        self._totals[1] += overlap_tokens
+        self.hit_rate.set(self._totals[1] / self._totals[0] if self._totals[0] else 0.0)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -42,36 +63,64 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._pools = pools
         self._config = config
         self._metrics = metrics
-        rng = random.Random(config.seed)
+        self._rng = random.Random(config.seed)
         self._round_robin = RoundRobin()
-        self._random = RandomChoice(rng)
-        # Until the KV index lands, `kv` mode routes by load alone.
-        self._least_loaded = LeastLoaded(rng)
+        self._random = RandomChoice(self._rng)
 
-    async def Route(self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext) -> router_pb2.RouteResponse:
-        started = time.perf_counter()
-        role = request.role or common_pb2.WORKER_ROLE_DECODE
-        pool = self._pools.get(role)
+    async def _pool(self, role: int, context: grpc.aio.ServicerContext) -> WorkerPool:
+        pool = self._pools.get(role or common_pb2.WORKER_ROLE_DECODE)
         if pool is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown worker role {role}")
+        return pool
+
+    async def Route(self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext) -> router_pb2.RouteResponse:  # noqa: N802
+        started = time.perf_counter()
+        pool = await self._pool(request.role, context)
         excluded = set(request.exclude_worker_ids)
         candidates = [w for w in pool.candidates(request.model) if w.info.instance_id not in excluded]
         if not candidates:
             self._metrics.no_worker.inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"no {pool.view.component} serves model {request.model!r}")
-        if self._config.mode == "round-robin":
-            chosen = self._round_robin.pick(candidates)
-        elif self._config.mode == "random":
-            chosen = self._random.pick(candidates)
-        else:
-            chosen = self._least_loaded.pick(candidates)
-        chosen.dispatched_since_load += 1
+        block_size = pool.block_size(request.model) or candidates[0].info.block_size
+        tokens = request.token_ids
+        overlaps = pool.index.find_matches(local_block_hashes(tokens, block_size))
+        chosen = self._pick(candidates, overlaps, block_size, len(tokens))
+        overlap = overlaps.get(chosen.info.instance_id, 0)
+        prompt_blocks = -(-len(tokens) // block_size)
+        chosen.add_pending(max(0, prompt_blocks - overlap))
+        hit = min(1.0, overlap * block_size / len(tokens)) if tokens else 0.0
         self._metrics.routed.labels(chosen.info.instance_id, pool.view.component).inc()
+        self._metrics.record(len(tokens), min(len(tokens), overlap * block_size))
         self._metrics.decision_seconds.observe(time.perf_counter() - started)
-        log.debug("request %s -> %s", request.request_id, chosen.info.instance_id)
-        return router_pb2.RouteResponse(worker_id=chosen.info.instance_id, address=chosen.info.address)
+        log.debug("request %s -> %s (overlap %d blocks)", request.request_id, chosen.info.instance_id, overlap)
+        return router_pb2.RouteResponse(worker_id=chosen.info.instance_id, address=chosen.info.address,
+                                        overlap_blocks=overlap, prefix_hit_rate=hit)
+
+    def _pick(self, candidates: list[WorkerState], overlaps: dict, block_size: int, num_tokens: int) -> WorkerState:
+        if self._config.mode == "round-robin":
+            return self._round_robin.pick(candidates)
+        if self._config.mode == "random":
+            return self._random.pick(candidates)
+        scored = []
+        for w in candidates:
+            pending_requests, pending_blocks = w.pending_counts()
+            m = w.load
+            scored.append(Candidate(
+                worker_id=w.info.instance_id, overlap_blocks=overlaps.get(w.info.instance_id, 0),
+                kv_active_blocks=m.kv_active_blocks, kv_total_blocks=m.kv_total_blocks,
+                num_requests_waiting=m.num_requests_waiting, gpu_cache_usage_perc=m.gpu_cache_usage_perc,
+                pending_requests=pending_requests, pending_blocks=pending_blocks))
+        decision = choose(scored, block_size, num_tokens, self._config.weights, self._rng)
+        return next(w for w in candidates if w.info.instance_id == decision.worker_id)
 
     async def FindMatches(  # noqa: N802
         self, request: router_pb2.FindMatchesRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.FindMatchesResponse:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "the KV index is not built yet")
+        pool = await self._pool(request.role, context)
+        serving = {w.info.instance_id for w in pool.candidates(request.model)}
+        block_size = pool.block_size(request.model)
+        if block_size is None:
+            return router_pb2.FindMatchesResponse()
+        scores = pool.index.find_matches(local_block_hashes(request.token_ids, block_size))
+        return router_pb2.FindMatchesResponse(
+            scores={w: n for w, n in scores.items() if w in serving}, block_size=block_size)

@@ -1,7 +1,8 @@
-"""The router's view of the workers of one role: who they are, their block size, their load.
+"""The router's view of the workers of one role: who they are, their cached blocks, their load.
 
-Workers come from etcd; each one's load arrives over its SubscribeMetrics stream. The pool owns
-one subscription task per worker and cancels it when the worker's lease goes.
+Workers come from etcd. For each one the pool owns two subscription tasks — its KV events (into
+the pool's radix tree, resuming from the last event id after a broken stream) and its load
+metrics — and cancels both, dropping all the worker's blocks, when its lease goes.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import grpc
@@ -16,10 +18,15 @@ import grpc
 from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.common.discovery import ComponentView, InstanceInfo
 from services.common.grpc_server import ChannelPool
+from services.kv_router.radix_tree import EventError, RadixTree
 
 log = logging.getLogger(__name__)
 
 RESUBSCRIBE_BACKOFF_S = 0.5
+# A dispatched request is counted as pending until a metrics report at least this much newer
+# arrives: long enough for the request to have reached the worker's queue.
+PENDING_GRACE_S = 0.05
+MAX_PENDING = 4096
 
 
 @dataclass(slots=True)
@@ -27,18 +34,35 @@ class WorkerState:
     info: InstanceInfo
     load: worker_pb2.LoadMetrics = field(default_factory=worker_pb2.LoadMetrics)
     load_at: float = 0.0
-    # Requests this router sent since the worker's last metrics: its own in-flight estimate.
-    dispatched_since_load: int = 0
+    last_event_id: int = 0
+    events_applied: int = 0
+    # (dispatch time, new blocks) of requests this router sent that the worker has not reported yet.
+    pending: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=MAX_PENDING))
+
+    def add_pending(self, new_blocks: int) -> None:
+        self.pending.append((time.monotonic(), new_blocks))
+
+    def observe_load(self, load: worker_pb2.LoadMetrics) -> None:
+        now = time.monotonic()
+        self.load, self.load_at = load, now
+        horizon = now - PENDING_GRACE_S
+        while self.pending and self.pending[0][0] < horizon:
+            self.pending.popleft()
+
+    def pending_counts(self) -> tuple[int, int]:
+        return len(self.pending), sum(b for _, b in self.pending)
 
 
 class WorkerPool:
     def __init__(self, view: ComponentView, channels: ChannelPool) -> None:
         self.view = view
+        self.index = RadixTree()
         self._channels = channels
         self.workers: dict[str, WorkerState] = {}
         self.refused: dict[str, str] = {}
         self._block_size_by_model: dict[str, int] = {}
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self.event_errors = 0
         view.add_listener(self._on_change)
 
     def candidates(self, model: str) -> list[WorkerState]:
@@ -59,39 +83,74 @@ class WorkerPool:
             self.refused[instance_id] = reason
             return
         state = self.workers.get(instance_id)
-        if state is None:
-            self.workers[instance_id] = WorkerState(info)
-            self._tasks[instance_id] = asyncio.get_running_loop().create_task(
-                self._follow_metrics(instance_id), name=f"metrics-{instance_id}"
-            )
-        else:
+        if state is not None:
             state.info = info
+            return
+        self.workers[instance_id] = WorkerState(info)
+        loop = asyncio.get_running_loop()
+        self._tasks[instance_id] = [
+            loop.create_task(self._follow_metrics(instance_id), name=f"metrics-{instance_id}"),
+            loop.create_task(self._follow_events(instance_id), name=f"kv-events-{instance_id}"),
+        ]
 
     def _forget(self, instance_id: str) -> None:
         self.refused.pop(instance_id, None)
         state = self.workers.pop(instance_id, None)
-        task = self._tasks.pop(instance_id, None)
-        if task is not None:
+        for task in self._tasks.pop(instance_id, []):
             task.cancel()
+        self.index.remove_worker(instance_id)
         if state is not None and not any(w.info.model == state.info.model for w in self.workers.values()):
             # The last worker of a model is gone: a new one may bring another block size.
             self._block_size_by_model.pop(state.info.model, None)
 
+    def _stub(self, instance_id: str) -> tuple[WorkerState, worker_pb2_grpc.WorkerStub]:
+        state = self.workers[instance_id]
+        return state, worker_pb2_grpc.WorkerStub(self._channels.get(state.info.address))
+
     async def _follow_metrics(self, instance_id: str) -> None:
         while instance_id in self.workers:
-            state = self.workers[instance_id]
-            stub = worker_pb2_grpc.WorkerStub(self._channels.get(state.info.address))
+            state, stub = self._stub(instance_id)
             try:
                 async for load in stub.SubscribeMetrics(worker_pb2.SubscribeMetricsRequest()):
-                    state.load = load
-                    state.load_at = time.monotonic()
-                    state.dispatched_since_load = 0
+                    state.observe_load(load)
             except grpc.aio.AioRpcError as exc:
                 log.debug("metrics stream of %s broke: %s", instance_id, exc.code())
             await asyncio.sleep(RESUBSCRIBE_BACKOFF_S)
 
+    async def _follow_events(self, instance_id: str) -> None:
+        while instance_id in self.workers:
+            state, stub = self._stub(instance_id)
+            try:
+                request = worker_pb2.SubscribeKvEventsRequest(from_event_id=state.last_event_id)
+                async for batch in stub.SubscribeKvEvents(request):
+                    if batch.snapshot:
+                        log.info("worker %s: rebuilding its blocks from a snapshot", instance_id)
+                        self.index.clear(instance_id)
+                    for event in batch.events:
+                        self._apply(instance_id, event)
+                        state.last_event_id = event.event_id
+                    state.events_applied += len(batch.events)
+            except grpc.aio.AioRpcError as exc:
+                log.debug("KV event stream of %s broke at id %d: %s", instance_id, state.last_event_id, exc.code())
+            await asyncio.sleep(RESUBSCRIBE_BACKOFF_S)
+
+    def _apply(self, worker: str, event: worker_pb2.KvEvent) -> None:
+        kind = event.WhichOneof("data")
+        if kind == "stored":
+            stored = event.stored
+            parent = stored.parent_hash if stored.HasField("parent_hash") else None
+            try:
+                self.index.store(worker, parent, [(b.block_hash, b.tokens_hash) for b in stored.blocks])
+            except EventError as exc:
+                self.event_errors += 1
+                log.debug("%s", exc)
+        elif kind == "removed":
+            self.index.remove(worker, event.removed.block_hashes)
+        elif kind == "cleared":
+            self.index.clear(worker)
+
     async def stop(self) -> None:
-        tasks = list(self._tasks.values())
+        tasks = [t for ts in self._tasks.values() for t in ts]
         self._tasks.clear()
         for task in tasks:
             task.cancel()

@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import tempfile
 
+from services.common.net import free_port
 from services.launch.children import Child
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def etcd_binary() -> str:

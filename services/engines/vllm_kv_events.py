@@ -1,0 +1,90 @@
+"""vLLM's KV cache events (ZMQ PUB, msgpack batches) turned into the engine-neutral KV events.
+
+vLLM publishes `[topic, seq, msgpack(KVEventBatch)]`; block hashes may be ints or bytes
+(sha256 prefix caching), so they are folded to u64. The local (tokens) hash is recomputed from
+the block's token ids with the mesh's Dynamo-compatible hash, so the router can match prompts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from services.common.hashing import local_block_hashes
+from services.engines.base import KvCleared, KvEventData, KvRemoved, KvStored
+
+log = logging.getLogger(__name__)
+
+
+def fold_hash(value: int | bytes) -> int:
+    if isinstance(value, bytes):
+        return int.from_bytes(value[:8], "little")
+    return value & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def convert(event: object) -> KvEventData | None:
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    if isinstance(event, BlockStored):
+        locals_ = local_block_hashes(event.token_ids, event.block_size)
+        hashes = [fold_hash(h) for h in event.block_hashes]
+        if len(locals_) != len(hashes):
+            log.warning("vLLM stored event with %d hashes for %d full blocks; skipped", len(hashes), len(locals_))
+            return None
+        parent = None if event.parent_block_hash is None else fold_hash(event.parent_block_hash)
+        return KvStored(parent, tuple(zip(hashes, locals_)))
+    if isinstance(event, BlockRemoved):
+        return KvRemoved(tuple(fold_hash(h) for h in event.block_hashes))
+    if isinstance(event, AllBlocksCleared):
+        return KvCleared()
+    return None
+
+
+class VllmKvEventListener:
+    """Subscribes to one engine's publisher and forwards each event, in order, to `sink`."""
+
+    def __init__(self, port: int, sink: Callable[[KvEventData], None]) -> None:
+        self.port = port
+        self._sink = sink
+        self._ctx = zmq.asyncio.Context()
+        self._socket = self._ctx.socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.setsockopt(zmq.RCVHWM, 100_000)
+        # Connecting before the engine binds is fine with ZMQ, and loses no early event.
+        self._socket.connect(f"tcp://127.0.0.1:{port}")
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def publisher_endpoint(self) -> str:
+        return f"tcp://*:{self.port}"
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="vllm-kv-events")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._socket.close(linger=0)
+        self._ctx.term()
+
+    async def _run(self) -> None:
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while True:
+            frames = await self._socket.recv_multipart()
+            try:
+                batch = decoder.decode(frames[-1])
+            except msgspec.DecodeError as exc:
+                log.warning("undecodable KV event batch from vLLM: %s", exc)
+                continue
+            for event in batch.events:
+                converted = convert(event)
+                if converted is not None:
+                    self._sink(converted)

@@ -1,0 +1,133 @@
+"""Offline replay: build the index from recorded router events, then score recorded queries.
+
+    python -m services.kv_router replay --events EVENTS.jsonl --queries QUERIES.jsonl \\
+        --block-size N [--out SCORES.jsonl]
+
+Events use Dynamo's router-event JSON; the last stdout line is one JSON object of measurements.
+`blocks_per_s` counts only applying decoded events to the index (as a router does with events
+already off the wire); `decode_blocks_per_s` is the JSON decoding of the same lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+
+from services.common.hashing import local_block_hashes
+from services.common.stats import percentile
+from services.kv_router.radix_tree import EventError, RadixTree
+
+CHUNK_LINES = 4_000
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m services.kv_router replay", description=__doc__.splitlines()[0])
+    p.add_argument("--events", type=Path, required=True)
+    p.add_argument("--queries", type=Path, required=True)
+    p.add_argument("--block-size", type=int, required=True)
+    p.add_argument("--out", type=Path, default=None, help="write per-query scores here (JSONL)")
+    return p
+
+
+def _chunks(path: Path) -> Iterator[list[bytes]]:
+    with path.open("rb") as f:
+        chunk: list[bytes] = []
+        for line in f:
+            if line.strip():
+                chunk.append(line)
+                if len(chunk) >= CHUNK_LINES:
+                    yield chunk
+                    chunk = []
+        if chunk:
+            yield chunk
+
+
+def apply_event(tree: RadixTree, record: dict) -> int:  # also used with other indexes of the same shape
+    """Applies one Dynamo router event; returns the number of blocks it stored or removed."""
+    worker = record["worker_id"]
+    data = record["event"]["data"]
+    if data == "cleared":
+        tree.clear(worker)
+        return 0
+    if "stored" in data:
+        stored = data["stored"]
+        blocks = [(b["block_hash"], b["tokens_hash"]) for b in stored["blocks"]]
+        try:
+            return tree.store(worker, stored.get("parent_hash"), blocks)
+        except EventError:
+            return 0
+    if "removed" in data:
+        return tree.remove(worker, data["removed"]["block_hashes"])
+    raise ValueError(f"unknown event data: {data!r}")
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def main(argv: list[str], index_factory: type = RadixTree) -> None:
+    args = parser().parse_args(argv)
+    if args.block_size <= 0:
+        raise SystemExit("error: --block-size must be > 0")
+    tree = index_factory()
+    decode = msgspec.json.Decoder()
+    base_rss = rss_mb()
+    events = blocks = 0
+    apply_s = decode_s = 0.0
+    for number, chunk in enumerate(_chunks(args.events)):
+        t0 = time.perf_counter()
+        try:
+            records = [decode.decode(line) for line in chunk]
+        except msgspec.DecodeError as exc:
+            raise SystemExit(f"error: {args.events}: malformed JSON near line {number * CHUNK_LINES}: {exc}") from None
+        t1 = time.perf_counter()
+        for record in records:
+            blocks += apply_event(tree, record)
+        t2 = time.perf_counter()
+        decode_s += t1 - t0
+        apply_s += t2 - t1
+        events += len(records)
+        print(f"applied {events:,} events ({blocks:,} blocks)", file=sys.stderr, flush=True)
+    held = tree.block_count()
+    index_rss = rss_mb()
+
+    latencies_us: list[float] = []
+    out = args.out.open("w") if args.out else None
+    queries_s = 0.0
+    try:
+        for chunk in _chunks(args.queries):
+            for line in chunk:
+                q = decode.decode(line)
+                tokens = q["token_ids"]
+                t0 = time.perf_counter()
+                scores = tree.find_matches(local_block_hashes(tokens, args.block_size))
+                dt = time.perf_counter() - t0
+                queries_s += dt
+                latencies_us.append(dt * 1e6)
+                if out is not None:
+                    out.write(json.dumps({"query_id": q["query_id"], "scores": {str(w): n for w, n in scores.items()}}))
+                    out.write("\n")
+    finally:
+        if out is not None:
+            out.close()
+    summary = {
+        "events_applied": events,
+        "blocks_applied": blocks,
+        "blocks_held": held,
+        "blocks_per_s": blocks / apply_s if apply_s else 0.0,
+        "decode_blocks_per_s": blocks / decode_s if decode_s else 0.0,
+        "queries": len(latencies_us),
+        "queries_per_s": len(latencies_us) / queries_s if queries_s else 0.0,
+        "query_p50_us": percentile(latencies_us, 50),
+        "query_p99_us": percentile(latencies_us, 99),
+        "peak_rss_mb": rss_mb(),
+        "bytes_per_held_block": (index_rss - base_rss) * 1024 * 1024 / held if held else 0.0,
+    }
+    print(json.dumps(summary))

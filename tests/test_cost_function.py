@@ -1,0 +1,62 @@
+"""The cost function: cached prefix against cache usage and queue length, as the seed defines it."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from services.kv_router.cost_function import Candidate, CostWeights, choose, logits
+
+W = CostWeights()
+
+
+def cand(wid: str, overlap: int = 0, usage: float = 0.0, waiting: int = 0, **kw) -> Candidate:  # noqa: ANN003
+    return Candidate(wid, overlap, int(usage * 1000), 1000, waiting, usage, **kw)
+
+
+def test_logit_is_twice_the_overlap_ratio_minus_usage_minus_normalized_waiting() -> None:
+    cs = [cand("a", overlap=4, usage=0.25, waiting=1), cand("b", usage=0.5, waiting=4)]
+    # a: 2 * (4 * 16 / 128) - 0.25 - 1/4 ; b: 0 - 0.5 - 4/4
+    assert logits(cs, 16, 128, W) == pytest.approx([0.5, -1.5])
+
+
+def test_the_worker_caching_the_prefix_wins_when_loads_are_alike() -> None:
+    cs = [cand("a", overlap=0), cand("b", overlap=6), cand("c", overlap=2)]
+    d = choose(cs, 16, 128, W, random.Random(0))
+    assert (d.worker_id, d.overlap_blocks) == ("b", 6)
+    assert d.prefix_hit_rate == pytest.approx(6 * 16 / 128)
+
+
+def test_a_full_cache_and_the_longest_queue_outweigh_a_small_overlap() -> None:
+    cs = [cand("busy", overlap=2, usage=0.95, waiting=10), cand("idle", overlap=0, usage=0.05, waiting=0)]
+    assert choose(cs, 16, 128, W, random.Random(0)).worker_id == "idle"
+
+
+def test_ties_are_broken_at_random() -> None:
+    cs = [cand(w) for w in "abcd"]
+    rng = random.Random(1)
+    picks = Counter(choose(cs, 16, 64, W, rng).worker_id for _ in range(400))
+    assert set(picks) == set("abcd") and min(picks.values()) > 50
+
+
+def test_requests_the_router_just_sent_count_as_load_until_the_worker_reports() -> None:
+    fresh = cand("fresh")
+    swamped = cand("swamped", pending_requests=5, pending_blocks=300)
+    assert swamped.waiting() == 5 and swamped.cache_usage() == pytest.approx(0.3)
+    assert choose([swamped, fresh], 16, 64, W, random.Random(0)).worker_id == "fresh"
+
+
+def test_temperature_samples_in_proportion_to_softmax_of_the_logits() -> None:
+    cs = [cand("a", overlap=4), cand("b", overlap=0)]
+    hot = CostWeights(temperature=1.0)
+    rng = random.Random(2)
+    picks = Counter(choose(cs, 16, 64, hot, rng).worker_id for _ in range(2000))
+    # logits 2.0 and 0.0: P(a) = e^2 / (e^2 + 1) ~ 0.88
+    assert 0.84 < picks["a"] / 2000 < 0.92
+
+
+def test_a_prompt_shorter_than_a_block_has_no_overlap_ratio() -> None:
+    d = choose([cand("a")], 16, 0, W, random.Random(0))
+    assert d.prefix_hit_rate == 0.0

@@ -1,0 +1,138 @@
+"""The KV index against a naive model of Dynamo's RadixTree, on random event streams."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.kv_router.radix_tree import EventError, RadixTree
+from tests.radix_reference import ReferenceTree
+
+WORKERS = list(range(6))
+ALPHABET = st.integers(min_value=1, max_value=3)  # few local hashes: many shared prefixes and hits
+PATHS = st.lists(ALPHABET, min_size=1, max_size=4)
+
+
+def block_hash(path: tuple[int, ...]) -> int:
+    """Engine-style chained hash: the same prefix gives the same block hash on every worker."""
+    return hash(("block",) + path) & 0xFFFF_FFFF_FFFF
+
+
+@st.composite
+def events(draw):  # noqa: ANN201
+    kind = draw(st.sampled_from(["store", "store", "store", "remove", "clear", "remove_worker"]))
+    worker = draw(st.sampled_from(WORKERS))
+    if kind == "store":
+        path = tuple(draw(PATHS))
+        split = draw(st.integers(0, len(path) - 1))
+        parent = block_hash(path[:split]) if split else None
+        if draw(st.integers(0, 9)) == 0:
+            parent = draw(st.integers(1, 50))  # a parent the worker may not hold
+        blocks = [(block_hash(path[: i + 1]), path[i]) for i in range(split, len(path))]
+        if draw(st.integers(0, 14)) == 0 and blocks:
+            blocks[-1] = (draw(st.integers(1, 50)), blocks[-1][1])  # an odd engine hash
+        return ("store", worker, parent, blocks)
+    if kind == "remove":
+        # Some single blocks, some whole chains (tail first, as engines evict).
+        path = tuple(draw(PATHS))
+        chain = [block_hash(path[: i + 1]) for i in range(len(path))]
+        picked = draw(st.sampled_from([chain[-1:], chain[:1], chain[::-1]]))
+        return ("remove", worker, picked)
+    return (kind, worker)
+
+
+def apply(tree, event) -> None:  # noqa: ANN001
+    kind, worker, *rest = event
+    if kind == "store":
+        try:
+            tree.store(worker, rest[0], rest[1])
+        except EventError:
+            pass
+    elif kind == "remove":
+        tree.remove(worker, rest[0])
+    elif kind == "clear":
+        tree.clear(worker)
+    else:
+        tree.remove_worker(worker)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.lists(events(), max_size=60), st.lists(PATHS, min_size=1, max_size=12))
+def test_scores_equal_the_reference_model_after_any_event_stream(stream, queries) -> None:  # noqa: ANN001
+    fast, ref = RadixTree(), ReferenceTree()
+    for event in stream:
+        apply(fast, event)
+        apply(ref, event)
+    for query in queries:
+        assert fast.find_matches(query) == ref.find_matches(query), (stream, query)
+
+
+def test_a_shared_prefix_scores_each_worker_by_its_matched_levels() -> None:
+    tree = RadixTree()
+    tree.store("a", None, [(101, 1), (102, 2), (103, 3)])
+    tree.store("b", None, [(101, 1), (102, 2)])
+    tree.store("b", 102, [(204, 4)])
+    assert tree.find_matches([1, 2, 3]) == {"a": 3, "b": 2}
+    assert tree.find_matches([1, 2, 4]) == {"a": 2, "b": 3}
+    assert tree.find_matches([9]) == {}
+
+
+def test_store_under_an_unknown_parent_is_skipped_with_an_error() -> None:
+    tree = RadixTree()
+    try:
+        tree.store("a", 999, [(1, 1)])
+        raise AssertionError("expected EventError")
+    except EventError:
+        pass
+    assert tree.find_matches([1]) == {}
+
+
+def test_removing_a_worker_drops_its_blocks_and_frees_its_slot_for_a_newcomer() -> None:
+    tree = RadixTree()
+    tree.store("a", None, [(1, 1), (2, 2)])
+    tree.store("b", None, [(1, 1)])
+    tree.remove_worker("a")
+    assert tree.find_matches([1, 2]) == {"b": 1}
+    tree.store("c", None, [(1, 1), (2, 2)])
+    assert tree.find_matches([1, 2]) == {"b": 1, "c": 2}
+    assert tree.block_count("a") == 0 and tree.block_count() == 3
+
+
+def test_an_emptied_block_drops_everything_below_it_as_dynamo_does() -> None:
+    tree = RadixTree()
+    tree.store("a", None, [(1, 1), (2, 2)])
+    tree.remove("a", [1])
+    assert tree.find_matches([1, 2]) == {}
+    tree.store("b", None, [(1, 1), (2, 2)])
+    assert tree.find_matches([1, 2]) == {"b": 2}
+
+
+def both(*events) -> tuple[RadixTree, ReferenceTree]:  # noqa: ANN002
+    fast, ref = RadixTree(), ReferenceTree()
+    for event in events:
+        apply(fast, event)
+        apply(ref, event)
+    return fast, ref
+
+
+def test_a_detached_block_is_reattached_with_the_workers_it_still_has() -> None:
+    fast, ref = both(
+        ("store", "a", None, [(11, 1), (12, 2)]),
+        ("store", "b", None, [(11, 1), (12, 2)]),
+        ("remove", "a", [11]),
+        ("remove", "b", [11]),  # block 1 is empty: block 2 (still held by a and b) is cut off
+        ("store", "a", None, [(11, 1), (12, 2)]),  # a's lookup still has block 2: it is re-attached
+    )
+    assert fast.find_matches([1, 2]) == ref.find_matches([1, 2]) == {"a": 2, "b": 1}
+
+
+def test_a_stale_mark_of_a_removed_worker_never_counts_for_a_newcomer() -> None:
+    fast, ref = both(
+        ("store", "a", None, [(11, 1)]),
+        ("store", "a", None, [(21, 2)]),
+        ("store", "a", None, [(11, 2)]),  # hash 11 now names the tokens-2 block: the tokens-1 one is stale
+        ("remove_worker", "a"),
+        ("store", "c", None, [(31, 3)]),
+    )
+    assert fast.find_matches([1]) == ref.find_matches([1]) == {"a": 1}
+    assert fast.find_matches([3]) == ref.find_matches([3]) == {"c": 1}
