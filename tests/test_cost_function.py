@@ -41,6 +41,11 @@ def test_ties_are_broken_at_random() -> None:
     assert set(picks) == set("abcd") and min(picks.values()) > 50
 
 
+def test_among_equal_logits_the_worker_caching_the_fewest_blocks_takes_a_new_prefix() -> None:
+    cs = [cand("full", indexed_blocks=900), cand("empty", indexed_blocks=10), cand("half", indexed_blocks=400)]
+    assert {choose(cs, 16, 64, W, random.Random(s)).worker_id for s in range(20)} == {"empty"}
+
+
 def test_requests_the_router_just_sent_count_as_load_until_the_worker_reports() -> None:
     fresh = cand("fresh")
     swamped = cand("swamped", pending_requests=5, pending_blocks=300)

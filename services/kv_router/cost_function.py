@@ -6,7 +6,8 @@ From the seed (Dynamo's router):
 
 where overlap_ratio is the share of the prompt's tokens the worker already caches and
 normalized_waiting its queue length over the longest queue among the candidates. The best
-logit wins, ties at random; with a temperature > 0 the choice is sampled from softmax(logit / T).
+logit wins; among equal logits the worker caching the fewest blocks (so new prefixes spread over
+the pool's cache), then chance. With a temperature > 0 the choice is sampled from softmax(logit / T).
 
 What the seed lacks: its load inputs lag behind by up to one metrics period, so a burst of
 requests sharing a prefix would all see the same idle worker. The router therefore adds the
@@ -39,6 +40,8 @@ class Candidate:
     gpu_cache_usage_perc: float
     pending_requests: int = 0
     pending_blocks: int = 0
+    # Blocks the router's index holds for this worker: the tie-breaker.
+    indexed_blocks: int = 0
 
     def cache_usage(self) -> float:
         if self.kv_total_blocks <= 0:
@@ -76,7 +79,9 @@ def choose(candidates: Sequence[Candidate], block_size: int, num_tokens: int, w:
         index = rng.choices(range(len(candidates)), weights=weights)[0]
     else:
         best = max(scores)
-        index = rng.choice([i for i, s in enumerate(scores) if s == best])
+        tied = [i for i, s in enumerate(scores) if s == best]
+        fewest = min(candidates[i].indexed_blocks for i in tied)
+        index = rng.choice([i for i in tied if candidates[i].indexed_blocks == fewest])
     chosen = candidates[index]
     hit = min(1.0, chosen.overlap_blocks * block_size / num_tokens) if num_tokens else 0.0
     return Decision(chosen.worker_id, chosen.overlap_blocks, hit, scores[index])

@@ -7,9 +7,16 @@ hold is skipped; a node left with no worker drops its children; a block hash the
 has is re-attached rather than duplicated.
 
 Built for the hot paths, in plain Python:
+- nodes are ints indexing parallel lists, not objects: no per-node object header, and nothing
+  for the cyclic garbage collector to scan (with a million node objects its collections cost
+  three times the work itself). Nodes are reference-counted by hand — parent links plus lookup
+  entries — and their ids recycled; a leaf no worker holds any more is unlinked from its parent
+  at once (Dynamo keeps such empty leaves until the parent empties: invisible to scores, but
+  memory that grows with every evicted conversation). Only a node's latest link is known, so a
+  node an engine re-linked elsewhere under a reused block hash stays until its parents go;
 - workers are bits of an int mask per node (a slot per worker, reused once no node holds it);
-- a node keeps its first child inline and only a node with several children gets a dict: most
-  nodes of a conversation tree have one child, and a dict costs ~180 bytes;
+- a node keeps its first child inline; only a node with several children gets a dict (of ints,
+  which the collector does not track either);
 - scoring walks the path once and adds a *run* of equal masks at once, so a match costs
   O(depth + mask changes x workers) instead of touching every worker at every level.
 """
@@ -18,32 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-
-class Node:
-    __slots__ = ("key", "child", "more", "mask")
-
-    def __init__(self) -> None:
-        self.key: int | None = None  # local hash of the inline (first) child
-        self.child: Node | None = None
-        self.more: dict[int, Node] | None = None  # the other children
-        self.mask = 0
-
-    def get(self, local_hash: int) -> Node | None:
-        if self.key == local_hash:
-            return self.child
-        more = self.more
-        return None if more is None else more.get(local_hash)
-
-    def put(self, local_hash: int, node: Node) -> None:
-        if self.child is None or self.key == local_hash:
-            self.key, self.child = local_hash, node
-        elif self.more is None:
-            self.more = {local_hash: node}
-        else:
-            self.more[local_hash] = node
-
-    def drop_children(self) -> None:
-        self.key = self.child = self.more = None
+ROOT = 0
+NO_KEY = -1  # local hashes are u64, never negative
+UNKNOWN = -1
 
 
 class EventError(Exception):
@@ -52,10 +36,21 @@ class EventError(Exception):
 
 class RadixTree:
     def __init__(self) -> None:
-        self._root = Node()
+        # Per node: local hash of its inline child, the inline child, its other children, the
+        # mask of workers holding it, and its reference count.
+        self._key: list[int] = [NO_KEY]
+        self._child: list[int] = [ROOT]
+        self._more: list[dict[int, int] | None] = [None]
+        self._mask: list[int] = [0]
+        self._refs: list[int] = [1]
+        # The parent holding the node's most recent link and the local hash it is linked under
+        # (UNKNOWN once that parent let go of it), for unlinking empty leaves.
+        self._parent: list[int] = [UNKNOWN]
+        self._edge: list[int] = [NO_KEY]
+        self._free_nodes: list[int] = []
         self._slot_of: dict[Hashable, int] = {}
         self._worker_of_slot: dict[int, Hashable] = {}
-        self._lookup: dict[int, dict[int, Node]] = {}  # slot -> block hash -> node
+        self._lookup: dict[int, dict[int, int]] = {}  # slot -> block hash -> node
         self._nodes_with_bit: dict[int, int] = {}  # slot -> how many nodes carry its bit
         self._free_slots: list[int] = []
         # Slots of removed workers whose bit is still set on stale nodes, with the worker's name.
@@ -67,8 +62,6 @@ class RadixTree:
         slot = self._slot_of.get(worker)
         if slot is None:
             slot = self._free_slots.pop() if self._free_slots else len(self._worker_of_slot) + len(self._retired)
-            while slot in self._worker_of_slot or slot in self._retired:
-                slot += 1
             self._slot_of[worker] = slot
             self._worker_of_slot[slot] = worker
             self._lookup[slot] = {}
@@ -85,6 +78,88 @@ class RadixTree:
         slot = self._slot_of.get(worker)
         return 0 if slot is None else len(self._lookup[slot])
 
+    def node_count(self) -> int:
+        """Live nodes, the root included."""
+        return len(self._key) - len(self._free_nodes)
+
+    # -- node memory ---------------------------------------------------------------------------
+
+    def _release(self, node: int) -> None:
+        """Drops one reference; a node nobody references is freed, with its links to children."""
+        refs = self._refs
+        refs[node] -= 1
+        if refs[node] == 1:
+            self._prune_if_empty_leaf(node)
+            return
+        if refs[node]:
+            return
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            stack.extend(c for c in self._unlink_children(n) if self._dec(c))
+            mask = self._mask[n]
+            while mask:  # stale marks of workers whose lookup moved on
+                low = mask & -mask
+                self._uncount(low.bit_length() - 1)
+                mask ^= low
+            self._mask[n] = 0
+            self._parent[n] = UNKNOWN
+            self._free_nodes.append(n)
+
+    def _prune_if_empty_leaf(self, node: int) -> None:
+        """Unlinks a node whose only reference is its parent's link, if it is an empty leaf."""
+        parent = self._parent[node]
+        if parent == UNKNOWN or self._mask[node] or self._key[node] != NO_KEY or self._more[node]:
+            return
+        edge = self._edge[node]
+        if self._key[parent] == edge and self._child[parent] == node:
+            more = self._more[parent]
+            if more:  # promote another child to the inline place
+                key, child = more.popitem()
+                self._key[parent], self._child[parent] = key, child
+                if not more:
+                    self._more[parent] = None
+            else:
+                self._key[parent], self._child[parent] = NO_KEY, ROOT
+        elif (more := self._more[parent]) is not None and more.get(edge) == node:
+            del more[edge]
+            if not more:
+                self._more[parent] = None
+        else:
+            return
+        self._parent[node] = UNKNOWN
+        self._release(node)
+
+    def _dec(self, node: int) -> bool:
+        self._refs[node] -= 1
+        return self._refs[node] == 0
+
+    def _unlink_children(self, node: int) -> list[int]:
+        children = []
+        if self._key[node] != NO_KEY:
+            children.append(self._child[node])
+        more = self._more[node]
+        if more:
+            children.extend(more.values())
+        self._key[node] = NO_KEY
+        self._child[node] = ROOT
+        self._more[node] = None
+        for child in children:
+            if self._parent[child] == node:
+                self._parent[child] = UNKNOWN
+        return children
+
+    def _drop_children(self, node: int) -> None:
+        for child in self._unlink_children(node):
+            self._release(child)
+
+    def _uncount(self, slot: int) -> None:
+        self._nodes_with_bit[slot] = left = self._nodes_with_bit[slot] - 1
+        if left == 0 and slot in self._retired:
+            del self._retired[slot]
+            del self._nodes_with_bit[slot]
+            self._free_slots.append(slot)
+
     # -- events --------------------------------------------------------------------------------
 
     def store(self, worker: Hashable, parent_hash: int | None, blocks: Iterable[tuple[int, int]]) -> int:
@@ -93,36 +168,61 @@ class RadixTree:
         bit = 1 << slot
         lookup = self._lookup[slot]
         if parent_hash is None:
-            current = self._root
+            current = ROOT
         else:
-            current = lookup.get(parent_hash)
-            if current is None:
+            found = lookup.get(parent_hash)
+            if found is None:
                 raise EventError(f"worker {worker}: parent block {parent_hash} unknown; store skipped")
-        added = 0
-        applied = 0
-        new_node = Node
+            current = found
+        keys, kids, more_of, masks, refs = self._key, self._child, self._more, self._mask, self._refs
+        parents, edges, free_nodes = self._parent, self._edge, self._free_nodes
+        added = applied = 0
         for block_hash, tokens_hash in blocks:
-            if current.key == tokens_hash:
-                child = current.child
+            previous = lookup.get(block_hash)
+            if keys[current] == tokens_hash:
+                child = kids[current]
             else:
-                more = current.more
-                child = None if more is None else more.get(tokens_hash)
-                if child is None:
-                    child = lookup.get(block_hash) or new_node()
-                    if current.child is None:
-                        current.key, current.child = tokens_hash, child
+                more = more_of[current]
+                found = None if more is None else more.get(tokens_hash)
+                if found is None:
+                    if previous is not None:
+                        child = previous
+                    elif free_nodes:
+                        child = free_nodes.pop()
+                    else:  # a new node, inline: this is the hottest allocation
+                        child = len(keys)
+                        keys.append(NO_KEY)
+                        kids.append(ROOT)
+                        more_of.append(None)
+                        masks.append(0)
+                        refs.append(0)
+                        parents.append(UNKNOWN)
+                        edges.append(NO_KEY)
+                    refs[child] += 1  # the parent's link
+                    parents[child] = current
+                    edges[child] = tokens_hash
+                    if keys[current] == NO_KEY:
+                        keys[current] = tokens_hash
+                        kids[current] = child
+                    elif more is None:
+                        more_of[current] = {tokens_hash: child}
                     else:
-                        current.put(tokens_hash, child)
-            if child is current:
+                        more[tokens_hash] = child
+                else:
+                    child = found
+            if child == current:
                 self._nodes_with_bit[slot] += added
                 raise EventError(f"worker {worker}: block {block_hash} refers to itself; rest of the store skipped")
-            mask = child.mask  # type: ignore[union-attr]
+            mask = masks[child]
             if not mask & bit:
-                # A lone worker's mask is the shared `bit` object: no new int per node.
-                child.mask = mask | bit if mask else bit  # type: ignore[union-attr]
+                masks[child] = mask | bit
                 added += 1
-            lookup[block_hash] = child  # type: ignore[assignment]
-            current = child  # type: ignore[assignment]
+            if previous != child:
+                lookup[block_hash] = child
+                refs[child] += 1
+                if previous is not None:
+                    self._release(previous)
+            current = child
             applied += 1
         self._nodes_with_bit[slot] += added
         return applied
@@ -134,21 +234,24 @@ class RadixTree:
             return 0
         bit = 1 << slot
         lookup = self._lookup[slot]
+        masks = self._mask
         removed = cleared = 0
         for block_hash in block_hashes:
             node = lookup.pop(block_hash, None)
             if node is None:
                 continue
             removed += 1
-            mask = node.mask
+            mask = masks[node]
             if mask & bit:
                 mask ^= bit
-                node.mask = mask
+                masks[node] = mask
                 cleared += 1
             if not mask:
                 # No worker holds this block, so none holds anything below it (Dynamo's rule).
-                node.drop_children()
-        self._nodes_with_bit[slot] -= cleared
+                self._drop_children(node)
+            self._nodes_with_bit[slot] -= cleared
+            cleared = 0
+            self._release(node)
         return removed
 
     def clear(self, worker: Hashable) -> None:
@@ -165,43 +268,52 @@ class RadixTree:
         self._drop_blocks(slot)
         del self._worker_of_slot[slot]
         del self._lookup[slot]
-        if self._nodes_with_bit.pop(slot) == 0:
+        if self._nodes_with_bit[slot] == 0:
+            del self._nodes_with_bit[slot]
             self._free_slots.append(slot)
         else:
             # Nodes it left without a lookup entry (re-stored hashes) still carry the bit, as in
-            # Dynamo; the slot is never reused, so those stale marks never count for another worker.
+            # Dynamo; the slot is reused only once no node does, so those marks never count for
+            # another worker.
             self._retired[slot] = worker
 
     def _drop_blocks(self, slot: int) -> None:
         bit = 1 << slot
-        cleared = 0
-        for node in self._lookup[slot].values():
-            mask = node.mask
+        masks = self._mask
+        lookup = self._lookup[slot]
+        self._lookup[slot] = {}
+        for node in lookup.values():
+            mask = masks[node]
             if mask & bit:
                 mask ^= bit
-                node.mask = mask
-                cleared += 1
+                masks[node] = mask
+                self._nodes_with_bit[slot] -= 1
             if not mask:
-                node.drop_children()
-        self._lookup[slot] = {}
-        self._nodes_with_bit[slot] -= cleared
+                self._drop_children(node)
+        for node in lookup.values():
+            self._release(node)
 
     # -- queries -------------------------------------------------------------------------------
 
     def find_matches(self, local_hashes: Sequence[int]) -> dict[Hashable, int]:
         """Per worker, the number of matched levels (walking from the root) that contain it."""
-        node = self._root
+        keys, kids, more_of, masks = self._key, self._child, self._more, self._mask
+        node = ROOT
         run_mask = 0
         run = 0
         counts: dict[int, int] = {}
         for h in local_hashes:
-            if node.key == h:
-                node = node.child  # type: ignore[assignment]
+            if keys[node] == h:
+                node = kids[node]
             else:
-                more = node.more
-                if more is None or (node := more.get(h)) is None:  # type: ignore[assignment]
+                more = more_of[node]
+                if more is None:
                     break
-            mask = node.mask
+                found = more.get(h)
+                if found is None:
+                    break
+                node = found
+            mask = masks[node]
             if mask == run_mask:
                 run += 1
                 continue
@@ -213,16 +325,6 @@ class RadixTree:
             _add_run(counts, run_mask, run)
         names = self._worker_of_slot
         return {(names[slot] if slot in names else self._retired[slot]): n for slot, n in counts.items()}
-
-    def matched_depth(self, local_hashes: Sequence[int]) -> int:
-        """How many leading blocks exist in the tree at all (for any worker)."""
-        node = self._root
-        depth = 0
-        for h in local_hashes:
-            if (node := node.get(h)) is None:  # type: ignore[assignment]
-                break
-            depth += 1
-        return depth
 
 
 def _add_run(counts: dict[int, int], mask: int, run: int) -> None:

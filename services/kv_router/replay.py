@@ -69,6 +69,13 @@ def apply_event(tree: RadixTree, record: dict) -> int:  # also used with other i
 
 
 def rss_mb() -> float:
+    """Peak resident memory of this process image (VmHWM; getrusage's maximum survives exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 

@@ -20,6 +20,7 @@ from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common.hashing import local_block_hashes
 from services.kv_router.cost_function import Candidate, CostWeights, choose
 from services.kv_router.policies import RandomChoice, RoundRobin
+from services.kv_router.radix_tree import RadixTree
 from services.kv_router.worker_pool import WorkerPool, WorkerState
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         block_size = pool.block_size(request.model) or candidates[0].info.block_size
         tokens = request.token_ids
         overlaps = pool.index.find_matches(local_block_hashes(tokens, block_size))
-        chosen = self._pick(candidates, overlaps, block_size, len(tokens))
+        chosen = self._pick(candidates, overlaps, block_size, len(tokens), pool.index)
         overlap = overlaps.get(chosen.info.instance_id, 0)
         prompt_blocks = -(-len(tokens) // block_size)
         chosen.add_pending(max(0, prompt_blocks - overlap))
@@ -96,7 +97,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.RouteResponse(worker_id=chosen.info.instance_id, address=chosen.info.address,
                                         overlap_blocks=overlap, prefix_hit_rate=hit)
 
-    def _pick(self, candidates: list[WorkerState], overlaps: dict, block_size: int, num_tokens: int) -> WorkerState:
+    def _pick(self, candidates: list[WorkerState], overlaps: dict, block_size: int, num_tokens: int,
+              index: RadixTree) -> WorkerState:
         if self._config.mode == "round-robin":
             return self._round_robin.pick(candidates)
         if self._config.mode == "random":
@@ -109,7 +111,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 worker_id=w.info.instance_id, overlap_blocks=overlaps.get(w.info.instance_id, 0),
                 kv_active_blocks=m.kv_active_blocks, kv_total_blocks=m.kv_total_blocks,
                 num_requests_waiting=m.num_requests_waiting, gpu_cache_usage_perc=m.gpu_cache_usage_perc,
-                pending_requests=pending_requests, pending_blocks=pending_blocks))
+                pending_requests=pending_requests, pending_blocks=pending_blocks,
+                indexed_blocks=index.block_count(w.info.instance_id)))
         decision = choose(scored, block_size, num_tokens, self._config.weights, self._rng)
         return next(w for w in candidates if w.info.instance_id == decision.worker_id)
 
