@@ -40,3 +40,12 @@ def mocker_client(mocker_mesh: Mesh) -> openai.OpenAI:
 @pytest.fixture(scope="session")
 def vllm_client(vllm_mesh: Mesh) -> openai.OpenAI:
     return openai.OpenAI(base_url=vllm_mesh.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def vllm_disagg_mesh(etcd: Etcd) -> Iterator[Mesh]:
+    """1 prefill + 1 decode vLLM worker; prompts of more than 128 uncached tokens prefill remotely."""
+    mesh = Mesh.launch(etcd.endpoint, "vllm-disagg", "vllm", "--prefill-workers", "1", "--decode-workers", "1",
+                       "--max-local-prefill-length", "128", timeout_s=400)
+    yield mesh
+    assert mesh.stop() == 0, mesh.launcher.tail()

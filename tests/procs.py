@@ -141,8 +141,10 @@ class Mesh:
     @classmethod
     def launch(cls, etcd: str, namespace: str, engine: str, *extra: str, timeout_s: float = 300) -> Mesh:
         port = free_port()
+        if "--prefill-workers" not in extra:
+            extra = ("--prefill-workers", "0", *extra)
         launcher = service("services.launch", "--engine", engine, "--etcd-endpoints", etcd, "--namespace", namespace,
-                           "--http-port", str(port), "--prefill-workers", "0", *extra, name=f"launch-{namespace}")
+                           "--http-port", str(port), *extra, name=f"launch-{namespace}")
         m = launcher.wait_for(r"^READY (\S+)", timeout_s)
         return cls(launcher, m.group(1), port, etcd, namespace, "kvmesh-demo")
 
@@ -194,6 +196,13 @@ class ServiceMesh:
         proc = service("services.decode_worker", "--etcd-endpoints", self.etcd, "--namespace", self.namespace,
                        "--engine", "mocker", "--speedup", "20", *extra, name="worker")
         ids = proc.wait_for(r"decode-worker ready: (.+)$", 60).group(1).split()
+        self.procs.append(proc)
+        return proc, ids
+
+    def prefill_worker(self, *extra: str) -> tuple[Proc, list[str]]:
+        proc = service("services.prefill_worker", "--etcd-endpoints", self.etcd, "--namespace", self.namespace,
+                       "--engine", "mocker", "--speedup", "20", *extra, name="prefill-worker")
+        ids = proc.wait_for(r"prefill-worker ready: (.+)$", 60).group(1).split()
         self.procs.append(proc)
         return proc, ids
 

@@ -33,11 +33,13 @@ async def connect_store(mesh: MeshConfig) -> EtcdStore:
     return store
 
 
-async def register_instance(store: KeyValueStore, namespace: str, info: InstanceInfo) -> LeasedRegistration:
-    """Registers this instance under a kept-alive lease, or exits with a one-line reason."""
+async def register_instance(store: KeyValueStore, namespace: str, info: InstanceInfo,
+                            extra_keys: dict[str, bytes] | None = None) -> LeasedRegistration:
+    """Registers this instance (and any keys that live and die with it) under a kept-alive lease,
+    or exits with a one-line reason."""
     registration = LeasedRegistration(store)
     try:
-        await registration.start({instance_key(namespace, info): info.to_json()})
+        await registration.start({**(extra_keys or {}), instance_key(namespace, info): info.to_json()})
     except StoreUnavailable as exc:
         die(f"etcd registration failed: {exc}", code=3)
     return registration

@@ -6,8 +6,10 @@ Shared by decode and prefill workers; the engine behind it is vLLM or the mocker
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 import grpc
@@ -96,22 +98,46 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.events = events
         self.served = 0
 
-    async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext):
+    async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         engine_request = EngineRequest(request.request_id, list(request.token_ids), sampling_from_proto(request.sampling))
-        log.debug("request %s: %d prompt tokens", request.request_id, len(request.token_ids))
-        first = True
         try:
-            async with aclosing(self.engine.generate(engine_request)) as stream:
-                async for out in stream:
-                    msg = output_to_proto(out)
-                    if first:
-                        msg.prefill = "local"
-                        msg.prompt_tokens = len(request.token_ids)
-                        first = False
-                    yield msg
+            async for msg in self.stream(engine_request, "local"):
+                yield msg
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def stream(self, engine_request: EngineRequest, prefill: str) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        """The engine's outputs as response messages; the first says where the prefill ran."""
+        log.debug("request %s: %d prompt tokens", engine_request.request_id, len(engine_request.token_ids))
+        first = True
+        async with aclosing(self.engine.generate(engine_request)) as outputs:
+            async for out in outputs:
+                msg = output_to_proto(out)
+                if first:
+                    msg.prefill = prefill
+                    msg.prompt_tokens = len(engine_request.token_ids)
+                    first = False
+                yield msg
         self.served += 1
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        engine_request = EngineRequest(request.request_id, list(request.token_ids), sampling_from_proto(request.sampling))
+        try:
+            result = await self.engine.prefill(engine_request)
+        except NotImplementedError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        log.info("request %s: prefilled %d tokens (%d cached) for remote decode", request.request_id,
+                 len(request.token_ids), result.cached_tokens)
+        return worker_pb2.PrefillResponse(first_token=result.first_token, kv_transfer_json=json.dumps(result.kv_transfer),
+                                          cached_tokens=result.cached_tokens, kv_bytes=result.kv_bytes)
+
+    async def ReleaseKv(self, request: worker_pb2.ReleaseKvRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        released = await self.engine.release_kv(request.request_id)
+        if released:
+            log.info("request %s: KV released, its decode side gave up", request.request_id)
+        return worker_pb2.ReleaseKvResponse(released=released)
 
     async def SubscribeKvEvents(self, request: worker_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext):
         async for batch, is_snapshot in self.events.subscribe(request.from_event_id):

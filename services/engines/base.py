@@ -28,6 +28,16 @@ class EngineRequest:
     request_id: str
     token_ids: list[int]
     sampling: Sampling
+    # Set when a prefill worker computed this prompt's KV: what the engine needs to pull it.
+    kv_transfer: dict | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    first_token: int
+    kv_transfer: dict
+    cached_tokens: int = 0
+    kv_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +55,8 @@ class EngineOutput:
     finish_reason: str | None = None  # "stop", "length" or "abort" on the last output
     cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
+    # Set by a prefill run on its last output: what a decode engine needs to pull the KV.
+    kv_transfer: dict | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +91,8 @@ class KvCleared:
 
 KvEventData = KvStored | KvRemoved | KvCleared
 KvEventSink = Callable[[KvEventData], None]
+# (bytes, seconds) of each KV transfer this engine received.
+KvTransferSink = Callable[[int, float], None]
 
 
 @dataclass(frozen=True)
@@ -113,6 +127,14 @@ class Engine(abc.ABC):
     def load(self) -> LoadSnapshot:
         """Current load, cheap enough to call on every metrics tick."""
 
+    async def prefill(self, request: EngineRequest) -> PrefillResult:
+        """Computes the prompt's KV and keeps it for a decode engine to pull (prefill workers)."""
+        raise NotImplementedError(f"the {self.name} engine was not started for remote prefill")
+
+    async def release_kv(self, request_id: str) -> bool:
+        """Frees KV held for a decode side that gave up; False if nothing was held."""
+        return False
+
     def set_kv_event_sink(self, sink: KvEventSink) -> None:
         """Receives every change to the engine's prefix cache, in order."""
         self._kv_sink = sink
@@ -121,3 +143,12 @@ class Engine(abc.ABC):
         sink = getattr(self, "_kv_sink", None)
         if sink is not None:
             sink(event)
+
+    def set_kv_transfer_sink(self, sink: KvTransferSink) -> None:
+        """Receives (bytes, seconds) of every KV cache transfer into this engine."""
+        self._transfer_sink = sink
+
+    def record_kv_transfer(self, nbytes: int, seconds: float) -> None:
+        sink = getattr(self, "_transfer_sink", None)
+        if sink is not None:
+            sink(nbytes, seconds)

@@ -13,6 +13,7 @@ from services.engines.mocker.engine import MockerConfig, MockerEngine
 from services.engines.mocker.timing import TimingModel
 
 ENGINES = ("vllm", "mocker")
+KV_TRANSFERS = ("none", "nixl")
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +27,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="mocker: divides the timing model's durations ('inf' = no compute time)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=None, help="running requests per worker")
     parser.add_argument("--max-model-len", type=positive_int, default=None)
+    parser.add_argument("--kv-transfer", choices=KV_TRANSFERS, default="none",
+                        help="nixl: this worker exchanges KV caches with prefill/decode peers over NIXL")
+    parser.add_argument("--kv-bytes-per-token", type=positive_int, default=4096,
+                        help="mocker: size of the synthetic KV moved per prompt token")
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,9 @@ class EngineSpec:
     speedup: float
     max_num_seqs: int | None
     max_model_len: int | None
+    kv_transfer: str = "none"
+    kv_bytes_per_token: int = 4096
+    advertise_host: str = "127.0.0.1"
 
 
 def default_block_size(engine: str) -> int:
@@ -48,7 +56,7 @@ def default_block_size(engine: str) -> int:
     return 16
 
 
-def engine_spec(args: argparse.Namespace) -> EngineSpec:
+def engine_spec(args: argparse.Namespace, advertise_host: str = "127.0.0.1") -> EngineSpec:
     from services.tools.make_demo_model import ensure_demo_model
 
     model = Path(args.model) if args.model else ensure_demo_model()
@@ -66,6 +74,9 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         speedup=args.speedup,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        kv_transfer=args.kv_transfer,
+        kv_bytes_per_token=args.kv_bytes_per_token,
+        advertise_host=advertise_host,
     )
 
 
@@ -79,9 +90,10 @@ def build_engine(spec: EngineSpec) -> Engine:
                 num_gpu_blocks=spec.num_gpu_blocks,
                 max_num_seqs=spec.max_num_seqs or 256,
                 timing=TimingModel(speedup=spec.speedup),
+                kv_bytes_per_token=spec.kv_bytes_per_token,
             )
         )
-    from services.engines.vllm_engine import VllmConfig, VllmEngine
+    from services.engines.vllm_engine import VllmConfig, VllmEngine, nixl_transfer_config
 
     return VllmEngine(
         VllmConfig(
@@ -91,5 +103,6 @@ def build_engine(spec: EngineSpec) -> Engine:
             max_model_len=spec.max_model_len,
             max_num_seqs=spec.max_num_seqs or 64,
             cpu_kv_cache_gib=int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")),
+            kv_transfer=nixl_transfer_config(spec.advertise_host) if spec.kv_transfer == "nixl" else None,
         )
     )

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from services.common.net import free_port
@@ -20,6 +20,7 @@ from services.engines.base import (
     EngineOutput,
     EngineRequest,
     LoadSnapshot,
+    PrefillResult,
     TokenLogprobs,
 )
 from services.engines.mocker.engine import read_model_facts
@@ -41,6 +42,15 @@ class VllmConfig:
     kv_transfer: dict[str, Any] | None = None
 
 
+def nixl_transfer_config(advertise_host: str) -> dict[str, Any]:
+    """vLLM's NixlConnector for both roles. Its side channel needs a port of its own per engine,
+    set in the environment before the engine starts, and a host its peers can reach."""
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = advertise_host
+    return {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+            "kv_buffer_device": "cpu" if on_cpu() else "cuda"}
+
+
 def on_cpu() -> bool:
     try:
         import torch
@@ -53,12 +63,13 @@ def on_cpu() -> bool:
 class _LoadRecorder:
     """Keeps the latest scheduler stats that vLLM hands its stat loggers every engine step."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_transfer: Callable[[int, float], None]) -> None:
         self.running = 0
         self.waiting = 0
         self.kv_usage = 0.0
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self._on_transfer = on_transfer
 
     def factory(self):
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -78,6 +89,8 @@ class _LoadRecorder:
                 pcs = scheduler_stats.prefix_cache_stats
                 recorder.prefix_queries += pcs.queries
                 recorder.prefix_hits += pcs.hits
+                for nbytes, seconds in _nixl_transfers(scheduler_stats.kv_connector_stats):
+                    recorder._on_transfer(nbytes, seconds)
 
             def log_engine_initialized(self) -> None:
                 pass
@@ -94,7 +107,7 @@ class VllmEngine(Engine):
         self.config = config
         self.info = EngineInfo(config.model_dir, config.served_model_name, config.block_size, max_len, vocab, eos_ids)
         self._llm: Any = None
-        self._load = _LoadRecorder()
+        self._load = _LoadRecorder(self.record_kv_transfer)
         self._num_blocks = 0
         self._events: VllmKvEventListener | None = None
 
@@ -175,10 +188,26 @@ class VllmEngine(Engine):
         return SamplingParams(**kwargs)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        async for output in self._generate(request, None):
+        extra = {"kv_transfer_params": request.kv_transfer} if request.kv_transfer else None
+        async for output in self._generate(request, extra):
             yield output
 
-    async def _generate(self, request: EngineRequest, extra_args: dict[str, Any] | None) -> AsyncIterator[EngineOutput]:
+    async def prefill(self, request: EngineRequest) -> PrefillResult:
+        """Prompt with one output token; vLLM keeps the KV for the decode engine to pull via NIXL."""
+        if not self.config.kv_transfer:
+            return await super().prefill(request)
+        one = EngineRequest(request.request_id, request.token_ids, replace(request.sampling, max_tokens=1))
+        first, cached, params = 0, 0, None
+        async for out in self._generate(one, {"kv_transfer_params": {"do_remote_decode": True}}, keep_params=True):
+            first = out.token_ids[0] if out.token_ids else first
+            cached = out.cached_tokens
+            params = out.kv_transfer or params
+        if params is None:
+            raise RuntimeError("vLLM returned no KV transfer parameters (is the NixlConnector configured?)")
+        return PrefillResult(first, params, cached)
+
+    async def _generate(self, request: EngineRequest, extra_args: dict[str, Any] | None,
+                        keep_params: bool = False) -> AsyncIterator[EngineOutput]:
         if self._llm is None:
             raise RuntimeError("vLLM engine is not started")
         params = self._sampling_params(request, extra_args)
@@ -187,12 +216,28 @@ class VllmEngine(Engine):
         async with aclosing(self._llm.generate(prompt, params, request.request_id)) as stream:
             async for out in stream:
                 completion = out.outputs[0]
-                yield EngineOutput(
+                result = EngineOutput(
                     token_ids=list(completion.token_ids),
                     finish_reason=_finish_reason(completion.finish_reason) if out.finished else None,
                     cached_tokens=int(out.num_cached_tokens or 0),
                     logprobs=_logprobs(completion) if request.sampling.logprobs is not None else None,
                 )
+                if keep_params and out.kv_transfer_params:
+                    result.kv_transfer = dict(out.kv_transfer_params)
+                yield result
+
+
+def _nixl_transfers(stats: Any) -> list[tuple[int, float]]:
+    """(bytes, seconds) per NIXL transfer from vLLM's connector stats, wherever they are nested."""
+    if not isinstance(stats, dict):
+        return []
+    if "bytes_transferred" in stats and "transfer_duration" in stats:
+        return list(zip(stats["bytes_transferred"], stats["transfer_duration"]))
+    out: list[tuple[int, float]] = []
+    for value in stats.values():
+        data = getattr(value, "data", value)
+        out.extend(_nixl_transfers(data))
+    return out
 
 
 def _finish_reason(reason: str | None) -> str:

@@ -86,6 +86,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         tokens = request.token_ids
         overlaps = pool.index.find_matches(local_block_hashes(tokens, block_size))
         chosen = self._pick(candidates, overlaps, block_size, len(tokens), pool.index)
+        # The pool's queue as this request finds it (the disaggregation rule's prefill queue size).
+        pool_waiting = sum(w.load.num_requests_waiting + len(w.pending) for w in candidates)
         overlap = overlaps.get(chosen.info.instance_id, 0)
         prompt_blocks = -(-len(tokens) // block_size)
         chosen.add_pending(max(0, prompt_blocks - overlap))
@@ -95,7 +97,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._metrics.decision_seconds.observe(time.perf_counter() - started)
         log.debug("request %s -> %s (overlap %d blocks)", request.request_id, chosen.info.instance_id, overlap)
         return router_pb2.RouteResponse(worker_id=chosen.info.instance_id, address=chosen.info.address,
-                                        overlap_blocks=overlap, prefix_hit_rate=hit)
+                                        overlap_blocks=overlap, prefix_hit_rate=hit, pool_waiting=pool_waiting)
 
     def _pick(self, candidates: list[WorkerState], overlaps: dict, block_size: int, num_tokens: int,
               index: RadixTree) -> WorkerState:

@@ -33,7 +33,11 @@ def _engine_flags(cfg: LaunchConfig, model: str) -> list[str]:
 
 
 def plan_children(cfg: LaunchConfig, etcd: str, model: str) -> list[Child]:
-    """The mesh's processes in start order (the frontend last, so /health means the rest is up)."""
+    """The mesh's processes in start order (the frontend last, so /health means the rest is up).
+
+    With prefill workers, decode and prefill workers exchange KV over NIXL and the decode workers
+    apply the conditional disaggregation rule; with --prefill-workers 0 serving is aggregated.
+    """
     common = _common_flags(cfg, etcd)
     env = child_env()
     children = [
@@ -44,17 +48,30 @@ def plan_children(cfg: LaunchConfig, etcd: str, model: str) -> list[Child]:
         processor += ["--served-model-name", cfg.served_model_name]
     children.append(Child("processor", processor, env))
     engine = _engine_flags(cfg, model)
-    if cfg.engine == "mocker":
-        # Mocker workers are cheap: one process hosts them all, each registered on its own.
-        children.append(Child("decode-worker", python_module(
-            "services.decode_worker", *common, *engine, "--num-workers", str(cfg.decode_workers)), env))
-    else:
-        for _ in range(cfg.decode_workers):
-            children.append(Child("decode-worker", python_module("services.decode_worker", *common, *engine), env))
+    disagg = cfg.prefill_workers > 0 and cfg.remote_prefill
+    decode = [*common, *engine]
+    if disagg:
+        decode += ["--kv-transfer", "nixl", "--remote-prefill",
+                   "--conditional-disagg" if cfg.conditional_disagg else "--no-conditional-disagg",
+                   "--max-local-prefill-length", str(cfg.max_local_prefill_length),
+                   "--max-prefill-queue-size", str(cfg.max_prefill_queue_size)]
+    children += _workers("decode-worker", "services.decode_worker", decode, cfg.decode_workers, cfg.engine, env)
+    if disagg:
+        children += _workers("prefill-worker", "services.prefill_worker", [*common, *engine, "--kv-transfer", "nixl"],
+                             cfg.prefill_workers, cfg.engine, env)
     frontend = python_module("services.frontend", *common, "--http-port", str(cfg.http_port))
     frontend_env = child_env({"KVMESH_API_KEY": cfg.api_key} if cfg.api_key else None)
     children.append(Child("frontend", frontend, frontend_env))
     return children
+
+
+def _workers(component: str, module: str, flags: list[str], count: int, engine: str,
+             env: dict[str, str]) -> list[Child]:
+    marker = f"{component} ready:"
+    if engine == "mocker":
+        # Mocker workers are cheap: one process hosts them all, each registered on its own.
+        return [Child(component, python_module(module, *flags, "--num-workers", str(count)), env, marker)]
+    return [Child(component, python_module(module, *flags), env, marker) for _ in range(count)]
 
 
 async def wait_ready(base: str, children: list[Child], timeout_s: float) -> None:
@@ -67,6 +84,11 @@ async def wait_ready(base: str, children: list[Child], timeout_s: float) -> None
                     raise RuntimeError(
                         f"{child.component} exited with code {child.returncode} during start-up; its last lines:\n  "
                         + "\n  ".join(child.tail))
+            waiting_for = [c.component for c in children if c.ready_marker and not c.ready]
+            if waiting_for:
+                reason = "waiting for " + ", ".join(sorted(set(waiting_for)))
+                await asyncio.sleep(HEALTH_POLL_S)
+                continue
             try:
                 reply = await client.get(f"{base}/health")
                 if reply.status_code == 200:
@@ -83,8 +105,8 @@ async def launch(cfg: LaunchConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    if cfg.prefill_workers:
-        print("note: this build has no prefill worker yet; serving aggregated (as --prefill-workers 0)",
+    if cfg.prefill_workers and not cfg.remote_prefill:
+        print("note: --no-remote-prefill: the prefill workers would get no work; not starting them",
               file=sys.stderr, flush=True)
     model = str(Path(cfg.model).resolve()) if cfg.model else str(ensure_demo_model())
     etcd: EtcdChild | None = None

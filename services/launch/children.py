@@ -28,8 +28,11 @@ class Child:
     component: str
     argv: Sequence[str]
     env: dict[str, str] | None = None
+    # A line the child prints once it serves (workers: "<component> ready: <ids>").
+    ready_marker: str | None = None
     process: asyncio.subprocess.Process | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    ready: bool = False
     _pump: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -50,6 +53,8 @@ class Child:
         while line := await self.process.stdout.readline():
             text = line.decode(errors="replace").rstrip("\n")
             self.tail.append(text)
+            if self.ready_marker is not None and text.startswith(self.ready_marker):
+                self.ready = True
             sys.stderr.write(prefix + text + "\n")
         sys.stderr.flush()
 

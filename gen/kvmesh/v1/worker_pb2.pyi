@@ -7,6 +7,40 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "sampling")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token", "kv_transfer_json", "cached_tokens", "kv_bytes")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_JSON_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    kv_transfer_json: str
+    cached_tokens: int
+    kv_bytes: int
+    def __init__(self, first_token: _Optional[int] = ..., kv_transfer_json: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+
+class ReleaseKvRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseKvResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
 class WorkerGenerateRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "prefix_hit_rate", "overlap_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -50,6 +50,16 @@ class WorkerStub:
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.SubscribeMetricsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_worker__pb2.LoadMetrics.FromString,
                 _registered_method=True)
+        self.Prefill = channel.unary_unary(
+                '/kvmesh.v1.Worker/Prefill',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+                _registered_method=True)
+        self.ReleaseKv = channel.unary_unary(
+                '/kvmesh.v1.Worker/ReleaseKv',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKvRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKvResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -77,6 +87,20 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefill(self, request, context):
+        """Prefill workers: runs the prompt and keeps its KV cache for a decode worker to pull.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseKv(self, request, context):
+        """Prefill workers: frees the KV held for a request whose decode side gave up.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +118,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.SubscribeMetrics,
                     request_deserializer=kvmesh_dot_v1_dot_worker__pb2.SubscribeMetricsRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_worker__pb2.LoadMetrics.SerializeToString,
+            ),
+            'Prefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'ReleaseKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseKv,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKvRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKvResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +212,60 @@ class Worker:
             '/kvmesh.v1.Worker/SubscribeMetrics',
             kvmesh_dot_v1_dot_worker__pb2.SubscribeMetricsRequest.SerializeToString,
             kvmesh_dot_v1_dot_worker__pb2.LoadMetrics.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/Prefill',
+            kvmesh_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/ReleaseKv',
+            kvmesh_dot_v1_dot_worker__pb2.ReleaseKvRequest.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.ReleaseKvResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,7 +13,7 @@ import json
 import logging
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import xxhash
@@ -26,8 +26,10 @@ from services.engines.base import (
     EngineRequest,
     KvCleared,
     LoadSnapshot,
+    PrefillResult,
 )
 from services.engines.mocker.block_manager import BlockManager
+from services.engines.mocker.kv_transfer import KvTransferError, NixlKvEndpoint
 from services.engines.mocker.timing import TimingModel
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,8 @@ class MockerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     timing: TimingModel = field(default_factory=TimingModel)
+    # Synthetic KV size moved between prefill and decode workers (an 8B model holds ~128 KiB).
+    kv_bytes_per_token: int = 4096
 
 
 @dataclass(eq=False, slots=True)
@@ -58,6 +62,8 @@ class _Seq:
     cached_tokens: int = 0
     generated: int = 0
     done: bool = False
+    # The prompt's KV came from a prefill worker: admitting it costs no prefill compute.
+    remote_kv: bool = False
 
 
 def read_model_facts(model_dir: str) -> tuple[int, int, tuple[int, ...]]:
@@ -85,11 +91,16 @@ class MockerEngine(Engine):
         self._loop_task: asyncio.Task[None] | None = None
         self._prompt_tokens_seen = 0
         self._prompt_tokens_hit = 0
+        self.kv_endpoint: NixlKvEndpoint | None = None
 
     async def start(self) -> None:
         self._loop_task = asyncio.create_task(self._step_loop(), name="mocker-steps")
+        if self.kv_endpoint is not None:
+            self.kv_endpoint.start()
 
     async def stop(self) -> None:
+        if self.kv_endpoint is not None:
+            await self.kv_endpoint.stop()
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
@@ -111,6 +122,20 @@ class MockerEngine(Engine):
             gpu_prefix_cache_hit_rate=self._prompt_tokens_hit / seen if seen else 0.0,
         )
 
+    async def prefill(self, request: EngineRequest) -> PrefillResult:
+        if self.kv_endpoint is None:
+            return await super().prefill(request)
+        first, cached = 0, 0
+        one = EngineRequest(request.request_id, request.token_ids, replace(request.sampling, max_tokens=1))
+        async for out in self.generate(one):
+            first = out.token_ids[0] if out.token_ids else first
+            cached = out.cached_tokens
+        params = self.kv_endpoint.hold(request.request_id, request.token_ids)
+        return PrefillResult(first, params, cached, int(params["nbytes"]))
+
+    async def release_kv(self, request_id: str) -> bool:
+        return self.kv_endpoint is not None and self.kv_endpoint.release(request_id)
+
     def reset_prefix_cache(self) -> None:
         self.blocks.clear()
         self.emit_kv_event(KvCleared())
@@ -128,6 +153,11 @@ class MockerEngine(Engine):
             digest=self._digest(request),
             out=asyncio.Queue(maxsize=request.sampling.max_tokens + 1),
         )
+        if request.kv_transfer is not None:
+            if self.kv_endpoint is None:
+                raise KvTransferError("this worker was started without KV transfer (--kv-transfer nixl)")
+            self.record_kv_transfer(*await self.kv_endpoint.pull(request.kv_transfer))
+            seq.remote_kv = True
         self._waiting.append(seq)
         self._wake.set()
         try:
@@ -163,7 +193,7 @@ class MockerEngine(Engine):
                 seq.locals_ = local_block_hashes(seq.tokens, bs)
                 seq.chain = chained_block_hashes(seq.tokens, bs)
             chain = seq.chain
-            uncached = len(seq.tokens) - self.blocks.cached_prefix_blocks(chain) * bs
+            uncached = 0 if seq.remote_kv else len(seq.tokens) - self.blocks.cached_prefix_blocks(chain) * bs
             # A prompt longer than the budget runs alone in its step (chunked prefill, collapsed).
             if used and used + uncached > budget:
                 break
@@ -176,7 +206,8 @@ class MockerEngine(Engine):
                 seq.cached_tokens = min(hit_blocks * bs, seq.prompt_len)
                 self._prompt_tokens_seen += seq.prompt_len
                 self._prompt_tokens_hit += seq.cached_tokens
-            used += len(seq.tokens) - hit_blocks * bs
+            if not seq.remote_kv:
+                used += len(seq.tokens) - hit_blocks * bs
             admitted.append(seq)
         return admitted, used
 
@@ -223,6 +254,7 @@ class MockerEngine(Engine):
         log.debug("preempting %s", seq.request.request_id)
         self.blocks.free(seq.blocks)
         seq.blocks = []
+        seq.remote_kv = False  # its pulled KV is gone with the blocks: recomputed on readmission
         self._waiting.appendleft(seq)
 
     def _finish_reason(self, seq: _Seq, token: int) -> str | None:

@@ -1,0 +1,126 @@
+"""Getting a prompt prefilled on the prefill pool, or deciding not to.
+
+The decode worker asks the router for the best prefill worker (KV-aware over the prefill pool,
+which also reports the pool's queue), applies the disaggregation rule, and calls that worker's
+Prefill with a deadline. Whatever goes wrong on the way — no prefill worker, an error, the
+deadline — the answer is "prefill locally": logged at WARNING and counted as a fallback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.discovery import ComponentView
+from services.common.grpc_server import ChannelPool
+from services.decode_worker.disagg_decision import DisaggConfig, prefill_remote, worth_remote
+
+log = logging.getLogger(__name__)
+
+ROUTE_TIMEOUT_S = 2.0
+RELEASE_TIMEOUT_S = 2.0
+
+
+class DisaggMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.remote = Counter("kvmesh_decode_remote_prefill", "requests prefilled on a prefill worker", registry=registry)
+        self.local = Counter("kvmesh_decode_local_prefill", "requests prefilled on this decode worker", registry=registry)
+        self.fallback = Counter("kvmesh_decode_prefill_fallback",
+                                "remote prefills that failed and ran locally instead", ["reason"], registry=registry)
+        self.queue = Gauge("kvmesh_prefill_queue_size", "waiting requests across the prefill pool, as last seen",
+                           registry=registry)
+        self.transfer_bytes = Counter("kvmesh_kv_transfer_bytes", "KV cache bytes received from prefill workers",
+                                      registry=registry)
+        self.transfer_seconds = Histogram(
+            "kvmesh_kv_transfer_duration_seconds", "duration of each KV cache transfer", registry=registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
+
+    def record_transfer(self, nbytes: int, seconds: float) -> None:
+        self.transfer_bytes.inc(nbytes)
+        self.transfer_seconds.observe(seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePrefill:
+    worker_id: str
+    address: str
+    kv_transfer: dict
+
+
+class RemotePrefiller:
+    def __init__(self, config: DisaggConfig, model: str, routers: ComponentView, channels: ChannelPool,
+                 metrics: DisaggMetrics) -> None:
+        self.config = config
+        self._model = model
+        self._routers = routers
+        self._channels = channels
+        self.metrics = metrics
+
+    async def plan(self, rid: str, tokens: list[int], sampling: common_pb2.SamplingParams,
+                   prefix_hit_rate: float) -> RemotePrefill | None:
+        """A finished remote prefill to decode from, or None for a local prefill."""
+        if not worth_remote(len(tokens), prefix_hit_rate, self.config):
+            self.metrics.local.inc()
+            return None
+        try:
+            route = await self._route(rid, tokens)
+        except _NoPrefill as exc:
+            return self.fallback(rid, "no_prefill_worker", str(exc))
+        self.metrics.queue.set(route.pool_waiting)
+        if not prefill_remote(len(tokens), prefix_hit_rate, route.pool_waiting, self.config):
+            log.info("request %s: prefill queue %d >= %d; prefilling locally", rid, route.pool_waiting,
+                     self.config.max_prefill_queue_size)
+            self.metrics.local.inc()
+            return None
+        stub = worker_pb2_grpc.WorkerStub(self._channels.get(route.address))
+        try:
+            reply = await stub.Prefill(worker_pb2.PrefillRequest(request_id=rid, token_ids=tokens, sampling=sampling),
+                                       timeout=self.config.prefill_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            reason = "deadline" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "error"
+            return self.fallback(rid, reason, f"prefill worker {route.worker_id}: {exc.code().name} {exc.details()}")
+        self.metrics.remote.inc()
+        log.info("request %s: %d tokens prefilled remotely on %s (%d cached there)", rid, len(tokens),
+                 route.worker_id, reply.cached_tokens)
+        return RemotePrefill(route.worker_id, route.address, json.loads(reply.kv_transfer_json))
+
+    def fallback(self, rid: str, reason: str, detail: str) -> None:
+        log.warning("request %s: remote prefill failed (%s); prefilling locally", rid, detail)
+        self.metrics.fallback.labels(reason).inc()
+        self.metrics.local.inc()
+        return None
+
+    async def release(self, rid: str, remote: RemotePrefill) -> None:
+        """Best effort: tell the prefill worker to free KV this worker will not pull."""
+        stub = worker_pb2_grpc.WorkerStub(self._channels.get(remote.address))
+        try:
+            await stub.ReleaseKv(worker_pb2.ReleaseKvRequest(request_id=rid), timeout=RELEASE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            log.info("request %s: could not release KV on %s (%s); it expires there", rid, remote.worker_id,
+                     exc.code().name)
+
+    async def _route(self, rid: str, tokens: list[int]) -> router_pb2.RouteResponse:
+        routers = sorted(self._routers.instances.values(), key=lambda r: r.instance_id)
+        if not routers:
+            raise _NoPrefill("no router is available to pick a prefill worker")
+        last = ""
+        for router in routers:
+            stub = router_pb2_grpc.RouterStub(self._channels.get(router.address))
+            try:
+                return await stub.Route(router_pb2.RouteRequest(
+                    request_id=rid, model=self._model, token_ids=tokens, role=common_pb2.WORKER_ROLE_PREFILL),
+                    timeout=ROUTE_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                last = exc.details() or exc.code().name
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and "serves model" in last:
+                    break
+        raise _NoPrefill(last)
+
+
+class _NoPrefill(Exception):
+    pass

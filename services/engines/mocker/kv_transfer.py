@@ -1,0 +1,213 @@
+"""Real KV transfers for the mocker: synthetic KV bytes moved between processes with NIXL.
+
+A prefill worker keeps each prefilled prompt's KV (bytes_per_token per prompt token, content a
+function of the tokens) in a slice of an arena registered once with its NIXL agent (as engines
+register their KV cache), until the decode worker that pulled it says it is done, the decode
+side gives up (ReleaseKv), or a lease runs out. A decode worker reads it with one NIXL READ into
+a slice of its own registered arena and verifies the checksum.
+
+Agents find each other through etcd: each worker's agent metadata is stored under its instance
+lease (`/<namespace>/nixl/<instance_id>`) and disappears with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import xxhash
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+DONE_PREFIX = b"kvmesh-done:"
+NOTIF_POLL_S = 0.005
+TRANSFER_POLL_S = 0.0005
+
+
+class KvTransferError(Exception):
+    """The KV could not be moved (peer gone, transfer failed, or the bytes did not match)."""
+
+
+def nixl_metadata_key(namespace: str, instance_id: str) -> str:
+    return f"/{namespace}/nixl/{instance_id}"
+
+
+def synthetic_kv(tokens: list[int], bytes_per_token: int) -> torch.Tensor:
+    """KV bytes that depend on every token, so a transfer of the wrong prompt cannot pass the checksum."""
+    import torch  # NIXL registers torch tensors; imported only where KV transfer is used
+
+    seed = xxhash.xxh3_64_intdigest(np.asarray(tokens, dtype="<u4").tobytes())
+    rng = np.random.default_rng(seed)
+    return torch.from_numpy(rng.integers(0, 256, size=len(tokens) * bytes_per_token, dtype=np.uint8))
+
+
+def checksum(buffer: torch.Tensor) -> int:
+    return xxhash.xxh3_64_intdigest(memoryview(buffer.numpy()))
+
+
+class Arena:
+    """A registered buffer handed out in slices (first fit, coalescing frees)."""
+
+    def __init__(self, nbytes: int) -> None:
+        import torch
+
+        self.buffer = torch.zeros(nbytes, dtype=torch.uint8)
+        self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, size), sorted by offset
+
+    def alloc(self, size: int) -> int | None:
+        for i, (offset, free) in enumerate(self._free):
+            if free >= size:
+                if free == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + size, free - size)
+                return offset
+        return None
+
+    def release(self, offset: int, size: int) -> None:
+        self._free.append((offset, size))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for start, length in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((start, length))
+        self._free = merged
+
+    def view(self, offset: int, size: int) -> torch.Tensor:
+        return self.buffer[offset : offset + size]
+
+
+@dataclass
+class _Held:
+    offset: int
+    size: int
+    expires_at: float
+
+
+class NixlKvEndpoint:
+    """One NIXL agent per mocker worker; prefill workers hold KV, decode workers pull it."""
+
+    def __init__(self, agent_name: str, bytes_per_token: int, arena_bytes: int = 256 << 20,
+                 hold_timeout_s: float = 60.0) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name = agent_name
+        self.bytes_per_token = bytes_per_token
+        self._hold_timeout_s = hold_timeout_s
+        self._agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
+        # Registered before the metadata is published: peers learn the memory with the agent.
+        self._arena = Arena(arena_bytes)
+        self._registration = self._agent.register_memory(self._arena.buffer)
+        self._held: dict[str, _Held] = {}
+        self._peers: set[str] = set()
+        self._task: asyncio.Task[None] | None = None
+        self.metadata_lookup: Callable[[str], Awaitable[bytes | None]] | None = None
+
+    def metadata(self) -> bytes:
+        return self._agent.get_agent_metadata()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._reap(), name=f"nixl-reaper-{self.name}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for request_id in list(self._held):
+            self.release(request_id)
+        self._agent.deregister_memory(self._registration)
+
+    # -- prefill side --------------------------------------------------------------------------
+
+    def hold(self, request_id: str, tokens: list[int]) -> dict:
+        kv = synthetic_kv(tokens, self.bytes_per_token)
+        offset = self._arena.alloc(kv.numel())
+        if offset is None:
+            raise KvTransferError(f"no room to hold {kv.numel()} KV bytes (all {self._arena.buffer.numel()} in use)")
+        region = self._arena.view(offset, kv.numel())
+        region.copy_(kv)
+        self._held[request_id] = _Held(offset, kv.numel(), time.monotonic() + self._hold_timeout_s)
+        descs = self._agent.get_serialized_descs(self._agent.get_xfer_descs(region))
+        return {"agent": self.name, "request_id": request_id, "nbytes": kv.numel(),
+                "checksum": checksum(region), "descs": base64.b64encode(descs).decode()}
+
+    def release(self, request_id: str) -> bool:
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return False
+        self._arena.release(held.offset, held.size)
+        return True
+
+    @property
+    def held_requests(self) -> int:
+        return len(self._held)
+
+    async def _reap(self) -> None:
+        """Frees KV its decode side finished reading, and KV nobody came for in time."""
+        while True:
+            for messages in self._agent.get_new_notifs().values():
+                for message in messages:
+                    if message.startswith(DONE_PREFIX):
+                        self.release(message[len(DONE_PREFIX):].decode())
+            now = time.monotonic()
+            for request_id in [r for r, h in self._held.items() if h.expires_at < now]:
+                log.warning("KV of %s was never pulled; released after %.0fs", request_id, self._hold_timeout_s)
+                self.release(request_id)
+            await asyncio.sleep(NOTIF_POLL_S)
+
+    # -- decode side ---------------------------------------------------------------------------
+
+    async def pull(self, params: dict, timeout_s: float = 30.0) -> tuple[int, float]:
+        """Reads a prefill worker's KV into local memory; returns (bytes, seconds)."""
+        peer = params["agent"]
+        await self._connect(peer)
+        nbytes = int(params["nbytes"])
+        offset = self._arena.alloc(nbytes)
+        if offset is None:
+            raise KvTransferError(f"no room to receive {nbytes} KV bytes")
+        local = self._arena.view(offset, nbytes)
+        started = time.perf_counter()
+        handle = None
+        try:
+            remote = self._agent.deserialize_descs(base64.b64decode(params["descs"]))
+            notif = DONE_PREFIX + params["request_id"].encode()
+            handle = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local), remote, peer, notif)
+            if self._agent.transfer(handle) == "ERR":
+                raise KvTransferError(f"NIXL refused the transfer from {peer}")
+            deadline = started + timeout_s
+            while (state := self._agent.check_xfer_state(handle)) != "DONE":
+                if state == "ERR" or time.perf_counter() > deadline:
+                    raise KvTransferError(f"NIXL transfer from {peer} {'failed' if state == 'ERR' else 'timed out'}")
+                await asyncio.sleep(TRANSFER_POLL_S)
+            seconds = time.perf_counter() - started
+            if checksum(local) != params["checksum"]:
+                raise KvTransferError(f"KV from {peer} arrived corrupted (checksum mismatch)")
+            return nbytes, seconds
+        finally:
+            if handle is not None:
+                self._agent.release_xfer_handle(handle)
+            # The engine's "KV cache" is simulated: the received bytes need not outlive the check.
+            self._arena.release(offset, nbytes)
+
+    async def _connect(self, peer: str) -> None:
+        if peer in self._peers:
+            return
+        if self.metadata_lookup is None:
+            raise KvTransferError("no NIXL metadata store configured")
+        metadata = await self.metadata_lookup(peer)
+        if metadata is None:
+            raise KvTransferError(f"prefill worker {peer} has no NIXL metadata in etcd (gone?)")
+        self._agent.add_remote_agent(metadata)
+        self._peers.add(peer)
