@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from bench import indexer, mesh_overhead, routing_quality
+from bench import disagg_serving, indexer, mesh_overhead, nixl_transfer, routing_quality
 
-BENCHMARKS = {"mesh": mesh_overhead.run, "indexer": indexer.run, "routing": routing_quality.run}
+BENCHMARKS = {
+    "mesh": mesh_overhead.run,
+    "indexer": indexer.run,
+    "routing": routing_quality.run,
+    "nixl": nixl_transfer.run,
+    "disagg": disagg_serving.run,
+}
 
 
 def main() -> None:

@@ -11,7 +11,6 @@ before measuring, so the numbers are steady state.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from collections import Counter
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from bench.client import stream_completion
 from bench.mesh_process import launched
 from bench.report import bar_plot, percentile, save_json, table
 
@@ -60,32 +60,16 @@ def prompts(seed: int) -> tuple[list[list[int]], random.Random]:
 
 
 async def one(session: aiohttp.ClientSession, tokens: list[int], result: ModeResult | None) -> None:
-    body = {"model": "kvmesh-demo", "prompt": tokens, "max_tokens": OUTPUT_TOKENS, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    ttft = None
-    usage = None
-    async with session.post("/v1/completions", json=body) as r:
-        if r.status != 200:
-            if result is not None:
-                result.failures += 1
-            await r.read()
-            return
-        worker = r.headers.get("x-kvmesh-worker", "?")
-        async for line in r.content:
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if ttft is None and chunk.get("choices"):
-                ttft = (time.perf_counter() - t0) * 1000
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-    if result is None or ttft is None or usage is None:
+    outcome = await stream_completion(session, tokens, OUTPUT_TOKENS)
+    if result is None:
         return
-    result.ttft_ms.append(ttft)
-    result.prompt_tokens += usage["prompt_tokens"]
-    result.cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
-    result.per_worker[worker] += 1
+    if not outcome.ok:
+        result.failures += 1
+        return
+    result.ttft_ms.append(outcome.ttft_s * 1000)
+    result.prompt_tokens += outcome.prompt_tokens
+    result.cached_tokens += outcome.cached_tokens
+    result.per_worker[outcome.worker] += 1
 
 
 async def drive(base: str, mode: str) -> ModeResult:

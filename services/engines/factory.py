@@ -10,7 +10,7 @@ from pathlib import Path
 from services.common.config import die, positive_float, positive_int
 from services.engines.base import Engine
 from services.engines.mocker.engine import MockerConfig, MockerEngine
-from services.engines.mocker.timing import TimingModel
+from services.engines.mocker.timing import PRESETS, TimingModel
 
 ENGINES = ("vllm", "mocker")
 KV_TRANSFERS = ("none", "nixl")
@@ -25,6 +25,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-gpu-blocks", type=positive_int, default=16384, help="mocker: KV blocks per worker")
     parser.add_argument("--speedup", type=positive_float, default=1.0,
                         help="mocker: divides the timing model's durations ('inf' = no compute time)")
+    parser.add_argument("--timing", choices=sorted(PRESETS), default="h100-8b",
+                        help="mocker: the machine its timing model imitates")
     parser.add_argument("--max-num-seqs", type=positive_int, default=None, help="running requests per worker")
     parser.add_argument("--max-model-len", type=positive_int, default=None)
     parser.add_argument("--kv-transfer", choices=KV_TRANSFERS, default="none",
@@ -45,6 +47,7 @@ class EngineSpec:
     max_model_len: int | None
     kv_transfer: str = "none"
     kv_bytes_per_token: int = 4096
+    timing: str = "h100-8b"
     advertise_host: str = "127.0.0.1"
 
 
@@ -76,6 +79,7 @@ def engine_spec(args: argparse.Namespace, advertise_host: str = "127.0.0.1") -> 
         max_model_len=args.max_model_len,
         kv_transfer=args.kv_transfer,
         kv_bytes_per_token=args.kv_bytes_per_token,
+        timing=args.timing,
         advertise_host=advertise_host,
     )
 
@@ -89,7 +93,7 @@ def build_engine(spec: EngineSpec) -> Engine:
                 block_size=spec.block_size,
                 num_gpu_blocks=spec.num_gpu_blocks,
                 max_num_seqs=spec.max_num_seqs or 256,
-                timing=TimingModel(speedup=spec.speedup),
+                timing=TimingModel.preset(spec.timing, spec.speedup),
                 kv_bytes_per_token=spec.kv_bytes_per_token,
             )
         )

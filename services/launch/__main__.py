@@ -24,7 +24,7 @@ def _common_flags(cfg: LaunchConfig, etcd: str) -> list[str]:
 
 def _engine_flags(cfg: LaunchConfig, model: str) -> list[str]:
     flags = ["--engine", cfg.engine, "--model", model, "--num-gpu-blocks", str(cfg.num_gpu_blocks),
-             "--speedup", str(cfg.speedup)]
+             "--speedup", str(cfg.speedup), "--timing", cfg.timing]
     if cfg.served_model_name:
         flags += ["--served-model-name", cfg.served_model_name]
     if cfg.block_size:

@@ -25,6 +25,7 @@ import yaml
 
 from services.common.config import die, non_negative_int, positive_float, positive_int
 from services.engines.factory import ENGINES
+from services.engines.mocker.timing import PRESETS
 from services.kv_router.service import ROUTER_MODES
 
 _SECTIONS = ("VllmWorker", "Worker", "PrefillWorker", "Router", "Processor", "Frontend", "ServiceArgs")
@@ -51,6 +52,7 @@ class LaunchConfig:
     api_key: str | None
     num_gpu_blocks: int
     speedup: float
+    timing: str
     log_level: str
     ready_timeout_s: float
 
@@ -75,6 +77,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY") or None)
     p.add_argument("--num-gpu-blocks", type=positive_int, default=16384)
     p.add_argument("--speedup", type=positive_float, default=1.0)
+    p.add_argument("--timing", choices=sorted(PRESETS), default="h100-8b", help="mocker: timing model preset")
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--ready-timeout", type=positive_float, default=600.0, help="seconds to wait for /health")
     return p
@@ -119,6 +122,7 @@ def load(argv: list[str] | None = None) -> LaunchConfig:
         http_port=args.http_port, block_size=args.block_size, max_local_prefill_length=args.max_local_prefill_length,
         max_prefill_queue_size=args.max_prefill_queue_size, remote_prefill=args.remote_prefill,
         conditional_disagg=args.conditional_disagg, etcd_endpoints=args.etcd_endpoints, namespace=args.namespace,
-        api_key=args.api_key, num_gpu_blocks=args.num_gpu_blocks, speedup=args.speedup, log_level=args.log_level,
+        api_key=args.api_key, num_gpu_blocks=args.num_gpu_blocks, speedup=args.speedup, timing=args.timing,
+        log_level=args.log_level,
         ready_timeout_s=args.ready_timeout,
     )

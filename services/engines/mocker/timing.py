@@ -3,11 +3,12 @@
 Defaults approximate an 8B-parameter model on one H100-class GPU (bf16): prefill around
 16k tokens/s with a mild quadratic attention term, and a decode step of ~12 ms that grows
 by ~0.08 ms per sequence in the batch. `speedup` divides every duration; `inf` makes steps free.
+PRESETS name other machines (`--timing NAME`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,10 @@ class TimingModel:
     decode_per_seq_us: float = 80.0
     speedup: float = 1.0
 
+    @classmethod
+    def preset(cls, name: str, speedup: float = 1.0) -> TimingModel:
+        return replace(PRESETS[name], speedup=speedup)
+
     def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
         if self.speedup == float("inf") or (prefill_tokens == 0 and decode_seqs == 0):
             return 0.0
@@ -30,3 +35,13 @@ class TimingModel:
         if decode_seqs:
             ms += self.decode_base_ms + decode_seqs * self.decode_per_seq_us / 1000.0
         return ms / 1000.0 / self.speedup
+
+
+PRESETS: dict[str, TimingModel] = {
+    # The defaults above.
+    "h100-8b": TimingModel(),
+    # A larger accelerator (B200/GB200 class) serving the same 8B model: ~2.5x the prefill rate,
+    # an 8 ms decode step. An 8k-token prompt prefills in ~250 ms.
+    "large-gpu-8b": TimingModel(prefill_base_ms=5.0, prefill_per_token_us=20.0, prefill_quadratic_us_per_1k=1.2,
+                                decode_base_ms=8.0, decode_per_seq_us=50.0),
+}
