@@ -49,7 +49,8 @@ def run() -> dict:
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert peer.stdout is not None
-        offer = json.loads(peer.stdout.readline())
+        # NIXL logs to stdout too: the offer is the line that is JSON.
+        offer = next(json.loads(line) for line in peer.stdout if line.startswith("{"))
         agent = nixl_agent("bench-sink", nixl_agent_config(backends=["UCX"]))
         local = torch.zeros(max(SIZES), dtype=torch.uint8)
         registration = agent.register_memory(local)

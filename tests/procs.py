@@ -193,16 +193,16 @@ class ServiceMesh:
         self.procs[1].wait_for(r"processor \w+ for", 60)
 
     def worker(self, *extra: str) -> tuple[Proc, list[str]]:
-        proc = service("services.decode_worker", "--etcd-endpoints", self.etcd, "--namespace", self.namespace,
-                       "--engine", "mocker", "--speedup", "20", *extra, name="worker")
-        ids = proc.wait_for(r"decode-worker ready: (.+)$", 60).group(1).split()
-        self.procs.append(proc)
-        return proc, ids
+        """A mocker decode worker process joining this mesh; returns it and its instance ids."""
+        return self._worker("decode-worker", *extra)
 
     def prefill_worker(self, *extra: str) -> tuple[Proc, list[str]]:
-        proc = service("services.prefill_worker", "--etcd-endpoints", self.etcd, "--namespace", self.namespace,
-                       "--engine", "mocker", "--speedup", "20", *extra, name="prefill-worker")
-        ids = proc.wait_for(r"prefill-worker ready: (.+)$", 60).group(1).split()
+        return self._worker("prefill-worker", *extra)
+
+    def _worker(self, component: str, *extra: str) -> tuple[Proc, list[str]]:
+        proc = service(f"services.{component.replace('-', '_')}", "--etcd-endpoints", self.etcd,
+                       "--namespace", self.namespace, "--engine", "mocker", "--speedup", "20", *extra, name=component)
+        ids = proc.wait_for(rf"{component} ready: (.+)$", 60).group(1).split()
         self.procs.append(proc)
         return proc, ids
 

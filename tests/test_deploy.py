@@ -13,7 +13,7 @@ from tests.procs import ROOT
 def test_compose_file_runs_every_service_with_valid_flags() -> None:
     compose = yaml.safe_load((ROOT / "deploy" / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert {"etcd", "frontend", "processor", "kv-router", "decode-worker"} <= set(services)
+    assert {"etcd", "frontend", "processor", "kv-router", "decode-worker", "prefill-worker"} <= set(services)
     assert services["decode-worker"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     for name, spec in services.items():
         if name == "etcd":

@@ -131,10 +131,10 @@ async def test_a_corrupted_transfer_is_detected() -> None:
     decode.metadata_lookup = lookup
     prefill.start()
     try:
-        params = prefill.hold("r1", tokens(9, 300))
+        params = await prefill.hold("r1", tokens(9, 300))
         nbytes, _ = await decode.pull(params)
         assert nbytes == 300 * 64
-        bad = prefill.hold("r2", tokens(10, 300))
+        bad = await prefill.hold("r2", tokens(10, 300))
         with pytest.raises(KvTransferError, match="checksum"):
             await decode.pull({**bad, "checksum": bad["checksum"] ^ 1})
         assert await asyncio.wait_for(_released(prefill), 5), "the decode side's notification frees the KV"

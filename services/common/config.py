@@ -26,6 +26,13 @@ class MeshConfig:
     advertise_host: str = "127.0.0.1"
 
 
+class FlagParser(argparse.ArgumentParser):
+    """argparse that reports bad flags as one line (`error: ...`, exit 2) instead of a usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        die(f"{self.prog}: {message} (see --help)")
+
+
 def add_mesh_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--etcd-endpoints",

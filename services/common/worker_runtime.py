@@ -17,7 +17,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
-from services.common.config import MeshConfig, add_mesh_flags, die, mesh_config, positive_int, setup_logging
+from services.common.config import FlagParser, MeshConfig, add_mesh_flags, die, mesh_config, positive_int, setup_logging
 from services.common.discovery import InstanceInfo, new_instance_id
 from services.common.etcd_lease import LeasedRegistration
 from services.common.etcd_store import KeyValueStore
@@ -67,7 +67,7 @@ class RunningWorker:
 
 
 def worker_parser(role: Role) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"python -m services.{role.component.replace('-', '_')}")
+    parser = FlagParser(prog=f"python -m services.{role.component.replace('-', '_')}")
     add_mesh_flags(parser)
     add_engine_flags(parser)
     parser.add_argument("--num-workers", type=positive_int, default=1,

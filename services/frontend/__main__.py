@@ -11,7 +11,7 @@ import socket
 
 import uvicorn
 
-from services.common.config import add_mesh_flags, die, mesh_config, positive_int, setup_logging
+from services.common.config import FlagParser, add_mesh_flags, die, mesh_config, positive_int, setup_logging
 from services.common.discovery import FRONTEND, InstanceInfo, new_instance_id
 from services.common.lifecycle import connect_store, register_instance, run, stop_event_on_signals
 from services.frontend.app import FrontendConfig, create_app
@@ -22,7 +22,7 @@ log = logging.getLogger("frontend")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m services.frontend")
+    p = FlagParser(prog="python -m services.frontend")
     add_mesh_flags(p)
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY") or None,

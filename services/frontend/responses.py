@@ -36,7 +36,7 @@ def chat_logprobs(deltas: list[processor_pb2.ChoiceDelta]) -> dict:
         for lp, text in zip(d.logprobs, d.token_texts):
             content.append({
                 "token": text, "logprob": lp.logprob, "bytes": _token_bytes(text),
-                "top_logprobs": [{"token": str(t.token_id), "logprob": t.logprob} for t in lp.top],
+                "top_logprobs": [{"token": t.text, "logprob": t.logprob, "bytes": _token_bytes(t.text)} for t in lp.top],
             })
     return {"content": content}
 
@@ -47,7 +47,7 @@ def completion_logprobs(deltas: list[processor_pb2.ChoiceDelta], offset: int = 0
         for lp, text in zip(d.logprobs, d.token_texts):
             tokens.append(text)
             token_logprobs.append(lp.logprob)
-            top.append({str(t.token_id): t.logprob for t in lp.top})
+            top.append({t.text: t.logprob for t in lp.top})
             text_offset.append(offset)
             offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}

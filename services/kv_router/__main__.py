@@ -9,7 +9,7 @@ import sys
 from prometheus_client import CollectorRegistry
 
 from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.common.config import add_mesh_flags, die, mesh_config, setup_logging
+from services.common.config import FlagParser, add_mesh_flags, die, mesh_config, setup_logging
 from services.common.discovery import (
     DECODE_WORKER,
     PREFILL_WORKER,
@@ -29,7 +29,7 @@ log = logging.getLogger("kv_router")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m services.kv_router")
+    p = FlagParser(prog="python -m services.kv_router")
     add_mesh_flags(p)
     p.add_argument("--router-mode", choices=ROUTER_MODES, default="kv")
     p.add_argument("--port", type=int, default=0)

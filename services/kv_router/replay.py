@@ -20,6 +20,7 @@ from pathlib import Path
 
 import msgspec
 
+from services.common.config import FlagParser
 from services.common.hashing import local_block_hashes
 from services.common.stats import percentile
 from services.kv_router.radix_tree import EventError, RadixTree
@@ -28,7 +29,7 @@ CHUNK_LINES = 4_000
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m services.kv_router replay", description=__doc__.splitlines()[0])
+    p = FlagParser(prog="python -m services.kv_router replay", description=__doc__.splitlines()[0])
     p.add_argument("--events", type=Path, required=True)
     p.add_argument("--queries", type=Path, required=True)
     p.add_argument("--block-size", type=int, required=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from services.common.config import die, non_negative_int, positive_float, positive_int
+from services.common.config import FlagParser, die, non_negative_int, positive_float, positive_int
 from services.engines.factory import ENGINES
 from services.engines.mocker.timing import PRESETS
 from services.kv_router.service import ROUTER_MODES
@@ -58,7 +58,7 @@ class LaunchConfig:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m services.launch", description="Start a whole local kvmesh.")
+    p = FlagParser(prog="python -m services.launch", description="Start a whole local kvmesh.")
     p.add_argument("--config", type=Path, help="YAML file with defaults for these flags")
     p.add_argument("--engine", choices=ENGINES, default="vllm")
     p.add_argument("--model", default=None)

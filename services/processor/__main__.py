@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from gen.kvmesh.v1 import processor_pb2, processor_pb2_grpc
-from services.common.config import add_mesh_flags, die, mesh_config, positive_int, setup_logging
+from services.common.config import FlagParser, add_mesh_flags, die, mesh_config, positive_int, setup_logging
 from services.common.discovery import PROCESSOR, ROUTER, ComponentView, InstanceInfo, new_instance_id
 from services.common.grpc_server import ChannelPool, ServiceBinding, start_server
 from services.common.lifecycle import connect_store, register_instance, run, stop_event_on_signals
@@ -18,7 +18,7 @@ log = logging.getLogger("processor")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m services.processor")
+    p = FlagParser(prog="python -m services.processor")
     add_mesh_flags(p)
     p.add_argument("--model", default=None, help="model directory (default: the demo model)")
     p.add_argument("--served-model-name", default=None)

@@ -243,6 +243,9 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
                 delta = processor_pb2.ChoiceDelta(index=index, text=out, token_ids=ids, finish_reason=finish)
                 if want_logprobs:
                     delta.logprobs.extend(msg.logprobs)
+                    for lp in delta.logprobs:
+                        for top in lp.top:
+                            top.text = self._tok.token_text(top.token_id)
                     delta.token_texts.extend(self._tok.token_text(t) for t in ids)
                 if out or finish or want_logprobs:
                     yield delta

@@ -97,28 +97,32 @@ def write_demo_model(out: Path, spec: DemoModelSpec = DemoModelSpec()) -> Path:
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
         ).save_pretrained(staging)
         (staging / "kvmesh_demo.json").write_text(json.dumps(spec.__dict__, indent=1))
-        if out.exists():
-            raise FileExistsError(f"{out} already exists")
-        os.rename(staging, out)
+        try:
+            os.rename(staging, out)
+        except OSError:
+            # Another process (a sibling service started at the same time) finished first.
+            if not (out / "config.json").exists():
+                raise
     return out
 
 
-def ensure_demo_model(path: Path = DEFAULT_DIR) -> Path:
+def ensure_demo_model(path: Path = DEFAULT_DIR, spec: DemoModelSpec = DemoModelSpec()) -> Path:
     """Returns the demo model directory, creating it on first use."""
     if (path / "config.json").exists():
         return path.resolve()
     print(f"creating the demo model in {path} (first run only) ...", file=sys.stderr, flush=True)
-    return write_demo_model(path)
+    return write_demo_model(path, spec)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_DIR)
+    parser.add_argument("--max-context", type=int, default=DemoModelSpec.max_context, help="context length in tokens")
     args = parser.parse_args()
     if (args.out / "config.json").exists():
         print(f"{args.out} already holds a model; nothing to do", file=sys.stderr)
         return
-    print(write_demo_model(args.out))
+    print(write_demo_model(args.out, DemoModelSpec(max_context=args.max_context)))
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ class MockerEngine(Engine):
         async for out in self.generate(one):
             first = out.token_ids[0] if out.token_ids else first
             cached = out.cached_tokens
-        params = self.kv_endpoint.hold(request.request_id, request.token_ids)
+        params = await self.kv_endpoint.hold(request.request_id, request.token_ids)
         return PrefillResult(first, params, cached, int(params["nbytes"]))
 
     async def release_kv(self, request_id: str) -> bool:

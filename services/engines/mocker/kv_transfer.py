@@ -43,12 +43,23 @@ def nixl_metadata_key(namespace: str, instance_id: str) -> str:
 
 
 def synthetic_kv(tokens: list[int], bytes_per_token: int) -> torch.Tensor:
-    """KV bytes that depend on every token, so a transfer of the wrong prompt cannot pass the checksum."""
+    """KV bytes that depend on every token and its position, so a transfer of the wrong prompt
+    cannot pass the checksum; built at memory speed (a random row per request, tiled, with each
+    token id mixed into its own row)."""
     import torch  # NIXL registers torch tensors; imported only where KV transfer is used
 
-    seed = xxhash.xxh3_64_intdigest(np.asarray(tokens, dtype="<u4").tobytes())
-    rng = np.random.default_rng(seed)
-    return torch.from_numpy(rng.integers(0, 256, size=len(tokens) * bytes_per_token, dtype=np.uint8))
+    ids = np.asarray(tokens, dtype="<u4")
+    words = max(1, bytes_per_token // 4)
+    row = np.random.default_rng(xxhash.xxh3_64_intdigest(ids.tobytes())).integers(0, 2**32, size=words, dtype=np.uint32)
+    kv = np.tile(row, (len(tokens), 1))
+    kv[:, 0] ^= ids
+    kv[:, -1] += np.arange(len(tokens), dtype=np.uint32)
+    return torch.from_numpy(kv.reshape(-1).view(np.uint8)[: len(tokens) * bytes_per_token].copy())
+
+
+def _fill(region: torch.Tensor, tokens: list[int], bytes_per_token: int) -> int:
+    region.copy_(synthetic_kv(tokens, bytes_per_token))
+    return checksum(region)
 
 
 def checksum(buffer: torch.Tensor) -> int:
@@ -131,17 +142,25 @@ class NixlKvEndpoint:
 
     # -- prefill side --------------------------------------------------------------------------
 
-    def hold(self, request_id: str, tokens: list[int]) -> dict:
-        kv = synthetic_kv(tokens, self.bytes_per_token)
-        offset = self._arena.alloc(kv.numel())
+    async def hold(self, request_id: str, tokens: list[int]) -> dict:
+        """Writes the prompt's KV into the arena and returns what a decode worker needs to read it.
+
+        Building and checksumming megabytes runs on a worker thread, off the engine's event loop.
+        """
+        nbytes = len(tokens) * self.bytes_per_token
+        offset = self._arena.alloc(nbytes)
         if offset is None:
-            raise KvTransferError(f"no room to hold {kv.numel()} KV bytes (all {self._arena.buffer.numel()} in use)")
-        region = self._arena.view(offset, kv.numel())
-        region.copy_(kv)
-        self._held[request_id] = _Held(offset, kv.numel(), time.monotonic() + self._hold_timeout_s)
+            raise KvTransferError(f"no room to hold {nbytes} KV bytes (all {self._arena.buffer.numel()} in use)")
+        region = self._arena.view(offset, nbytes)
+        try:
+            digest = await asyncio.to_thread(_fill, region, tokens, self.bytes_per_token)
+        except BaseException:
+            self._arena.release(offset, nbytes)
+            raise
+        self._held[request_id] = _Held(offset, nbytes, time.monotonic() + self._hold_timeout_s)
         descs = self._agent.get_serialized_descs(self._agent.get_xfer_descs(region))
-        return {"agent": self.name, "request_id": request_id, "nbytes": kv.numel(),
-                "checksum": checksum(region), "descs": base64.b64encode(descs).decode()}
+        return {"agent": self.name, "request_id": request_id, "nbytes": nbytes,
+                "checksum": digest, "descs": base64.b64encode(descs).decode()}
 
     def release(self, request_id: str) -> bool:
         held = self._held.pop(request_id, None)
@@ -192,7 +211,7 @@ class NixlKvEndpoint:
                     raise KvTransferError(f"NIXL transfer from {peer} {'failed' if state == 'ERR' else 'timed out'}")
                 await asyncio.sleep(TRANSFER_POLL_S)
             seconds = time.perf_counter() - started
-            if checksum(local) != params["checksum"]:
+            if await asyncio.to_thread(checksum, local) != params["checksum"]:
                 raise KvTransferError(f"KV from {peer} arrived corrupted (checksum mismatch)")
             return nbytes, seconds
         finally:
