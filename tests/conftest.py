@@ -10,6 +10,11 @@ import pytest
 from tests.procs import Etcd, Mesh
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The vLLM tests run last: their engines start once, late, and load no other test's clock."""
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)
+
+
 @pytest.fixture(scope="session")
 def etcd() -> Iterator[Etcd]:
     server = Etcd.start()
@@ -42,9 +47,12 @@ def vllm_client(vllm_mesh: Mesh) -> openai.OpenAI:
     return openai.OpenAI(base_url=vllm_mesh.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_disagg_mesh(etcd: Etcd) -> Iterator[Mesh]:
-    """1 prefill + 1 decode vLLM worker; prompts of more than 128 uncached tokens prefill remotely."""
+    """1 prefill + 1 decode vLLM worker; prompts of more than 128 uncached tokens prefill remotely.
+
+    Module-scoped: vLLM engines with the NIXL connector keep about half a core busy while idle,
+    which would slow every test after them."""
     mesh = Mesh.launch(etcd.endpoint, "vllm-disagg", "vllm", "--prefill-workers", "1", "--decode-workers", "1",
                        "--max-local-prefill-length", "128", timeout_s=400)
     yield mesh

@@ -103,7 +103,7 @@ def test_an_unreachable_etcd_exits_non_zero_with_one_line(module: str) -> None:
     if module == "services.frontend":
         args += ["--http-port", str(free_port())]
     proc = service(module, *args)
-    code = proc.popen.wait(60)
+    code = proc.popen.wait(120)  # the processor loads its tokenizer (transformers) before etcd
     proc.stop()
     assert code != 0
     errors = [line for line in proc.lines if line.startswith("error:")]
