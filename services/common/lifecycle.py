@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from services.common.config import MeshConfig, die
 from services.common.discovery import InstanceInfo, instance_key
@@ -45,7 +46,7 @@ async def register_instance(store: KeyValueStore, namespace: str, info: Instance
     return registration
 
 
-def run(main: Callable[[], Awaitable[None]]) -> None:
+def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
     """Runs a service's async main on uvloop when available."""
     try:
         import uvloop

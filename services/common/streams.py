@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 _DONE = object()
@@ -16,7 +16,7 @@ async def merge(streams: list[AsyncIterator[T]], bound: int = 64) -> AsyncIterat
         async for item in streams[0]:
             yield item
         return
-    queue: asyncio.Queue[object] = asyncio.Queue(maxsize=bound)
+    queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=bound)
 
     async def pump(stream: AsyncIterator[T]) -> None:
         try:

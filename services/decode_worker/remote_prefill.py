@@ -70,7 +70,8 @@ class RemotePrefiller:
         try:
             route = await self._route(rid, tokens)
         except _NoPrefill as exc:
-            return self.fallback(rid, "no_prefill_worker", str(exc))
+            self.fallback(rid, "no_prefill_worker", str(exc))
+            return None
         self.metrics.queue.set(route.pool_waiting)
         if not prefill_remote(len(tokens), prefix_hit_rate, route.pool_waiting, self.config):
             log.info("request %s: prefill queue %d >= %d; prefilling locally", rid, route.pool_waiting,
@@ -83,7 +84,8 @@ class RemotePrefiller:
                                        timeout=self.config.prefill_timeout_s)
         except grpc.aio.AioRpcError as exc:
             reason = "deadline" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "error"
-            return self.fallback(rid, reason, f"prefill worker {route.worker_id}: {exc.code().name} {exc.details()}")
+            self.fallback(rid, reason, f"prefill worker {route.worker_id}: {exc.code().name} {exc.details()}")
+            return None
         self.metrics.remote.inc()
         log.info("request %s: %d tokens prefilled remotely on %s (%d cached there)", rid, len(tokens),
                  route.worker_id, reply.cached_tokens)
@@ -93,7 +95,6 @@ class RemotePrefiller:
         log.warning("request %s: remote prefill failed (%s); prefilling locally", rid, detail)
         self.metrics.fallback.labels(reason).inc()
         self.metrics.local.inc()
-        return None
 
     async def release(self, rid: str, remote: RemotePrefill) -> None:
         """Best effort: tell the prefill worker to free KV this worker will not pull."""

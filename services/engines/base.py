@@ -6,7 +6,7 @@ Engines know nothing of gRPC or etcd: the worker services translate protobuf to 
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 
@@ -120,7 +120,7 @@ class Engine(abc.ABC):
         """Aborts everything in flight and releases the engine's resources."""
 
     @abc.abstractmethod
-    def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         """Streams outputs; closing the iterator early aborts the request in the engine."""
 
     @abc.abstractmethod

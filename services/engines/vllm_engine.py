@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
@@ -187,7 +187,7 @@ class VllmEngine(Engine):
             kwargs["extra_args"] = extra_args
         return SamplingParams(**kwargs)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         extra = {"kv_transfer_params": request.kv_transfer} if request.kv_transfer else None
         async for output in self._generate(request, extra):
             yield output

@@ -63,7 +63,7 @@ def main() -> None:
         store = await connect_store(mesh)
         channels = ChannelPool()
         registry = CollectorRegistry()
-        pools = {
+        pools: dict[int, WorkerPool] = {
             common_pb2.WORKER_ROLE_DECODE: WorkerPool(ComponentView(store, mesh.namespace, DECODE_WORKER), channels),
             common_pb2.WORKER_ROLE_PREFILL: WorkerPool(ComponentView(store, mesh.namespace, PREFILL_WORKER), channels),
         }

@@ -72,6 +72,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         pool = self._pools.get(role or common_pb2.WORKER_ROLE_DECODE)
         if pool is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown worker role {role}")
+            raise AssertionError("abort raises")
         return pool
 
     async def Route(self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext) -> router_pb2.RouteResponse:  # noqa: N802

@@ -180,7 +180,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
             elif isinstance(item, _Finished):
                 completion_tokens += item.completion_tokens
                 cached_tokens = max(cached_tokens, item.cached_tokens)
-            else:
+            elif isinstance(item, processor_pb2.ChoiceDelta):
                 yield processor_pb2.GenerateResponse(delta=item)
         yield processor_pb2.GenerateResponse(usage=processor_pb2.Usage(
             prompt_tokens=len(tokens), completion_tokens=completion_tokens, cached_tokens=cached_tokens))

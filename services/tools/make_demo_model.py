@@ -85,7 +85,7 @@ def write_demo_model(out: Path, spec: DemoModelSpec = DemoModelSpec()) -> Path:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config)

@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -140,7 +140,7 @@ class MockerEngine(Engine):
         self.blocks.clear()
         self.emit_kv_event(KvCleared())
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         max_blocks = -(-(len(request.token_ids) + request.sampling.max_tokens) // self.config.block_size)
         if max_blocks > self.config.num_gpu_blocks:
             raise ValueError(

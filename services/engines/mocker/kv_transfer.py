@@ -63,7 +63,7 @@ def _fill(region: torch.Tensor, tokens: list[int], bytes_per_token: int) -> int:
 
 
 def checksum(buffer: torch.Tensor) -> int:
-    return xxhash.xxh3_64_intdigest(memoryview(buffer.numpy()))
+    return xxhash.xxh3_64_intdigest(buffer.numpy().data)
 
 
 class Arena:
