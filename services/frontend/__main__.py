@@ -73,7 +73,9 @@ def main() -> None:
         registration = await register_instance(store, mesh.namespace, info)
         serving = asyncio.create_task(server.serve(sockets=[sock]), name="http")
         log.info("frontend %s listening on http://%s:%d/v1", info.instance_id, mesh.host, port)
-        await asyncio.wait([serving, asyncio.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        stopping = asyncio.create_task(stop.wait(), name="stop-signal")
+        await asyncio.wait([serving, stopping], return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
         server.should_exit = True
         await asyncio.gather(serving, return_exceptions=True)
         await registration.stop()
