@@ -14,9 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import xxhash
-
-from services.common.hashing import KV_HASH_SEED, chain_hash
+from services.common.hashing import chain_from, local_block_hashes
 
 VOCAB = 32000
 
@@ -38,12 +36,6 @@ def block_tokens(key: int, n_blocks: int, block_size: int) -> np.ndarray:
     return np.random.default_rng(key).integers(0, VOCAB, size=n_blocks * block_size, dtype=np.uint32)
 
 
-def local_hashes(tokens: np.ndarray, block_size: int) -> list[int]:
-    data = tokens.astype("<u4").tobytes()
-    step = block_size * 4
-    return [xxhash.xxh3_64_intdigest(data[i : i + step], KV_HASH_SEED) for i in range(0, len(data), step)]
-
-
 @dataclass
 class _Conversation:
     system: int
@@ -57,14 +49,9 @@ def write_trace(out_dir: Path, spec: TraceSpec = TraceSpec()) -> tuple[Path, Pat
     events_path, queries_path = out_dir / "events.jsonl", out_dir / "queries.jsonl"
     rng = random.Random(spec.seed)
     bs = spec.block_size
-    system_locals = [local_hashes(block_tokens(10_000 + s, spec.system_blocks, bs), bs) for s in range(spec.system_prompts)]
-    system_chain: list[list[int]] = []
-    for locals_ in system_locals:
-        chain, parent = [], 0
-        for h in locals_:
-            parent = chain_hash(parent, h)
-            chain.append(parent)
-        system_chain.append(chain)
+    system_locals = [local_block_hashes(block_tokens(10_000 + s, spec.system_blocks, bs).tolist(), bs)
+                     for s in range(spec.system_prompts)]
+    system_chain = [chain_from(locals_) for locals_ in system_locals]
     own_max = spec.max_blocks - spec.system_blocks
     held: list[dict[int, None]] = [{} for _ in range(spec.workers)]  # block hash -> None, in store order
     has_system: list[set[int]] = [set() for _ in range(spec.workers)]
@@ -76,12 +63,8 @@ def write_trace(out_dir: Path, spec: TraceSpec = TraceSpec()) -> tuple[Path, Pat
     def own_blocks(conv: _Conversation) -> tuple[list[int], list[int]]:
         cached = own_cache.get(conv.own_key)
         if cached is None:
-            locals_ = local_hashes(block_tokens(conv.own_key, own_max, bs), bs)
-            chain, parent = [], system_chain[conv.system][-1]
-            for h in locals_:
-                parent = chain_hash(parent, h)
-                chain.append(parent)
-            cached = own_cache[conv.own_key] = (chain, locals_)
+            locals_ = local_block_hashes(block_tokens(conv.own_key, own_max, bs).tolist(), bs)
+            cached = own_cache[conv.own_key] = (chain_from(locals_, system_chain[conv.system][-1]), locals_)
             if len(own_cache) > 4096:
                 own_cache.pop(next(iter(own_cache)))
         return cached

@@ -32,9 +32,13 @@ def local_block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
 
 def chained_block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
     """Hashes that identify a block *and* everything before it, as engines key their caches."""
+    return chain_from(local_block_hashes(tokens, block_size))
+
+
+def chain_from(local_hashes: Sequence[int], parent: int = 0) -> list[int]:
+    """The chained hashes of blocks with these local hashes, following the block hashed `parent`."""
     out: list[int] = []
-    parent = 0
-    for local in local_block_hashes(tokens, block_size):
+    for local in local_hashes:
         parent = chain_hash(parent, local)
         out.append(parent)
     return out

@@ -96,7 +96,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.engine = engine
         self.worker_id = worker_id
         self.events = events
-        self.served = 0
 
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         engine_request = EngineRequest(request.request_id, list(request.token_ids), sampling_from_proto(request.sampling))
@@ -118,7 +117,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     msg.prompt_tokens = len(engine_request.token_ids)
                     first = False
                 yield msg
-        self.served += 1
 
     async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         engine_request = EngineRequest(request.request_id, list(request.token_ids), sampling_from_proto(request.sampling))

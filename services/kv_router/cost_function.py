@@ -60,13 +60,18 @@ class Decision:
     logit: float
 
 
+def overlap_ratio(overlap_blocks: int, block_size: int, num_tokens: int) -> float:
+    """The share of the prompt's tokens held in the matched blocks (the prefix hit rate)."""
+    return min(1.0, overlap_blocks * block_size / num_tokens) if num_tokens else 0.0
+
+
 def logits(candidates: Sequence[Candidate], block_size: int, num_tokens: int, w: CostWeights) -> list[float]:
     max_waiting = max((c.waiting() for c in candidates), default=0)
     out = []
     for c in candidates:
-        overlap_ratio = min(1.0, c.overlap_blocks * block_size / num_tokens) if num_tokens else 0.0
         normalized_waiting = c.waiting() / max_waiting if max_waiting else 0.0
-        out.append(w.overlap * overlap_ratio - w.cache_usage * c.cache_usage() - w.waiting * normalized_waiting)
+        cached = overlap_ratio(c.overlap_blocks, block_size, num_tokens)
+        out.append(w.overlap * cached - w.cache_usage * c.cache_usage() - w.waiting * normalized_waiting)
     return out
 
 
@@ -83,5 +88,5 @@ def choose(candidates: Sequence[Candidate], block_size: int, num_tokens: int, w:
         fewest = min(candidates[i].indexed_blocks for i in tied)
         index = rng.choice([i for i in tied if candidates[i].indexed_blocks == fewest])
     chosen = candidates[index]
-    hit = min(1.0, chosen.overlap_blocks * block_size / num_tokens) if num_tokens else 0.0
-    return Decision(chosen.worker_id, chosen.overlap_blocks, hit, scores[index])
+    return Decision(chosen.worker_id, chosen.overlap_blocks, overlap_ratio(chosen.overlap_blocks, block_size, num_tokens),
+                    scores[index])

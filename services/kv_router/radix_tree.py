@@ -68,10 +68,6 @@ class RadixTree:
             self._nodes_with_bit[slot] = 0
         return slot
 
-    @property
-    def workers(self) -> list[Hashable]:
-        return list(self._slot_of)
-
     def block_count(self, worker: Hashable | None = None) -> int:
         if worker is None:
             return sum(len(m) for m in self._lookup.values())

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.common.hashing import local_block_hashes
-from services.kv_router.cost_function import Candidate, CostWeights, choose
+from services.kv_router.cost_function import Candidate, CostWeights, choose, overlap_ratio
 from services.kv_router.policies import RandomChoice, RoundRobin
 from services.kv_router.radix_tree import RadixTree
 from services.kv_router.worker_pool import WorkerPool, WorkerState
@@ -92,7 +92,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         overlap = overlaps.get(chosen.info.instance_id, 0)
         prompt_blocks = -(-len(tokens) // block_size)
         chosen.add_pending(max(0, prompt_blocks - overlap))
-        hit = min(1.0, overlap * block_size / len(tokens)) if tokens else 0.0
+        hit = overlap_ratio(overlap, block_size, len(tokens))
         self._metrics.routed.labels(chosen.info.instance_id, pool.view.component).inc()
         self._metrics.record(len(tokens), min(len(tokens), overlap * block_size))
         self._metrics.decision_seconds.observe(time.perf_counter() - started)

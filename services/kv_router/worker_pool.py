@@ -33,9 +33,7 @@ MAX_PENDING = 4096
 class WorkerState:
     info: InstanceInfo
     load: worker_pb2.LoadMetrics = field(default_factory=worker_pb2.LoadMetrics)
-    load_at: float = 0.0
     last_event_id: int = 0
-    events_applied: int = 0
     # (dispatch time, new blocks) of requests this router sent that the worker has not reported yet.
     pending: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=MAX_PENDING))
 
@@ -43,9 +41,8 @@ class WorkerState:
         self.pending.append((time.monotonic(), new_blocks))
 
     def observe_load(self, load: worker_pb2.LoadMetrics) -> None:
-        now = time.monotonic()
-        self.load, self.load_at = load, now
-        horizon = now - PENDING_GRACE_S
+        self.load = load
+        horizon = time.monotonic() - PENDING_GRACE_S
         while self.pending and self.pending[0][0] < horizon:
             self.pending.popleft()
 
@@ -59,10 +56,8 @@ class WorkerPool:
         self.index = RadixTree()
         self._channels = channels
         self.workers: dict[str, WorkerState] = {}
-        self.refused: dict[str, str] = {}
         self._block_size_by_model: dict[str, int] = {}
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
-        self.event_errors = 0
         view.add_listener(self._on_change)
 
     def candidates(self, model: str) -> list[WorkerState]:
@@ -77,10 +72,8 @@ class WorkerPool:
             return
         expected = self._block_size_by_model.setdefault(info.model, info.block_size)
         if info.block_size != expected:
-            reason = (f"worker {instance_id} has block size {info.block_size}, but model {info.model!r} is "
-                      f"served with {expected}: refusing it (its KV blocks would be mis-scored)")
-            log.error(reason)
-            self.refused[instance_id] = reason
+            log.error("worker %s has block size %d, but model %r is served with %d: refusing it (its KV blocks "
+                      "would be mis-scored)", instance_id, info.block_size, info.model, expected)
             return
         state = self.workers.get(instance_id)
         if state is not None:
@@ -94,7 +87,6 @@ class WorkerPool:
         ]
 
     def _forget(self, instance_id: str) -> None:
-        self.refused.pop(instance_id, None)
         state = self.workers.pop(instance_id, None)
         for task in self._tasks.pop(instance_id, []):
             task.cancel()
@@ -129,7 +121,6 @@ class WorkerPool:
                     for event in batch.events:
                         self._apply(instance_id, event)
                         state.last_event_id = event.event_id
-                    state.events_applied += len(batch.events)
             except grpc.aio.AioRpcError as exc:
                 log.debug("KV event stream of %s broke at id %d: %s", instance_id, state.last_event_id, exc.code())
             await asyncio.sleep(RESUBSCRIBE_BACKOFF_S)
@@ -142,7 +133,6 @@ class WorkerPool:
             try:
                 self.index.store(worker, parent, [(b.block_hash, b.tokens_hash) for b in stored.blocks])
             except EventError as exc:
-                self.event_errors += 1
                 log.debug("%s", exc)
         elif kind == "removed":
             self.index.remove(worker, event.removed.block_hashes)

@@ -56,10 +56,6 @@ class BlockManager:
             n += 1
         return n
 
-    def cached_blocks(self) -> list[tuple[int, int]]:
-        """(block id, hash) of every cached block, for full dumps."""
-        return [(b, h) for b, h in enumerate(self._hash_of) if h != NO_HASH]
-
     # -- allocation ----------------------------------------------------------------------------
 
     def allocate(self, chain: list[int], locals_: list[int], num_tokens: int) -> tuple[list[int], int] | None:
@@ -111,14 +107,6 @@ class BlockManager:
                 self._never_used.append(block)
             else:
                 self._lru[block] = None
-
-    def clear(self) -> None:
-        """Forgets every cached block that nobody references (like a cache reset)."""
-        for block in list(self._lru):
-            del self._by_hash[self._hash_of[block]]
-            self._hash_of[block] = NO_HASH
-            self._never_used.append(block)
-        self._lru.clear()
 
     # -- internals -----------------------------------------------------------------------------
 

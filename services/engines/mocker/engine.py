@@ -18,13 +18,12 @@ from pathlib import Path
 
 import xxhash
 
-from services.common.hashing import block_bytes, chain_hash, chained_block_hashes, local_block_hashes
+from services.common.hashing import block_bytes, chain_from, chain_hash, local_block_hashes
 from services.engines.base import (
     Engine,
     EngineInfo,
     EngineOutput,
     EngineRequest,
-    KvCleared,
     LoadSnapshot,
     PrefillResult,
 )
@@ -136,10 +135,6 @@ class MockerEngine(Engine):
     async def release_kv(self, request_id: str) -> bool:
         return self.kv_endpoint is not None and self.kv_endpoint.release(request_id)
 
-    def reset_prefix_cache(self) -> None:
-        self.blocks.clear()
-        self.emit_kv_event(KvCleared())
-
     async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         max_blocks = -(-(len(request.token_ids) + request.sampling.max_tokens) // self.config.block_size)
         if max_blocks > self.config.num_gpu_blocks:
@@ -191,7 +186,7 @@ class MockerEngine(Engine):
             bs = self.config.block_size
             if not seq.chain and len(seq.tokens) >= bs:
                 seq.locals_ = local_block_hashes(seq.tokens, bs)
-                seq.chain = chained_block_hashes(seq.tokens, bs)
+                seq.chain = chain_from(seq.locals_)
             chain = seq.chain
             uncached = 0 if seq.remote_kv else len(seq.tokens) - self.blocks.cached_prefix_blocks(chain) * bs
             # A prompt longer than the budget runs alone in its step (chunked prefill, collapsed).
