@@ -2,8 +2,9 @@
 
 The trace (bench/kv_trace.py): 16 workers, prefix-sharing conversations, > 1M stored blocks,
 4k-token queries at block size 16. The baseline is the naive reference index the tests check
-the real one against (a set of workers per node, every worker touched at every level), run on
-the same trace in the same invocation, each in its own process so peak RSS is its own.
+the real one against (a set of workers per node, every worker touched at every level), replayed
+by the same CLI (`--index reference`) on the same trace in the same invocation, each in its own
+process so peak RSS is its own.
 """
 
 from __future__ import annotations
@@ -20,11 +21,9 @@ TRACE_DIR = Path(".cache/bench/trace-16w")
 SPEC = TraceSpec()
 
 
-def replay(module: str, events: Path, queries: Path) -> dict:
-    argv = [sys.executable, "-m", module]
-    if module == "services.kv_router":
-        argv.append("replay")
-    argv += ["--events", str(events), "--queries", str(queries), "--block-size", str(SPEC.block_size)]
+def replay(index: str, events: Path, queries: Path) -> dict:
+    argv = [sys.executable, "-m", "services.kv_router", "replay", "--index", index,
+            "--events", str(events), "--queries", str(queries), "--block-size", str(SPEC.block_size)]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -35,9 +34,9 @@ def run() -> dict:
         print(f"indexer: writing the synthetic trace to {TRACE_DIR} (once) ...", flush=True)
         write_trace(TRACE_DIR, SPEC)
     print("indexer: replaying through the radix tree ...", flush=True)
-    fast = replay("services.kv_router", events, queries)
+    fast = replay("radix", events, queries)
     print("indexer: replaying through the naive baseline ...", flush=True)
-    naive = replay("bench.naive_replay", events, queries)
+    naive = replay("reference", events, queries)
     rows = []
     for name, r in (("radix tree (kvmesh)", fast), ("naive baseline", naive)):
         rows.append([name, r["blocks_applied"], r["blocks_held"], r["blocks_per_s"], r["query_p50_us"],

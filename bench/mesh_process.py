@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from services.common.net import free_port
+from services.mesh.net import free_port
 
 
 @contextmanager

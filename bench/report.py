@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from services.common.stats import percentile
+from services.mesh.stats import percentile
 
 __all__ = ["percentile", "median", "table", "save_json", "bar_plot"]
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import httpx
 
-from services.common.discovery import InstanceInfo, component_prefix
-from services.common.etcd_store import EtcdStore
-from services.common.net import free_port
+from services.mesh.discovery import InstanceInfo, component_prefix
+from services.mesh.etcd_store import EtcdStore
+from services.mesh.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "kvmesh-demo"

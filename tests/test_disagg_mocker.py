@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from services.common.discovery import DECODE_WORKER, PREFILL_WORKER
+from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER
 from services.engines.mocker.kv_transfer import KvTransferError, NixlKvEndpoint, nixl_metadata_key
 from tests.procs import Etcd, ServiceMesh, registered, wait_until
 
@@ -36,7 +36,7 @@ def metric(text: str, name: str) -> float:
 
 
 def etcd_has(etcd: str, key: str) -> bool:
-    from services.common.etcd_store import EtcdStore
+    from services.mesh.etcd_store import EtcdStore
 
     async def check() -> bool:
         store = EtcdStore((etcd,))

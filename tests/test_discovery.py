@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from services.common.discovery import DECODE_WORKER, ComponentView, InstanceInfo, instance_key
-from services.common.etcd_lease import LeaseConfig, LeasedRegistration
-from services.common.etcd_store import EtcdStore
+from services.mesh.discovery import DECODE_WORKER, ComponentView, InstanceInfo, instance_key
+from services.mesh.etcd_lease import LeaseConfig, LeasedRegistration
+from services.mesh.etcd_store import EtcdStore
 from tests.procs import Etcd, ServiceMesh, free_port, registered, service, wait_until
 
 MODEL = "kvmesh-demo"

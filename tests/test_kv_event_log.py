@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.common.kv_event_log import KvEventLog
+from services.worker.kv_event_log import KvEventLog
 from services.engines.base import KvCleared, KvRemoved, KvStored
 
 

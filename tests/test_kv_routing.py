@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.common.discovery import DECODE_WORKER
+from services.mesh.discovery import DECODE_WORKER
 from tests.procs import Etcd, ServiceMesh, registered, wait_until
 
 BLOCK = 16

@@ -19,11 +19,17 @@ def test_yaml_config_in_the_seed_shape_sets_defaults_and_flags_win(tmp_path: Pat
         "ServiceArgs:\n  workers: 3\nengine: mocker\n")
     cfg = load(["--config", str(cfg_file), "--max-local-prefill-length", "64"])
     assert cfg.model == "/models/x"
-    assert cfg.router_mode == "round-robin"
-    assert cfg.conditional_disagg is False
     assert cfg.decode_workers == 3
     assert cfg.engine == "mocker"
-    assert cfg.max_local_prefill_length == 64
+    # What the children are given: the file's settings, except where a flag overrides them.
+    assert _flag(cfg.router_argv, "--router-mode") == "round-robin"
+    assert "--no-conditional-disagg" in cfg.disagg_argv
+    assert _flag(cfg.disagg_argv, "--max-local-prefill-length") == "64"
+    assert _flag(cfg.engine_argv, "--engine") == "mocker"
+
+
+def _flag(argv: tuple[str, ...], name: str) -> str:
+    return argv[argv.index(name) + 1]
 
 
 def test_unknown_yaml_setting_is_refused(tmp_path: Path) -> None:

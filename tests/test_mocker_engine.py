@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from services.common.hashing import chained_block_hashes, local_block_hashes
+from services.mesh.hashing import chained_block_hashes, local_block_hashes
 from services.engines.base import EngineRequest, KvRemoved, KvStored, Sampling
 from services.engines.mocker.block_manager import BlockManager
 from services.engines.mocker.engine import MockerConfig, MockerEngine

@@ -1,4 +1,4 @@
-"""When to prefill remotely: the seed's conditional disaggregation rule.
+"""When to prefill remotely: the conditional disaggregation rule.
 
     remote  iff  prompt_len * (1 - prefix_hit_rate) > max_local_prefill_length
             and  prefill_queue_size < max_prefill_queue_size
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.mesh.flags import ConfigError
+
 
 @dataclass(frozen=True)
 class DisaggConfig:
@@ -19,6 +21,16 @@ class DisaggConfig:
     max_local_prefill_length: int = 512
     max_prefill_queue_size: int = 2
     prefill_timeout_s: float = 30.0
+    # Whether this worker can receive a prompt's KV from a prefill worker (NIXL).
+    kv_transfer: bool = True
+
+    def __post_init__(self) -> None:
+        if self.remote_prefill and not self.kv_transfer:
+            raise ConfigError("--remote-prefill needs --kv-transfer nixl (the KV cache has to come over NIXL)")
+        if self.max_local_prefill_length < 0 or self.max_prefill_queue_size < 0:
+            raise ConfigError("--max-local-prefill-length and --max-prefill-queue-size must be >= 0")
+        if not self.prefill_timeout_s > 0:
+            raise ConfigError(f"--prefill-timeout must be > 0, got {self.prefill_timeout_s}")
 
 
 def absolute_prefill_length(prompt_len: int, prefix_hit_rate: float) -> int:

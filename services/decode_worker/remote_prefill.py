@@ -15,14 +15,13 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.common.discovery import ComponentView
-from services.common.grpc_server import ChannelPool
+from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.decode_worker.disagg_decision import DisaggConfig, prefill_remote, worth_remote
+from services.mesh.channels import ChannelPool
+from services.mesh.router_client import NoWorkerError, RouteChoice, RouterClient, RoutingError
 
 log = logging.getLogger(__name__)
 
-ROUTE_TIMEOUT_S = 2.0
 RELEASE_TIMEOUT_S = 2.0
 
 
@@ -53,7 +52,7 @@ class RemotePrefill:
 
 
 class RemotePrefiller:
-    def __init__(self, config: DisaggConfig, model: str, routers: ComponentView, channels: ChannelPool,
+    def __init__(self, config: DisaggConfig, model: str, routers: RouterClient, channels: ChannelPool,
                  metrics: DisaggMetrics) -> None:
         self.config = config
         self._model = model
@@ -69,8 +68,11 @@ class RemotePrefiller:
             return None
         try:
             route = await self._route(rid, tokens)
-        except _NoPrefill as exc:
+        except NoWorkerError as exc:
             self.fallback(rid, "no_prefill_worker", str(exc))
+            return None
+        except RoutingError as exc:
+            self.fallback(rid, "no_router", str(exc))
             return None
         self.metrics.queue.set(route.pool_waiting)
         if not prefill_remote(len(tokens), prefix_hit_rate, route.pool_waiting, self.config):
@@ -78,7 +80,7 @@ class RemotePrefiller:
                      self.config.max_prefill_queue_size)
             self.metrics.local.inc()
             return None
-        stub = worker_pb2_grpc.WorkerStub(self._channels.get(route.address))
+        stub = worker_pb2_grpc.PrefillerStub(self._channels.get(route.address))
         try:
             reply = await stub.Prefill(worker_pb2.PrefillRequest(request_id=rid, token_ids=tokens, sampling=sampling),
                                        timeout=self.config.prefill_timeout_s)
@@ -98,30 +100,12 @@ class RemotePrefiller:
 
     async def release(self, rid: str, remote: RemotePrefill) -> None:
         """Best effort: tell the prefill worker to free KV this worker will not pull."""
-        stub = worker_pb2_grpc.WorkerStub(self._channels.get(remote.address))
+        stub = worker_pb2_grpc.PrefillerStub(self._channels.get(remote.address))
         try:
             await stub.ReleaseKv(worker_pb2.ReleaseKvRequest(request_id=rid), timeout=RELEASE_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             log.info("request %s: could not release KV on %s (%s); it expires there", rid, remote.worker_id,
                      exc.code().name)
 
-    async def _route(self, rid: str, tokens: list[int]) -> router_pb2.RouteResponse:
-        routers = sorted(self._routers.instances.values(), key=lambda r: r.instance_id)
-        if not routers:
-            raise _NoPrefill("no router is available to pick a prefill worker")
-        last = ""
-        for router in routers:
-            stub = router_pb2_grpc.RouterStub(self._channels.get(router.address))
-            try:
-                return await stub.Route(router_pb2.RouteRequest(
-                    request_id=rid, model=self._model, token_ids=tokens, role=common_pb2.WORKER_ROLE_PREFILL),
-                    timeout=ROUTE_TIMEOUT_S)
-            except grpc.aio.AioRpcError as exc:
-                last = exc.details() or exc.code().name
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and "serves model" in last:
-                    break
-        raise _NoPrefill(last)
-
-
-class _NoPrefill(Exception):
-    pass
+    async def _route(self, rid: str, tokens: list[int]) -> RouteChoice:
+        return await self._routers.route(rid, self._model, tokens, common_pb2.WORKER_ROLE_PREFILL)

@@ -14,10 +14,10 @@ from dataclasses import replace
 import grpc
 
 from gen.kvmesh.v1 import worker_pb2
-from services.common.kv_event_log import KvEventLog
-from services.common.worker_servicer import WorkerServicer, sampling_from_proto
 from services.decode_worker.remote_prefill import DisaggMetrics, RemotePrefill, RemotePrefiller
 from services.engines.base import Engine, EngineRequest
+from services.worker.kv_event_log import KvEventLog
+from services.worker.servicer import LOCAL_PREFILL, WorkerServicer, remote_prefill, sampling_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,8 @@ class DecodeServicer(WorkerServicer):
             if remote is not None:
                 started = False
                 try:
-                    async for msg in self.stream(replace(local, kv_transfer=remote.kv_transfer), f"remote:{remote.worker_id}"):
+                    async for msg in self.stream(replace(local, kv_transfer=remote.kv_transfer),
+                                                  remote_prefill(remote.worker_id)):
                         if not started and msg.finish_reason == "abort":
                             raise RuntimeError("the engine aborted the request it was to decode from remote KV")
                         started = True
@@ -70,7 +71,7 @@ class DecodeServicer(WorkerServicer):
                     assert self.prefiller is not None
                     self.prefiller.fallback(rid, "transfer", f"KV from {remote.worker_id} unusable: {exc}")
                     await self.prefiller.release(rid, remote)
-            async for msg in self.stream(local, "local"):
+            async for msg in self.stream(local, LOCAL_PREFILL):
                 yield msg
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -9,6 +9,8 @@ import abc
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
+from services.mesh.hashing import LocalBlockHash, SequenceHash
+
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
@@ -34,10 +36,10 @@ class EngineRequest:
 
 @dataclass(frozen=True, slots=True)
 class PrefillResult:
-    first_token: int
+    # What a decode engine needs to pull the prompt's KV (engine-specific, JSON-serialisable).
     kv_transfer: dict
+    # Prompt tokens found in this engine's own prefix cache.
     cached_tokens: int = 0
-    kv_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,14 +76,14 @@ class LoadSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class KvStored:
-    parent_hash: int | None
+    parent_hash: SequenceHash | None
     # (engine block hash, local tokens hash) per block, parent first.
-    blocks: tuple[tuple[int, int], ...]
+    blocks: tuple[tuple[SequenceHash, LocalBlockHash], ...]
 
 
 @dataclass(frozen=True, slots=True)
 class KvRemoved:
-    block_hashes: tuple[int, ...]
+    block_hashes: tuple[SequenceHash, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
 
-from services.common.net import free_port
+from services.mesh.net import free_port
 from services.engines.base import (
     Engine,
     EngineInfo,
@@ -197,14 +197,13 @@ class VllmEngine(Engine):
         if not self.config.kv_transfer:
             return await super().prefill(request)
         one = EngineRequest(request.request_id, request.token_ids, replace(request.sampling, max_tokens=1))
-        first, cached, params = 0, 0, None
+        cached, params = 0, None
         async for out in self._generate(one, {"kv_transfer_params": {"do_remote_decode": True}}, keep_params=True):
-            first = out.token_ids[0] if out.token_ids else first
             cached = out.cached_tokens
             params = out.kv_transfer or params
         if params is None:
             raise RuntimeError("vLLM returned no KV transfer parameters (is the NixlConnector configured?)")
-        return PrefillResult(first, params, cached)
+        return PrefillResult(params, cached)
 
     async def _generate(self, request: EngineRequest, extra_args: dict[str, Any] | None,
                         keep_params: bool = False) -> AsyncIterator[EngineOutput]:

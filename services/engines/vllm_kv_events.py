@@ -14,16 +14,17 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from services.common.hashing import local_block_hashes
+from services.mesh.hashing import SequenceHash, local_block_hashes
 from services.engines.base import KvCleared, KvEventData, KvRemoved, KvStored
 
 log = logging.getLogger(__name__)
 
 
-def fold_hash(value: int | bytes) -> int:
+def fold_hash(value: int | bytes) -> SequenceHash:
+    """vLLM's block hash as a u64 sequence hash (sha256 prefix caching gives bytes: the first 8)."""
     if isinstance(value, bytes):
-        return int.from_bytes(value[:8], "little")
-    return value & 0xFFFF_FFFF_FFFF_FFFF
+        return SequenceHash(int.from_bytes(value[:8], "little"))
+    return SequenceHash(value & 0xFFFF_FFFF_FFFF_FFFF)
 
 
 def convert(event: object) -> KvEventData | None:

@@ -2,41 +2,41 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import socket
+from collections.abc import Iterator
 
 import uvicorn
 
-from services.common.config import FlagParser, add_mesh_flags, die, mesh_config, positive_int, setup_logging
-from services.common.discovery import FRONTEND, InstanceInfo, new_instance_id
-from services.common.lifecycle import connect_store, register_instance, run, stop_event_on_signals
-from services.frontend.app import FrontendConfig, create_app
+from services.frontend.app import create_app
+from services.frontend.flags import add_frontend_flags, frontend_config
 from services.frontend.mesh import MeshView
 from services.frontend.metrics import FrontendMetrics
+from services.mesh.discovery import DECODE_WORKER, FRONTEND, PROCESSOR, ROUTER, InstanceInfo, new_instance_id
+from services.mesh.flags import FlagParser, add_mesh_flags, die, mesh_config
+from services.mesh.logs import setup_logging
+from services.mesh.service_runner import ServiceRunner, run_service
 
 log = logging.getLogger("frontend")
 
+# Connections the kernel queues before the gateway accepts them.
+LISTEN_BACKLOG = 2048
 
-def parser() -> argparse.ArgumentParser:
+
+def parser() -> FlagParser:
     p = FlagParser(prog="python -m services.frontend")
     add_mesh_flags(p)
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY") or None,
-                   help="require this bearer token (env KVMESH_API_KEY)")
-    p.add_argument("--max-body-bytes", type=positive_int, default=16 * 1024 * 1024)
-    p.add_argument("--max-inflight", type=positive_int, default=2048, help="concurrent requests before 429")
+    add_frontend_flags(p)
     return p
 
 
 class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: the service's stop event decides when to exit."""
+    """uvicorn without its own signal handling: the service runner decides when to exit."""
 
     @contextlib.contextmanager
-    def capture_signals(self):
+    def capture_signals(self) -> Iterator[None]:
         yield
 
 
@@ -47,7 +47,7 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         die(f"--http-port {port}: cannot listen on {host}:{port} ({exc.strerror})")
-    sock.listen(2048)
+    sock.listen(LISTEN_BACKLOG)
     sock.set_inheritable(True)
     return sock
 
@@ -56,33 +56,32 @@ def main() -> None:
     args = parser().parse_args()
     mesh = mesh_config(args)
     setup_logging(mesh.log_level, FRONTEND)
+    config = frontend_config(args)
     sock = bind(mesh.host, args.http_port)
-    config = FrontendConfig(api_key=args.api_key, max_body_bytes=args.max_body_bytes, max_inflight=args.max_inflight)
 
-    async def amain() -> None:
-        stop = stop_event_on_signals()
-        store = await connect_store(mesh)
-        view = MeshView(store, mesh.namespace)
-        await view.start()
-        metrics = FrontendMetrics()
-        app = create_app(config, view, metrics)
+    async def assemble(runner: ServiceRunner) -> None:
+        await runner.connect_store()
+        view = MeshView(processors=await runner.watch_component(PROCESSOR),
+                        routers=await runner.watch_component(ROUTER),
+                        decoders=await runner.watch_component(DECODE_WORKER),
+                        channels=runner.channels)
+        app = create_app(config, view, FrontendMetrics())
         server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, http="httptools",
                                         timeout_keep_alive=30, lifespan="off"))
+        serving = runner.watch(asyncio.create_task(server.serve(sockets=[sock]), name="http"), "the HTTP server")
+        runner.on_teardown("stop the HTTP server", lambda: _shut_down(server, serving))
         port = sock.getsockname()[1]
         info = InstanceInfo(component=FRONTEND, instance_id=new_instance_id(), address=f"{mesh.advertise_host}:{port}")
-        registration = await register_instance(store, mesh.namespace, info)
-        serving = asyncio.create_task(server.serve(sockets=[sock]), name="http")
+        await runner.register(info)
         log.info("frontend %s listening on http://%s:%d/v1", info.instance_id, mesh.host, port)
-        stopping = asyncio.create_task(stop.wait(), name="stop-signal")
-        await asyncio.wait([serving, stopping], return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        server.should_exit = True
-        await asyncio.gather(serving, return_exceptions=True)
-        await registration.stop()
-        await view.stop()
-        await store.close()
 
-    run(amain)
+    run_service(FRONTEND, mesh, assemble)
+
+
+async def _shut_down(server: uvicorn.Server, serving: asyncio.Task[None]) -> None:
+    """Stops accepting and lets open responses finish (uvicorn's own graceful shutdown)."""
+    server.should_exit = True
+    await asyncio.gather(serving, return_exceptions=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gen.kvmesh.v1 import common_pb2, processor_pb2
-from services.common.streams import merge
+from services.mesh.flags import ConfigError
+from services.mesh.streams import merge
 from services.frontend.errors import ApiError, from_grpc
 from services.frontend.mesh import MeshView
 from services.frontend.metrics import FrontendMetrics
@@ -26,6 +27,7 @@ from services.frontend.responses import (
     ChoiceAccumulator,
     chat_logprobs,
     completion_logprobs,
+    prefill_header,
     sse,
     usage_body,
 )
@@ -40,6 +42,15 @@ class FrontendConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     max_inflight: int = 2048
     request_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and (not self.api_key or not self.api_key.isascii() or " " in self.api_key):
+            raise ConfigError("--api-key must be non-empty printable ASCII without spaces")
+        for flag, value in (("--max-body-bytes", self.max_body_bytes), ("--max-inflight", self.max_inflight)):
+            if value <= 0:
+                raise ConfigError(f"{flag} must be > 0, got {value}")
+        if not self.request_timeout_s > 0:
+            raise ConfigError(f"--request-timeout must be > 0, got {self.request_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -148,9 +159,9 @@ class _Gateway:
                 log.warning("request %s: %d %s", rid, exc.status, exc.message)
             return exc.response(headers)
         headers["x-kvmesh-worker"] = route.worker_id
-        headers["x-kvmesh-prefill"] = route.prefill
+        headers["x-kvmesh-prefill"] = prefill_header(route.prefill)
         log.info("request %s: %s %d prompt tokens -> worker %s (%s prefill)", rid, kind.endpoint,
-                 route.prompt_tokens, route.worker_id, route.prefill)
+                 route.prompt_tokens, route.worker_id, headers["x-kvmesh-prefill"])
         self.inflight += 1
         self.metrics.inflight.inc()
         stream = _Stream(self, kind, req, rid, calls, started)

@@ -2,30 +2,23 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from itertools import count
 
 from gen.kvmesh.v1 import processor_pb2_grpc
-from services.common.discovery import DECODE_WORKER, PROCESSOR, ROUTER, ComponentView, InstanceInfo
-from services.common.etcd_store import KeyValueStore
-from services.common.grpc_server import ChannelPool
+from services.mesh.channels import ChannelPool
+from services.mesh.discovery import ComponentView, InstanceInfo
 
 
+@dataclass
 class MeshView:
-    def __init__(self, store: KeyValueStore, namespace: str) -> None:
-        self.processors = ComponentView(store, namespace, PROCESSOR)
-        self.routers = ComponentView(store, namespace, ROUTER)
-        self.decoders = ComponentView(store, namespace, DECODE_WORKER)
-        self.channels = ChannelPool()
-        self._turn = count()
+    """Live views of the components the gateway needs (their lifetimes belong to the service runner)."""
 
-    async def start(self) -> None:
-        for view in (self.processors, self.routers, self.decoders):
-            await view.start()
-
-    async def stop(self) -> None:
-        for view in (self.processors, self.routers, self.decoders):
-            await view.stop()
-        await self.channels.close()
+    processors: ComponentView
+    routers: ComponentView
+    decoders: ComponentView
+    channels: ChannelPool
+    _turn: count = field(default_factory=count)
 
     def models(self) -> list[str]:
         served = {i.model for i in self.decoders.instances.values()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from gen.kvmesh.v1 import processor_pb2
+from gen.kvmesh.v1 import common_pb2, processor_pb2
 
 
 @dataclass
@@ -58,3 +58,10 @@ def sse(obj: dict) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+def prefill_header(location: common_pb2.PrefillLocation) -> str:
+    """The `x-kvmesh-prefill` header: `remote:<prefill worker id>`, or `local` (also when unset)."""
+    if location.site == common_pb2.PrefillLocation.SITE_REMOTE:
+        return f"remote:{location.prefill_worker_id}"
+    return "local"

@@ -1,45 +1,33 @@
-"""python -m services.kv_router: the routing service (and, later, its offline `replay` tool)."""
+"""python -m services.kv_router: the routing service (and `replay`, its offline twin)."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 
 from prometheus_client import CollectorRegistry
 
 from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.common.config import FlagParser, add_mesh_flags, die, mesh_config, setup_logging
-from services.common.discovery import (
-    DECODE_WORKER,
-    PREFILL_WORKER,
-    ROUTER,
-    ComponentView,
-    InstanceInfo,
-    new_instance_id,
-)
-from services.common.grpc_server import ChannelPool, ServiceBinding, start_server
-from services.common.lifecycle import connect_store, register_instance, run, stop_event_on_signals
-from services.common.telemetry import serve_metrics
-from services.kv_router.cost_function import CostWeights
-from services.kv_router.service import ROUTER_MODES, RouterConfig, RouterMetrics, RouterServicer
+from services.kv_router.flags import add_router_flags, router_config
+from services.kv_router.service import RouterMetrics, RouterServicer
 from services.kv_router.worker_pool import WorkerPool
+from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, ROUTER, InstanceInfo, new_instance_id
+from services.mesh.flags import FlagParser, add_mesh_flags, mesh_config, port_number
+from services.mesh.grpc_server import ServiceBinding
+from services.mesh.logs import setup_logging
+from services.mesh.service_runner import ServiceRunner, run_service
 
 log = logging.getLogger("kv_router")
 
+POOLS = {common_pb2.WORKER_ROLE_DECODE: DECODE_WORKER, common_pb2.WORKER_ROLE_PREFILL: PREFILL_WORKER}
 
-def parser() -> argparse.ArgumentParser:
+
+def parser() -> FlagParser:
     p = FlagParser(prog="python -m services.kv_router")
     add_mesh_flags(p)
-    p.add_argument("--router-mode", choices=ROUTER_MODES, default="kv")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--metrics-port", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None, help="seed for random tie-breaking (reproducible runs)")
-    p.add_argument("--overlap-weight", type=float, default=2.0, help="cost function: weight of the cached share")
-    p.add_argument("--cache-usage-weight", type=float, default=1.0, help="cost function: weight of KV cache usage")
-    p.add_argument("--waiting-weight", type=float, default=1.0, help="cost function: weight of the normalized queue")
-    p.add_argument("--router-temperature", type=float, default=0.0,
-                   help="0 = best logit wins; > 0 = sample from softmax(logit / T)")
+    add_router_flags(p)
+    p.add_argument("--port", type=port_number, default=0)
+    p.add_argument("--metrics-port", type=port_number, default=0)
     return p
 
 
@@ -52,43 +40,26 @@ def main() -> None:
     args = parser().parse_args()
     mesh = mesh_config(args)
     setup_logging(mesh.log_level, ROUTER)
-    if args.router_temperature < 0:
-        die("--router-temperature must be >= 0")
-    weights = CostWeights(overlap=args.overlap_weight, cache_usage=args.cache_usage_weight,
-                          waiting=args.waiting_weight, temperature=args.router_temperature)
-    config = RouterConfig(mode=args.router_mode, seed=args.seed, weights=weights)
+    config = router_config(args)
 
-    async def amain() -> None:
-        stop = stop_event_on_signals()
-        store = await connect_store(mesh)
-        channels = ChannelPool()
+    async def assemble(runner: ServiceRunner) -> None:
+        await runner.connect_store()
+        pools: dict[int, WorkerPool] = {}
+        for role, component in POOLS.items():
+            pool = pools[role] = WorkerPool(await runner.watch_component(component), runner.channels)
+            runner.on_teardown(f"stop {component} subscriptions", pool.stop)
         registry = CollectorRegistry()
-        pools: dict[int, WorkerPool] = {
-            common_pb2.WORKER_ROLE_DECODE: WorkerPool(ComponentView(store, mesh.namespace, DECODE_WORKER), channels),
-            common_pb2.WORKER_ROLE_PREFILL: WorkerPool(ComponentView(store, mesh.namespace, PREFILL_WORKER), channels),
-        }
-        for pool in pools.values():
-            await pool.view.start()
         servicer = RouterServicer(pools, config, RouterMetrics(registry))
         binding = ServiceBinding(router_pb2_grpc.add_RouterServicer_to_server, servicer,
                                  router_pb2.DESCRIPTOR.services_by_name["Router"].full_name)
-        server, port, _ = await start_server([binding], mesh.host, args.port)
-        metrics_port = serve_metrics(registry, mesh.host, args.metrics_port)
-        instance_id = new_instance_id()
-        info = InstanceInfo(component=ROUTER, instance_id=instance_id, address=f"{mesh.advertise_host}:{port}",
+        port, _ = await runner.serve_grpc([binding], args.port)
+        metrics_port = runner.serve_metrics(registry, args.metrics_port)
+        info = InstanceInfo(component=ROUTER, instance_id=new_instance_id(), address=f"{mesh.advertise_host}:{port}",
                             metrics_port=metrics_port, extra={"mode": config.mode})
-        registration = await register_instance(store, mesh.namespace, info)
-        log.info("router %s (%s mode) at %s", instance_id, config.mode, info.address)
-        await stop.wait()
-        await registration.stop()
-        await server.stop(grace=2)
-        for pool in pools.values():
-            await pool.stop()
-            await pool.view.stop()
-        await channels.close()
-        await store.close()
+        await runner.register(info)
+        log.info("router %s (%s mode) at %s", info.instance_id, config.mode, info.address)
 
-    run(amain)
+    run_service(ROUTER, mesh, assemble)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
-"""The KV index: a radix tree of every worker's cached blocks, keyed by each block's local hash.
+"""The router's `KvIndex`: a radix tree of every worker's cached blocks, keyed by each block's
+local hash, built for the router's hot paths in plain Python.
 
 A path from the root is a prompt prefix; each node records which workers hold that block. The
 semantics follow NVIDIA Dynamo's `RadixTree` exactly (so `find_matches` gives the same numbers
-for the same events), including its edge cases: a stored event whose parent the worker does not
-hold is skipped; a node left with no worker drops its children; a block hash the worker already
-has is re-attached rather than duplicated.
+for the same events), including its edge cases, which `KvIndex` states in full: a stored event
+whose parent the worker does not hold is skipped; a node left with no worker drops its
+children; a block hash the worker already has is re-attached rather than duplicated.
 
-Built for the hot paths, in plain Python:
+How it stays fast:
 - nodes are ints indexing parallel lists, not objects: no per-node object header, and nothing
   for the cyclic garbage collector to scan (with a million node objects its collections cost
   three times the work itself). Nodes are reference-counted by hand — parent links plus lookup
@@ -25,16 +26,15 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
+from services.kv_router.kv_index import EventError, KvIndex, StoredBlock
+from services.mesh.hashing import LocalBlockHash, SequenceHash
+
 ROOT = 0
 NO_KEY = -1  # local hashes are u64, never negative
 UNKNOWN = -1
 
 
-class EventError(Exception):
-    """An event the index could not (fully) apply; the index stays consistent."""
-
-
-class RadixTree:
+class RadixTree(KvIndex):
     def __init__(self) -> None:
         # Per node: local hash of its inline child, the inline child, its other children, the
         # mask of workers holding it, and its reference count.
@@ -50,7 +50,7 @@ class RadixTree:
         self._free_nodes: list[int] = []
         self._slot_of: dict[Hashable, int] = {}
         self._worker_of_slot: dict[int, Hashable] = {}
-        self._lookup: dict[int, dict[int, int]] = {}  # slot -> block hash -> node
+        self._lookup: dict[int, dict[SequenceHash, int]] = {}  # slot -> block hash -> node
         self._nodes_with_bit: dict[int, int] = {}  # slot -> how many nodes carry its bit
         self._free_slots: list[int] = []
         # Slots of removed workers whose bit is still set on stale nodes, with the worker's name.
@@ -158,7 +158,7 @@ class RadixTree:
 
     # -- events --------------------------------------------------------------------------------
 
-    def store(self, worker: Hashable, parent_hash: int | None, blocks: Iterable[tuple[int, int]]) -> int:
+    def store(self, worker: Hashable, parent_hash: SequenceHash | None, blocks: Iterable[StoredBlock]) -> int:
         """Applies a stored event; returns the number of blocks applied."""
         slot = self._slot(worker)
         bit = 1 << slot
@@ -223,7 +223,7 @@ class RadixTree:
         self._nodes_with_bit[slot] += added
         return applied
 
-    def remove(self, worker: Hashable, block_hashes: Iterable[int]) -> int:
+    def remove(self, worker: Hashable, block_hashes: Iterable[SequenceHash]) -> int:
         """Applies a removed event; unknown blocks are skipped. Returns the number removed."""
         slot = self._slot_of.get(worker)
         if slot is None:
@@ -291,7 +291,7 @@ class RadixTree:
 
     # -- queries -------------------------------------------------------------------------------
 
-    def find_matches(self, local_hashes: Sequence[int]) -> dict[Hashable, int]:
+    def find_matches(self, local_hashes: Sequence[LocalBlockHash]) -> dict[Hashable, int]:
         """Per worker, the number of matched levels (walking from the root) that contain it."""
         keys, kids, more_of, masks = self._key, self._child, self._more, self._mask
         node = ROOT

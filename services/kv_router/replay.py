@@ -1,11 +1,14 @@
-"""Offline replay: build the index from recorded router events, then score recorded queries.
+"""Offline replay: build an index from recorded router events, then score recorded queries.
 
     python -m services.kv_router replay --events EVENTS.jsonl --queries QUERIES.jsonl \\
-        --block-size N [--out SCORES.jsonl]
+        --block-size N [--index radix|reference] [--out SCORES.jsonl]
 
 Events use Dynamo's router-event JSON; the last stdout line is one JSON object of measurements.
 `blocks_per_s` counts only applying decoded events to the index (as a router does with events
 already off the wire); `decode_blocks_per_s` is the JSON decoding of the same lines.
+
+`--index reference` replays through the naive reference index instead of the radix tree: the
+benchmark's baseline, and a check that both give the same scores for the same trace.
 """
 
 from __future__ import annotations
@@ -15,17 +18,21 @@ import json
 import resource
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
-from services.common.config import FlagParser
-from services.common.hashing import local_block_hashes
-from services.common.stats import percentile
-from services.kv_router.radix_tree import EventError, RadixTree
+from services.mesh.flags import FlagParser
+from services.mesh.hashing import SequenceHash, local_block_hashes
+from services.mesh.stats import percentile
+from services.kv_router.kv_index import EventError, KvIndex, StoredBlock
+from services.kv_router.radix_tree import RadixTree
+from services.kv_router.reference_index import ReferenceIndex
 
 CHUNK_LINES = 4_000
+INDEXES: dict[str, Callable[[], KvIndex]] = {"radix": RadixTree, "reference": ReferenceIndex}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -33,6 +40,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--events", type=Path, required=True)
     p.add_argument("--queries", type=Path, required=True)
     p.add_argument("--block-size", type=int, required=True)
+    p.add_argument("--index", choices=tuple(INDEXES), default="radix",
+                   help="the index to replay through: the router's radix tree or the naive reference")
     p.add_argument("--out", type=Path, default=None, help="write per-query scores here (JSONL)")
     return p
 
@@ -50,7 +59,7 @@ def _chunks(path: Path) -> Iterator[list[bytes]]:
             yield chunk
 
 
-def apply_event(tree: RadixTree, record: dict) -> int:  # also used with other indexes of the same shape
+def apply_event(tree: KvIndex, record: dict[str, Any]) -> int:
     """Applies one Dynamo router event; returns the number of blocks it stored or removed."""
     worker = record["worker_id"]
     data = record["event"]["data"]
@@ -59,13 +68,15 @@ def apply_event(tree: RadixTree, record: dict) -> int:  # also used with other i
         return 0
     if "stored" in data:
         stored = data["stored"]
-        blocks = [(b["block_hash"], b["tokens_hash"]) for b in stored["blocks"]]
+        blocks: list[StoredBlock] = [(b["block_hash"], b["tokens_hash"]) for b in stored["blocks"]]
+        parent: SequenceHash | None = stored.get("parent_hash")
         try:
-            return tree.store(worker, stored.get("parent_hash"), blocks)
+            return tree.store(worker, parent, blocks)
         except EventError:
             return 0
     if "removed" in data:
-        return tree.remove(worker, data["removed"]["block_hashes"])
+        removed: list[SequenceHash] = data["removed"]["block_hashes"]
+        return tree.remove(worker, removed)
     raise ValueError(f"unknown event data: {data!r}")
 
 
@@ -80,11 +91,11 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def main(argv: list[str], index_factory: type = RadixTree) -> None:
+def main(argv: list[str]) -> None:
     args = parser().parse_args(argv)
     if args.block_size <= 0:
         raise SystemExit("error: --block-size must be > 0")
-    tree = index_factory()
+    tree = INDEXES[args.index]()
     decode = msgspec.json.Decoder()
     base_rss = rss_mb()
     events = blocks = 0
@@ -126,6 +137,7 @@ def main(argv: list[str], index_factory: type = RadixTree) -> None:
         if out is not None:
             out.close()
     summary = {
+        "index": args.index,
         "events_applied": events,
         "blocks_applied": blocks,
         "blocks_held": held,

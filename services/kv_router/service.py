@@ -1,9 +1,13 @@
-"""The router's gRPC service: picks a worker for each tokenized prompt.
+"""The router's gRPC service: picks a worker for each tokenized prompt, with the picker of the
+mode it was started in, and reports the chosen worker's cached prefix whatever the mode.
 
 `kv` mode scores every eligible worker with the cost function (cached prefix vs load); with no
 cached prefix anywhere that reduces to least-loaded. `round-robin` and `random` ignore the
 cache for the choice but still report the chosen worker's overlap, which the decode worker's
-disaggregation decision uses.
+disaggregation decision uses (services/kv_router/pickers/ holds the modes).
+
+No eligible worker is NOT_FOUND, not UNAVAILABLE: every router sees the same pools, so another
+router would answer the same, and a caller must not retry the request elsewhere.
 """
 
 from __future__ import annotations
@@ -17,15 +21,13 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.common.hashing import local_block_hashes
-from services.kv_router.cost_function import Candidate, CostWeights, choose, overlap_ratio
-from services.kv_router.policies import RandomChoice, RoundRobin
-from services.kv_router.radix_tree import RadixTree
-from services.kv_router.worker_pool import WorkerPool, WorkerState
+from services.mesh.hashing import local_block_hashes
+from services.kv_router.cost_function import CostWeights, overlap_ratio
+from services.kv_router.pickers import ROUTER_MODES as ROUTER_MODES
+from services.kv_router.pickers import PickContext, make_picker
+from services.kv_router.worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
-
-ROUTER_MODES = ("kv", "round-robin", "random")
 
 
 @dataclass(frozen=True)
@@ -62,11 +64,9 @@ class RouterMetrics:
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, pools: dict[int, WorkerPool], config: RouterConfig, metrics: RouterMetrics) -> None:
         self._pools = pools
-        self._config = config
         self._metrics = metrics
-        self._rng = random.Random(config.seed)
-        self._round_robin = RoundRobin()
-        self._random = RandomChoice(self._rng)
+        # One generator for every random draw of the router, so a seed fixes all its choices.
+        self._picker = make_picker(config.mode, random.Random(config.seed), config.weights)
 
     async def _pool(self, role: int, context: grpc.aio.ServicerContext) -> WorkerPool:
         pool = self._pools.get(role or common_pb2.WORKER_ROLE_DECODE)
@@ -82,11 +82,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         candidates = [w for w in pool.candidates(request.model) if w.info.instance_id not in excluded]
         if not candidates:
             self._metrics.no_worker.inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"no {pool.view.component} serves model {request.model!r}")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no {pool.view.component} serves model {request.model!r}")
+            raise AssertionError("abort raises")
         block_size = pool.block_size(request.model) or candidates[0].info.block_size
         tokens = request.token_ids
         overlaps = pool.index.find_matches(local_block_hashes(tokens, block_size))
-        chosen = self._pick(candidates, overlaps, block_size, len(tokens), pool.index)
+        chosen = self._picker.pick(candidates, PickContext(overlaps, block_size, len(tokens), pool.index.block_count))
         # The pool's queue as this request finds it (the disaggregation rule's prefill queue size).
         pool_waiting = sum(w.load.num_requests_waiting + len(w.pending) for w in candidates)
         overlap = overlaps.get(chosen.info.instance_id, 0)
@@ -99,25 +100,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         log.debug("request %s -> %s (overlap %d blocks)", request.request_id, chosen.info.instance_id, overlap)
         return router_pb2.RouteResponse(worker_id=chosen.info.instance_id, address=chosen.info.address,
                                         overlap_blocks=overlap, prefix_hit_rate=hit, pool_waiting=pool_waiting)
-
-    def _pick(self, candidates: list[WorkerState], overlaps: dict, block_size: int, num_tokens: int,
-              index: RadixTree) -> WorkerState:
-        if self._config.mode == "round-robin":
-            return self._round_robin.pick(candidates)
-        if self._config.mode == "random":
-            return self._random.pick(candidates)
-        scored = []
-        for w in candidates:
-            pending_requests, pending_blocks = w.pending_counts()
-            m = w.load
-            scored.append(Candidate(
-                worker_id=w.info.instance_id, overlap_blocks=overlaps.get(w.info.instance_id, 0),
-                kv_active_blocks=m.kv_active_blocks, kv_total_blocks=m.kv_total_blocks,
-                num_requests_waiting=m.num_requests_waiting, gpu_cache_usage_perc=m.gpu_cache_usage_perc,
-                pending_requests=pending_requests, pending_blocks=pending_blocks,
-                indexed_blocks=index.block_count(w.info.instance_id)))
-        decision = choose(scored, block_size, num_tokens, self._config.weights, self._rng)
-        return next(w for w in candidates if w.info.instance_id == decision.worker_id)
 
     async def FindMatches(  # noqa: N802
         self, request: router_pb2.FindMatchesRequest, context: grpc.aio.ServicerContext

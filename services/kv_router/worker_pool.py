@@ -11,14 +11,18 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import cast
 
 import grpc
 
 from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
-from services.common.discovery import ComponentView, InstanceInfo
-from services.common.grpc_server import ChannelPool
-from services.kv_router.radix_tree import EventError, RadixTree
+from services.mesh.discovery import ComponentView, InstanceInfo
+from services.mesh.channels import ChannelPool
+from services.mesh.hashing import SequenceHash
+from services.kv_router.kv_index import EventError, KvIndex, StoredBlock
+from services.kv_router.radix_tree import RadixTree
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +57,7 @@ class WorkerState:
 class WorkerPool:
     def __init__(self, view: ComponentView, channels: ChannelPool) -> None:
         self.view = view
-        self.index = RadixTree()
+        self.index: KvIndex = RadixTree()
         self._channels = channels
         self.workers: dict[str, WorkerState] = {}
         self._block_size_by_model: dict[str, int] = {}
@@ -66,20 +70,32 @@ class WorkerPool:
     def block_size(self, model: str) -> int | None:
         return self._block_size_by_model.get(model)
 
-    def _on_change(self, instance_id: str, info: InstanceInfo | None) -> None:
-        if info is None:
-            self._forget(instance_id)
-            return
+    def admit(self, instance_id: str, info: InstanceInfo) -> bool:
+        """Adds a worker to the pool, or updates a known one's record, without following it.
+
+        Returns True only for a worker new to the pool (the caller then follows its streams).
+        A worker whose block size differs from the one its model is served with is refused:
+        its blocks would hash differently, and so be mis-scored against every prompt.
+        """
         expected = self._block_size_by_model.setdefault(info.model, info.block_size)
         if info.block_size != expected:
             log.error("worker %s has block size %d, but model %r is served with %d: refusing it (its KV blocks "
                       "would be mis-scored)", instance_id, info.block_size, info.model, expected)
-            return
+            return False
         state = self.workers.get(instance_id)
         if state is not None:
             state.info = info
-            return
+            return False
         self.workers[instance_id] = WorkerState(info)
+        return True
+
+    def _on_change(self, instance_id: str, info: InstanceInfo | None) -> None:
+        if info is None:
+            self._forget(instance_id)
+        elif self.admit(instance_id, info):
+            self._follow(instance_id)
+
+    def _follow(self, instance_id: str) -> None:
         loop = asyncio.get_running_loop()
         self._tasks[instance_id] = [
             loop.create_task(self._follow_metrics(instance_id), name=f"metrics-{instance_id}"),
@@ -129,13 +145,15 @@ class WorkerPool:
         kind = event.WhichOneof("data")
         if kind == "stored":
             stored = event.stored
-            parent = stored.parent_hash if stored.HasField("parent_hash") else None
+            # The wire carries both kinds of hash as plain u64s; their fields say which is which.
+            parent = cast(SequenceHash, stored.parent_hash) if stored.HasField("parent_hash") else None
+            blocks = cast("list[StoredBlock]", [(b.block_hash, b.tokens_hash) for b in stored.blocks])
             try:
-                self.index.store(worker, parent, [(b.block_hash, b.tokens_hash) for b in stored.blocks])
+                self.index.store(worker, parent, blocks)
             except EventError as exc:
                 log.debug("%s", exc)
         elif kind == "removed":
-            self.index.remove(worker, event.removed.block_hashes)
+            self.index.remove(worker, cast("Iterable[SequenceHash]", event.removed.block_hashes))
         elif kind == "cleared":
             self.index.clear(worker)
 

@@ -1,35 +1,28 @@
-"""python -m services.launch: a whole local mesh (etcd, router, processor, workers, frontend)."""
+"""python -m services.launch: a whole local mesh (etcd, router, processor, workers, frontend).
+
+The launcher is assembled like every service: each child is registered with the service runner
+as it starts, so a signal, a start-up failure or a crash stops them all in reverse start order
+(the frontend first, etcd last).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
 from pathlib import Path
 
 import httpx
 
-from services.common.lifecycle import run
 from services.launch.children import Child, child_env, python_module
 from services.launch.config import LaunchConfig, load
 from services.launch.etcd_child import EtcdChild
+from services.mesh.service_runner import ServiceRunner, cancel_and_wait, run_service
 from services.tools.make_demo_model import ensure_demo_model
 
 HEALTH_POLL_S = 0.25
-
-
-def _common_flags(cfg: LaunchConfig, etcd: str) -> list[str]:
-    return ["--etcd-endpoints", etcd, "--namespace", cfg.namespace, "--log-level", cfg.log_level]
-
-
-def _engine_flags(cfg: LaunchConfig, model: str) -> list[str]:
-    flags = ["--engine", cfg.engine, "--model", model, "--num-gpu-blocks", str(cfg.num_gpu_blocks),
-             "--speedup", str(cfg.speedup), "--timing", cfg.timing]
-    if cfg.served_model_name:
-        flags += ["--served-model-name", cfg.served_model_name]
-    if cfg.block_size:
-        flags += ["--block-size", str(cfg.block_size)]
-    return flags
+# A child gets this long to exit after SIGTERM before it is killed; the runner adds a margin.
+CHILD_STOP_S = 10.0
+EXIT_FAILED = 1
 
 
 def plan_children(cfg: LaunchConfig, etcd: str, model: str) -> list[Child]:
@@ -38,30 +31,24 @@ def plan_children(cfg: LaunchConfig, etcd: str, model: str) -> list[Child]:
     With prefill workers, decode and prefill workers exchange KV over NIXL and the decode workers
     apply the conditional disaggregation rule; with --prefill-workers 0 serving is aggregated.
     """
-    common = _common_flags(cfg, etcd)
+    common = ["--etcd-endpoints", etcd, "--namespace", cfg.namespace, "--log-level", cfg.log_level]
+    named = ["--served-model-name", cfg.served_model_name] if cfg.served_model_name else []
     env = child_env()
     children = [
-        Child("kv-router", python_module("services.kv_router", *common, "--router-mode", cfg.router_mode), env),
+        Child("kv-router", python_module("services.kv_router", *common, *cfg.router_argv), env),
+        Child("processor", python_module("services.processor", *common, "--model", model, *named,
+                                         *cfg.processor_argv), env),
     ]
-    processor = python_module("services.processor", *common, "--model", model)
-    if cfg.served_model_name:
-        processor += ["--served-model-name", cfg.served_model_name]
-    children.append(Child("processor", processor, env))
-    engine = _engine_flags(cfg, model)
-    disagg = cfg.prefill_workers > 0 and cfg.remote_prefill
-    decode = [*common, *engine]
-    if disagg:
-        decode += ["--kv-transfer", "nixl", "--remote-prefill",
-                   "--conditional-disagg" if cfg.conditional_disagg else "--no-conditional-disagg",
-                   "--max-local-prefill-length", str(cfg.max_local_prefill_length),
-                   "--max-prefill-queue-size", str(cfg.max_prefill_queue_size)]
+    engine = [*common, "--model", model, *named, *cfg.engine_argv]
+    decode = [*engine, *cfg.disagg_argv]
+    if cfg.disaggregated:
+        decode += ["--kv-transfer", "nixl", "--remote-prefill"]
     children += _workers("decode-worker", "services.decode_worker", decode, cfg.decode_workers, cfg.engine, env)
-    if disagg:
-        children += _workers("prefill-worker", "services.prefill_worker", [*common, *engine, "--kv-transfer", "nixl"],
+    if cfg.disaggregated:
+        children += _workers("prefill-worker", "services.prefill_worker", [*engine, "--kv-transfer", "nixl"],
                              cfg.prefill_workers, cfg.engine, env)
-    frontend = python_module("services.frontend", *common, "--http-port", str(cfg.http_port))
-    frontend_env = child_env({"KVMESH_API_KEY": cfg.api_key} if cfg.api_key else None)
-    children.append(Child("frontend", frontend, frontend_env))
+    frontend = python_module("services.frontend", *common, *cfg.frontend_argv)
+    children.append(Child("frontend", frontend, child_env({"KVMESH_API_KEY": cfg.api_key} if cfg.api_key else None)))
     return children
 
 
@@ -100,80 +87,54 @@ async def wait_ready(base: str, children: list[Child], timeout_s: float) -> None
     raise TimeoutError(f"the mesh was not healthy within {timeout_s:.0f}s: {reason}")
 
 
-async def launch(cfg: LaunchConfig) -> int:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+async def start_child(runner: ServiceRunner, child: Child) -> None:
+    await child.start()
+    runner.on_teardown(f"stop {child.component}", lambda: child.stop(CHILD_STOP_S), CHILD_STOP_S + 5)
+
+
+async def assemble(runner: ServiceRunner, cfg: LaunchConfig) -> None:
     if cfg.prefill_workers and not cfg.remote_prefill:
         print("note: --no-remote-prefill: the prefill workers would get no work; not starting them",
               file=sys.stderr, flush=True)
-    model = str(Path(cfg.model).resolve()) if cfg.model else str(ensure_demo_model())
-    etcd: EtcdChild | None = None
-    children: list[Child] = []
-    code = 0
     try:
-        if cfg.etcd_endpoints:
-            endpoint = cfg.etcd_endpoints
-        else:
+        model = str(Path(cfg.model).resolve()) if cfg.model else str(ensure_demo_model())
+        endpoint = cfg.etcd_endpoints
+        if not endpoint:
             etcd = EtcdChild()
             await etcd.start()
+            runner.on_teardown("stop etcd", etcd.stop, CHILD_STOP_S + 5)
             endpoint = etcd.endpoint
         children = plan_children(cfg, endpoint, model)
         for child in children:
-            await child.start()
+            await start_child(runner, child)
         base = f"http://127.0.0.1:{cfg.http_port}"
-        ready = asyncio.create_task(wait_ready(base, children, cfg.ready_timeout_s))
-        stopping = asyncio.create_task(stop.wait())
-        await asyncio.wait([ready, stopping], return_when=asyncio.FIRST_COMPLETED)
-        if not ready.done():
-            ready.cancel()
-            return 130
-        stopping.cancel()
-        ready.result()
-        print(f"READY {base}/v1", flush=True)
-        code = await supervise(children, stop)
+        await wait_ready(base, children, cfg.ready_timeout_s)
     except (RuntimeError, TimeoutError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
-        code = 1
-    finally:
-        for child in reversed(children):
-            await child.stop()
-        if etcd is not None:
-            await etcd.stop()
-    return code
+        raise SystemExit(EXIT_FAILED) from None
+    print(f"READY {base}/v1", flush=True)
+    for child in children:
+        supervise(runner, child)
 
 
-async def supervise(children: list[Child], stop: asyncio.Event) -> int:
-    """Runs until Ctrl-C/SIGTERM; a dead worker is reported, any other dead child ends the mesh."""
-    waits = {asyncio.create_task(c.wait()): c for c in children}
-    stopping = asyncio.create_task(stop.wait())
-    try:
-        while True:
-            done, _ = await asyncio.wait([*waits, stopping], return_when=asyncio.FIRST_COMPLETED)
-            if stopping in done:
-                return 0
-            for task in done:
-                child = waits.pop(task)
-                print(f"{child.component} pid={child.process.pid if child.process else '?'} exited with code "
-                      f"{task.result()}", file=sys.stderr, flush=True)
-                if not child.component.endswith("worker"):
-                    return 1
-    finally:
-        stopping.cancel()
-        for task in waits:
-            task.cancel()
+def supervise(runner: ServiceRunner, child: Child) -> None:
+    """A dead worker is reported (the rest of the pool serves on); any other dead child ends the mesh."""
+    task = asyncio.create_task(_report_exit(child), name=f"supervise-{child.component}")
+    if child.component.endswith("worker"):
+        runner.on_teardown(f"stop supervising {child.component}", lambda: cancel_and_wait(task))
+    else:
+        runner.watch(task, f"the {child.component} process")
+
+
+async def _report_exit(child: Child) -> None:
+    code = await child.wait()
+    print(f"{child.component} pid={child.process.pid if child.process else '?'} exited with code {code}",
+          file=sys.stderr, flush=True)
 
 
 def main() -> None:
     cfg = load()
-    result = {"code": 0}
-
-    async def amain() -> None:
-        result["code"] = await launch(cfg)
-
-    run(amain)
-    raise SystemExit(result["code"])
+    run_service("launch", None, lambda runner: assemble(runner, cfg))
 
 
 if __name__ == "__main__":

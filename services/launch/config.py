@@ -1,4 +1,8 @@
-"""The launcher's settings: flags, optionally defaulted from a YAML file in the seed's shape.
+"""The launcher's settings: the services' own flags, optionally defaulted from a YAML file.
+
+The launcher declares no service flag itself: it adds each service's flag group with that
+service's `add_*_flags` and forwards the parsed values to the child, so every default lives in
+exactly one place. A YAML file in the seed's worker-config shape sets defaults; flags win:
 
     engine: mocker
     model: .cache/models/kvmesh-demo
@@ -11,22 +15,33 @@
     decode-workers: 2
     prefill-workers: 1
 
-Keys may also sit under a `VllmWorker:` / `Worker:` section as in the seed; flags win over the file.
+Keys may also sit under a `VllmWorker:` / `Worker:` section as in the seed.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from services.common.config import FlagParser, die, non_negative_int, positive_float, positive_int
-from services.engines.factory import ENGINES
-from services.engines.mocker.timing import PRESETS
-from services.kv_router.service import ROUTER_MODES
+from services.decode_worker.flags import add_disagg_flags
+from services.frontend.flags import add_frontend_flags
+from services.kv_router.flags import add_router_flags
+from services.mesh.flags import (
+    ConfigError,
+    FlagParser,
+    add_mesh_flags,
+    die,
+    forward_flags,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    validated,
+)
+from services.processor.flags import add_processor_flags
+from services.worker.engine_flags import add_engine_flags
 
 _SECTIONS = ("VllmWorker", "Worker", "PrefillWorker", "Router", "Processor", "Frontend", "ServiceArgs")
 _ALIASES = {"router": "router_mode", "workers": "decode_workers"}
@@ -40,47 +55,52 @@ class LaunchConfig:
     served_model_name: str | None
     decode_workers: int
     prefill_workers: int
-    router_mode: str
-    http_port: int
-    block_size: int | None
-    max_local_prefill_length: int
-    max_prefill_queue_size: int
+    # Prefill workers get work (decode workers prefill long prompts on them).
     remote_prefill: bool
-    conditional_disagg: bool
+    http_port: int
+    api_key: str | None
+    # None: start an embedded etcd.
     etcd_endpoints: str | None
     namespace: str
-    api_key: str | None
-    num_gpu_blocks: int
-    speedup: float
-    timing: str
     log_level: str
     ready_timeout_s: float
+    # Each service's flags as given to the launcher, forwarded to its children.
+    engine_argv: tuple[str, ...]
+    disagg_argv: tuple[str, ...]
+    router_argv: tuple[str, ...]
+    processor_argv: tuple[str, ...]
+    frontend_argv: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if self.decode_workers < 1 or self.prefill_workers < 0:
+            raise ConfigError("--decode-workers must be >= 1 and --prefill-workers >= 0")
+        if not self.ready_timeout_s > 0:
+            raise ConfigError(f"--ready-timeout must be > 0, got {self.ready_timeout_s}")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_workers > 0 and self.remote_prefill
 
 
-def parser() -> argparse.ArgumentParser:
+@dataclass(frozen=True)
+class _Groups:
+    engine: argparse._ArgumentGroup
+    disagg: argparse._ArgumentGroup
+    router: argparse._ArgumentGroup
+    processor: argparse._ArgumentGroup
+    frontend: argparse._ArgumentGroup
+
+
+def parser() -> tuple[FlagParser, _Groups]:
     p = FlagParser(prog="python -m services.launch", description="Start a whole local kvmesh.")
     p.add_argument("--config", type=Path, help="YAML file with defaults for these flags")
-    p.add_argument("--engine", choices=ENGINES, default="vllm")
-    p.add_argument("--model", default=None)
-    p.add_argument("--served-model-name", default=None)
+    add_mesh_flags(p, embedded_etcd=True)
     p.add_argument("--decode-workers", type=positive_int, default=1)
     p.add_argument("--prefill-workers", type=non_negative_int, default=1, help="0 = aggregated serving")
-    p.add_argument("--router-mode", choices=ROUTER_MODES, default="kv")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--block-size", type=positive_int, default=None)
-    p.add_argument("--max-local-prefill-length", type=non_negative_int, default=512)
-    p.add_argument("--max-prefill-queue-size", type=non_negative_int, default=2)
-    p.add_argument("--remote-prefill", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--conditional-disagg", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--etcd-endpoints", default=None, help="use this etcd instead of starting one")
-    p.add_argument("--namespace", default=os.environ.get("KVMESH_NAMESPACE", "kvmesh"))
-    p.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY") or None)
-    p.add_argument("--num-gpu-blocks", type=positive_int, default=16384)
-    p.add_argument("--speedup", type=positive_float, default=1.0)
-    p.add_argument("--timing", choices=sorted(PRESETS), default="h100-8b", help="mocker: timing model preset")
-    p.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--ready-timeout", type=positive_float, default=600.0, help="seconds to wait for /health")
-    return p
+    groups = _Groups(engine=add_engine_flags(p), disagg=add_disagg_flags(p), router=add_router_flags(p),
+                     processor=add_processor_flags(p), frontend=add_frontend_flags(p))
+    return p, groups
 
 
 def _yaml_defaults(path: Path, p: argparse.ArgumentParser) -> dict[str, object]:
@@ -109,20 +129,27 @@ def _yaml_defaults(path: Path, p: argparse.ArgumentParser) -> dict[str, object]:
 
 
 def load(argv: list[str] | None = None) -> LaunchConfig:
-    p = parser()
+    p, groups = parser()
     args = p.parse_args(argv)
     if args.config is not None:
         p.set_defaults(**_yaml_defaults(args.config, p))
         args = p.parse_args(argv)
-    if args.router_mode not in ROUTER_MODES:
-        die(f"router mode {args.router_mode!r} is not one of {', '.join(ROUTER_MODES)}")
-    return LaunchConfig(
+
+    def forwarded(group: argparse._ArgumentGroup, skip: tuple[str, ...] = ()) -> tuple[str, ...]:
+        return tuple(forward_flags(args, group._group_actions, skip))
+
+    return validated(lambda: LaunchConfig(
         engine=args.engine, model=args.model, served_model_name=args.served_model_name,
-        decode_workers=args.decode_workers, prefill_workers=args.prefill_workers, router_mode=args.router_mode,
-        http_port=args.http_port, block_size=args.block_size, max_local_prefill_length=args.max_local_prefill_length,
-        max_prefill_queue_size=args.max_prefill_queue_size, remote_prefill=args.remote_prefill,
-        conditional_disagg=args.conditional_disagg, etcd_endpoints=args.etcd_endpoints, namespace=args.namespace,
-        api_key=args.api_key, num_gpu_blocks=args.num_gpu_blocks, speedup=args.speedup, timing=args.timing,
-        log_level=args.log_level,
-        ready_timeout_s=args.ready_timeout,
-    )
+        decode_workers=args.decode_workers,
+        prefill_workers=args.prefill_workers, remote_prefill=args.remote_prefill is not False,
+        http_port=args.http_port, api_key=args.api_key, etcd_endpoints=args.etcd_endpoints,
+        namespace=args.namespace, log_level=args.log_level, ready_timeout_s=args.ready_timeout,
+        # The launcher resolves the model once (building the demo model if needed) and passes it.
+        engine_argv=forwarded(groups.engine, ("model", "served_model_name")),
+        # Whether prefill goes remote is the launcher's call (it knows the prefill pool's size).
+        disagg_argv=forwarded(groups.disagg, ("remote_prefill",)),
+        router_argv=forwarded(groups.router),
+        processor_argv=forwarded(groups.processor),
+        # The API key goes by environment so it never shows in `ps`.
+        frontend_argv=forwarded(groups.frontend, ("api_key",)),
+    ))

@@ -6,7 +6,7 @@ import asyncio
 import shutil
 import tempfile
 
-from services.common.net import free_port
+from services.mesh.net import free_port
 from services.launch.children import Child
 
 

@@ -1,26 +1,35 @@
 """python -m services.prefill_worker: runs prefills and hands the KV cache to decode workers over NIXL.
 
 It registers, streams its KV events and load like any worker (its prefix cache makes the router's
-KV-aware choice over the prefill pool worthwhile), and serves Prefill and ReleaseKv.
+KV-aware choice over the prefill pool worthwhile), and serves the `Prefiller` service.
 """
 
 from __future__ import annotations
 
-import sys
-
-from services.common.discovery import PREFILL_WORKER
-from services.common.kv_event_log import KvEventLog
-from services.common.worker_runtime import Role, WorkerContext, main
-from services.common.worker_servicer import WorkerServicer
+from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.engines.base import Engine
+from services.mesh.discovery import PREFILL_WORKER
+from services.mesh.grpc_server import ServiceBinding
+from services.prefill_worker.servicer import PrefillServicer
+from services.worker.kv_event_log import KvEventLog
+from services.worker.runtime import Role, ServicesFactory, WorkerContext, WorkerServices, main
+from services.worker.servicer import WorkerServicer
+
+PREFILLER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Prefiller"].full_name
 
 
-def servicer(engine: Engine, worker_id: str, events: KvEventLog, ctx: WorkerContext) -> WorkerServicer:
-    return WorkerServicer(engine, worker_id, events)
+def services(engine: Engine, worker_id: str, events: KvEventLog) -> WorkerServices:
+    prefiller = ServiceBinding(worker_pb2_grpc.add_PrefillerServicer_to_server, PrefillServicer(engine),
+                               PREFILLER_SERVICE)
+    return WorkerServices(WorkerServicer(engine, worker_id, events), (prefiller,))
 
+
+async def prepare(ctx: WorkerContext) -> ServicesFactory:
+    return services
+
+
+# A prefill worker without KV transfer could hand nothing over: NIXL is its default.
+ROLE = Role(PREFILL_WORKER, "prefill", prepare, default_kv_transfer="nixl")
 
 if __name__ == "__main__":
-    # A prefill worker without KV transfer could hand nothing over: NIXL is its default.
-    if not any(a == "--kv-transfer" or a.startswith("--kv-transfer=") for a in sys.argv):
-        sys.argv += ["--kv-transfer", "nixl"]
-    main(Role(PREFILL_WORKER, "prefill", servicer))
+    main(ROLE)

@@ -12,22 +12,14 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from itertools import count
 
 import grpc
 
-from gen.kvmesh.v1 import (
-    common_pb2,
-    processor_pb2,
-    processor_pb2_grpc,
-    router_pb2,
-    router_pb2_grpc,
-    worker_pb2,
-    worker_pb2_grpc,
-)
-from services.common.discovery import ComponentView
-from services.common.grpc_server import ChannelPool
-from services.common.streams import merge
+from gen.kvmesh.v1 import common_pb2, processor_pb2, processor_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.mesh.channels import ChannelPool
+from services.mesh.flags import ConfigError
+from services.mesh.router_client import NoWorkerError, RouteChoice, RouterClient, RoutingError
+from services.mesh.streams import merge
 from services.processor.detokenizer import IncrementalDetokenizer, StopStrings
 from services.processor.tokenizer import ChatTurn, ModelTokenizer, PromptError
 
@@ -39,24 +31,24 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.Status
 @dataclass(frozen=True)
 class ProcessorConfig:
     served_model_name: str
-    route_timeout_s: float = 2.0
     request_timeout_s: float = 600.0
+    # Workers tried per choice when one fails before its first token.
     max_attempts: int = 3
     max_inflight: int = 4096
 
-
-@dataclass(frozen=True, slots=True)
-class Route:
-    worker_id: str
-    address: str
-    overlap_blocks: int
-    prefix_hit_rate: float
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ConfigError("--served-model-name is empty")
+        if not self.request_timeout_s > 0:
+            raise ConfigError(f"--request-timeout must be > 0, got {self.request_timeout_s}")
+        if self.max_attempts < 1 or self.max_inflight < 1:
+            raise ConfigError("the processor needs at least one attempt and one in-flight request")
 
 
 @dataclass(slots=True)
 class _Started:
     worker_id: str
-    prefill: str
+    prefill: common_pb2.PrefillLocation
 
 
 @dataclass(slots=True)
@@ -66,12 +58,12 @@ class _Finished:
 
 
 class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
-    def __init__(self, config: ProcessorConfig, tokenizer: ModelTokenizer, routers: ComponentView, channels: ChannelPool) -> None:
+    def __init__(self, config: ProcessorConfig, tokenizer: ModelTokenizer, routers: RouterClient,
+                 channels: ChannelPool) -> None:
         self._config = config
         self._tok = tokenizer
         self._routers = routers
         self._channels = channels
-        self._router_turn = count()
         self.inflight = 0
 
     async def Generate(  # noqa: N802
@@ -137,26 +129,14 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
 
     # -- routing and generation --------------------------------------------------------------
 
-    async def _route(self, rid: str, tokens: list[int], exclude: list[str]) -> Route:
-        routers = sorted(self._routers.instances.values(), key=lambda i: i.instance_id)
-        if not routers:
-            raise _Failure(grpc.StatusCode.UNAVAILABLE, "no router is available")
-        last_error = ""
-        for attempt in range(len(routers)):
-            router = routers[(next(self._router_turn) + attempt) % len(routers)]
-            stub = router_pb2_grpc.RouterStub(self._channels.get(router.address))
-            try:
-                reply = await stub.Route(
-                    router_pb2.RouteRequest(request_id=rid, model=self._config.served_model_name, token_ids=tokens,
-                                            role=common_pb2.WORKER_ROLE_DECODE, exclude_worker_ids=exclude),
-                    timeout=self._config.route_timeout_s,
-                )
-                return Route(reply.worker_id, reply.address, reply.overlap_blocks, reply.prefix_hit_rate)
-            except grpc.aio.AioRpcError as exc:
-                last_error = exc.details() or str(exc.code())
-                if exc.code() not in RETRYABLE or "serves model" in last_error:
-                    break
-        raise _Failure(grpc.StatusCode.UNAVAILABLE, f"routing failed: {last_error}")
+    async def _route(self, rid: str, tokens: list[int], exclude: list[str]) -> RouteChoice:
+        try:
+            return await self._routers.route(rid, self._config.served_model_name, tokens,
+                                             common_pb2.WORKER_ROLE_DECODE, exclude)
+        except NoWorkerError as exc:
+            raise _Failure(grpc.StatusCode.UNAVAILABLE, f"no decode worker can take the request: {exc}") from exc
+        except RoutingError as exc:
+            raise _Failure(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
 
     async def _generate(self, rid: str, request: processor_pb2.GenerateRequest, tokens: list[int],
                         sampling: common_pb2.SamplingParams) -> AsyncIterator[processor_pb2.GenerateResponse]:
@@ -186,7 +166,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
             prompt_tokens=len(tokens), completion_tokens=completion_tokens, cached_tokens=cached_tokens))
 
     async def _choice(self, rid: str, index: int, tokens: list[int], sampling: common_pb2.SamplingParams,
-                      stops: list[str], route: Route) -> AsyncIterator[object]:
+                      stops: list[str], route: RouteChoice) -> AsyncIterator[object]:
         tried: list[str] = []
         for attempt in range(self._config.max_attempts):
             if attempt:
@@ -209,11 +189,11 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         raise _Failure(grpc.StatusCode.UNAVAILABLE, f"no worker could serve the request after {len(tried)} attempts")
 
     async def _stream_from_worker(self, rid: str, index: int, tokens: list[int], sampling: common_pb2.SamplingParams,
-                                  stops: list[str], route: Route) -> AsyncIterator[object]:
+                                  stops: list[str], route: RouteChoice) -> AsyncIterator[object]:
         stub = worker_pb2_grpc.WorkerStub(self._channels.get(route.address))
         call = stub.Generate(
             worker_pb2.WorkerGenerateRequest(request_id=rid, token_ids=tokens, sampling=sampling,
-                                             prefix_hit_rate=route.prefix_hit_rate, overlap_blocks=route.overlap_blocks),
+                                             prefix_hit_rate=route.prefix_hit_rate),
             timeout=self._config.request_timeout_s,
         )
         detok = IncrementalDetokenizer(self._tok.decode)
@@ -227,7 +207,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
                 if first:
                     first = False
                     cached = msg.cached_tokens
-                    yield _Started(route.worker_id, msg.prefill or "local")
+                    yield _Started(route.worker_id, msg.prefill)
                 if msg.finish_reason == "abort":
                     raise _Failure(grpc.StatusCode.UNAVAILABLE, f"worker {route.worker_id} aborted the request")
                 ids = list(msg.token_ids)

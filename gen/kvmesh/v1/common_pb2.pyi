@@ -57,3 +57,19 @@ class TopLogprob(_message.Message):
     logprob: float
     text: str
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ...) -> None: ...
+
+class PrefillLocation(_message.Message):
+    __slots__ = ("site", "prefill_worker_id")
+    class Site(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        SITE_UNSPECIFIED: _ClassVar[PrefillLocation.Site]
+        SITE_LOCAL: _ClassVar[PrefillLocation.Site]
+        SITE_REMOTE: _ClassVar[PrefillLocation.Site]
+    SITE_UNSPECIFIED: PrefillLocation.Site
+    SITE_LOCAL: PrefillLocation.Site
+    SITE_REMOTE: PrefillLocation.Site
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    site: PrefillLocation.Site
+    prefill_worker_id: str
+    def __init__(self, site: _Optional[_Union[PrefillLocation.Site, str]] = ..., prefill_worker_id: _Optional[str] = ...) -> None: ...

@@ -54,14 +54,14 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., text: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., choice_offset: _Optional[int] = ...) -> None: ...
 
 class RouteInfo(_message.Message):
-    __slots__ = ("worker_id", "prefill", "prompt_tokens")
+    __slots__ = ("worker_id", "prompt_tokens", "prefill")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
-    prefill: str
     prompt_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., prefill: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    prefill: _common_pb2.PrefillLocation
+    def __init__(self, worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prefill: _Optional[_Union[_common_pb2.PrefillLocation, _Mapping]] = ...) -> None: ...
 
 class ChoiceDelta(_message.Message):
     __slots__ = ("index", "text", "token_ids", "finish_reason", "logprobs", "token_texts")

@@ -51,6 +51,8 @@ class RouterServicer:
 
     def Route(self, request, context):
         """Picks a worker of the given pool for a tokenized prompt.
+        Fails with NOT_FOUND when no worker of the pool serves the model (after exclusions): a typed
+        outcome callers must not retry on another router; UNAVAILABLE means this router cannot answer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

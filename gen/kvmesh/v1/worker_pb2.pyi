@@ -18,16 +18,12 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "kv_transfer_json", "cached_tokens", "kv_bytes")
-    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("kv_transfer_json", "cached_tokens")
     KV_TRANSFER_JSON_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
-    first_token: int
     kv_transfer_json: str
     cached_tokens: int
-    kv_bytes: int
-    def __init__(self, first_token: _Optional[int] = ..., kv_transfer_json: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, kv_transfer_json: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseKvRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -42,18 +38,16 @@ class ReleaseKvResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "prefix_hit_rate", "overlap_blocks")
+    __slots__ = ("request_id", "token_ids", "sampling", "prefix_hit_rate")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
-    OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     prefix_hit_rate: float
-    overlap_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefix_hit_rate: _Optional[float] = ..., overlap_blocks: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefix_hit_rate: _Optional[float] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "prompt_tokens", "cached_tokens", "prefill")
@@ -68,8 +62,8 @@ class WorkerGenerateResponse(_message.Message):
     finish_reason: str
     prompt_tokens: int
     cached_tokens: int
-    prefill: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill: _Optional[str] = ...) -> None: ...
+    prefill: _common_pb2.PrefillLocation
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill: _Optional[_Union[_common_pb2.PrefillLocation, _Mapping]] = ...) -> None: ...
 
 class SubscribeKvEventsRequest(_message.Message):
     __slots__ = ("from_event_id",)
@@ -128,7 +122,7 @@ class SubscribeMetricsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadMetrics(_message.Message):
-    __slots__ = ("request_active_slots", "request_total_slots", "kv_active_blocks", "kv_total_blocks", "num_requests_waiting", "gpu_cache_usage_perc", "gpu_prefix_cache_hit_rate", "timestamp_ms")
+    __slots__ = ("request_active_slots", "request_total_slots", "kv_active_blocks", "kv_total_blocks", "num_requests_waiting", "gpu_cache_usage_perc", "gpu_prefix_cache_hit_rate")
     REQUEST_ACTIVE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_TOTAL_SLOTS_FIELD_NUMBER: _ClassVar[int]
     KV_ACTIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -136,7 +130,6 @@ class LoadMetrics(_message.Message):
     NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     GPU_CACHE_USAGE_PERC_FIELD_NUMBER: _ClassVar[int]
     GPU_PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
-    TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
     request_active_slots: int
     request_total_slots: int
     kv_active_blocks: int
@@ -144,5 +137,4 @@ class LoadMetrics(_message.Message):
     num_requests_waiting: int
     gpu_cache_usage_perc: float
     gpu_prefix_cache_hit_rate: float
-    timestamp_ms: int
-    def __init__(self, request_active_slots: _Optional[int] = ..., request_total_slots: _Optional[int] = ..., kv_active_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., gpu_cache_usage_perc: _Optional[float] = ..., gpu_prefix_cache_hit_rate: _Optional[float] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_active_slots: _Optional[int] = ..., request_total_slots: _Optional[int] = ..., kv_active_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., gpu_cache_usage_perc: _Optional[float] = ..., gpu_prefix_cache_hit_rate: _Optional[float] = ...) -> None: ...

@@ -50,16 +50,6 @@ class WorkerStub:
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.SubscribeMetricsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_worker__pb2.LoadMetrics.FromString,
                 _registered_method=True)
-        self.Prefill = channel.unary_unary(
-                '/kvmesh.v1.Worker/Prefill',
-                request_serializer=kvmesh_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
-                _registered_method=True)
-        self.ReleaseKv = channel.unary_unary(
-                '/kvmesh.v1.Worker/ReleaseKv',
-                request_serializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKvRequest.SerializeToString,
-                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKvResponse.FromString,
-                _registered_method=True)
 
 
 class WorkerServicer:
@@ -87,20 +77,6 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Prefill(self, request, context):
-        """Prefill workers: runs the prompt and keeps its KV cache for a decode worker to pull.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ReleaseKv(self, request, context):
-        """Prefill workers: frees the KV held for a request whose decode side gave up.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -118,16 +94,6 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.SubscribeMetrics,
                     request_deserializer=kvmesh_dot_v1_dot_worker__pb2.SubscribeMetricsRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_worker__pb2.LoadMetrics.SerializeToString,
-            ),
-            'Prefill': grpc.unary_unary_rpc_method_handler(
-                    servicer.Prefill,
-                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
-            ),
-            'ReleaseKv': grpc.unary_unary_rpc_method_handler(
-                    servicer.ReleaseKv,
-                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKvRequest.FromString,
-                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKvResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +188,72 @@ class Worker:
             metadata,
             _registered_method=True)
 
+
+class PrefillerStub:
+    """Served by prefill workers only, beside `Worker`.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Prefill = channel.unary_unary(
+                '/kvmesh.v1.Prefiller/Prefill',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+                _registered_method=True)
+        self.ReleaseKv = channel.unary_unary(
+                '/kvmesh.v1.Prefiller/ReleaseKv',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKvRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKvResponse.FromString,
+                _registered_method=True)
+
+
+class PrefillerServicer:
+    """Served by prefill workers only, beside `Worker`.
+    """
+
+    def Prefill(self, request, context):
+        """Runs the prompt and keeps its KV cache for a decode worker to pull.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseKv(self, request, context):
+        """Frees the KV held for a request whose decode side gave up.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PrefillerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Prefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'ReleaseKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseKv,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKvRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.ReleaseKvResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvmesh.v1.Prefiller', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvmesh.v1.Prefiller', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Prefiller:
+    """Served by prefill workers only, beside `Worker`.
+    """
+
     @staticmethod
     def Prefill(request,
             target,
@@ -236,7 +268,7 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvmesh.v1.Worker/Prefill',
+            '/kvmesh.v1.Prefiller/Prefill',
             kvmesh_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
             kvmesh_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
             options,
@@ -263,7 +295,7 @@ class Worker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvmesh.v1.Worker/ReleaseKv',
+            '/kvmesh.v1.Prefiller/ReleaseKv',
             kvmesh_dot_v1_dot_worker__pb2.ReleaseKvRequest.SerializeToString,
             kvmesh_dot_v1_dot_worker__pb2.ReleaseKvResponse.FromString,
             options,

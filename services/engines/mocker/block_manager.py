@@ -8,11 +8,13 @@ needed, and the least recently freed goes first. Every cache change is reported 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from services.engines.base import KvEventData, KvRemoved, KvStored
+from services.mesh.hashing import LocalBlockHash, SequenceHash
 
-NO_HASH = -1
+# Marks a block that caches nothing; sequence hashes are u64, never negative.
+NO_HASH = SequenceHash(-1)
 
 
 class BlockManager:
@@ -32,8 +34,8 @@ class BlockManager:
         self.block_size = block_size
         self._emit = emit
         self._never_used: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._by_hash: dict[int, int] = {}
-        self._hash_of: list[int] = [NO_HASH] * num_blocks
+        self._by_hash: dict[SequenceHash, int] = {}
+        self._hash_of: list[SequenceHash] = [NO_HASH] * num_blocks
         self._refs: list[int] = [0] * num_blocks
         # Cached blocks with no reference, oldest first: the eviction order.
         self._lru: OrderedDict[int, None] = OrderedDict()
@@ -48,7 +50,7 @@ class BlockManager:
     def free_blocks(self) -> int:
         return len(self._never_used) + len(self._lru)
 
-    def cached_prefix_blocks(self, chain: list[int]) -> int:
+    def cached_prefix_blocks(self, chain: Sequence[SequenceHash]) -> int:
         n = 0
         for h in chain:
             if h not in self._by_hash:
@@ -58,7 +60,8 @@ class BlockManager:
 
     # -- allocation ----------------------------------------------------------------------------
 
-    def allocate(self, chain: list[int], locals_: list[int], num_tokens: int) -> tuple[list[int], int] | None:
+    def allocate(self, chain: list[SequenceHash], locals_: list[LocalBlockHash],
+                 num_tokens: int) -> tuple[list[int], int] | None:
         """Blocks for a sequence of `num_tokens` whose full blocks hash to `chain`.
 
         Reuses the cached prefix, takes fresh blocks for the rest and caches the new full ones.
@@ -70,7 +73,7 @@ class BlockManager:
         if needed > self.free_blocks - reusable_from_lru:
             return None
         blocks = [self._ref_cached(self._by_hash[h]) for h in chain[:hit]]
-        evicted: list[int] = []
+        evicted: list[SequenceHash] = []
         for _ in range(needed):
             blocks.append(self._take_block(evicted))
         if evicted:
@@ -82,13 +85,14 @@ class BlockManager:
         """One more block for a growing sequence, or None when every block is referenced."""
         if self.free_blocks == 0:
             return None
-        evicted: list[int] = []
+        evicted: list[SequenceHash] = []
         block = self._take_block(evicted)
         if evicted:
             self._emit(KvRemoved(tuple(evicted)))
         return block
 
-    def cache_block(self, block: int, parent_hash: int | None, chain_hash: int, local_hash: int) -> None:
+    def cache_block(self, block: int, parent_hash: SequenceHash | None, chain_hash: SequenceHash,
+                    local_hash: LocalBlockHash) -> None:
         """Marks a block that just became full (during decode) as cached."""
         if chain_hash in self._by_hash or self._hash_of[block] != NO_HASH:
             return
@@ -115,7 +119,7 @@ class BlockManager:
         self._refs[block] += 1
         return block
 
-    def _take_block(self, evicted: list[int]) -> int:
+    def _take_block(self, evicted: list[SequenceHash]) -> int:
         if self._never_used:
             block = self._never_used.pop()
         else:
@@ -127,8 +131,9 @@ class BlockManager:
         self._refs[block] = 1
         return block
 
-    def _cache_full_blocks(self, blocks: list[int], chain: list[int], locals_: list[int], start: int) -> None:
-        stored: list[tuple[int, int]] = []
+    def _cache_full_blocks(self, blocks: list[int], chain: list[SequenceHash], locals_: list[LocalBlockHash],
+                           start: int) -> None:
+        stored: list[tuple[SequenceHash, LocalBlockHash]] = []
         for i in range(start, len(chain)):
             h = chain[i]
             if h in self._by_hash:

@@ -18,7 +18,14 @@ from pathlib import Path
 
 import xxhash
 
-from services.common.hashing import block_bytes, chain_from, chain_hash, local_block_hashes
+from services.mesh.hashing import (
+    LocalBlockHash,
+    SequenceHash,
+    block_bytes,
+    chain_from,
+    chain_hash,
+    local_block_hashes,
+)
 from services.engines.base import (
     Engine,
     EngineInfo,
@@ -56,8 +63,8 @@ class _Seq:
     out: asyncio.Queue[EngineOutput]
     blocks: list[int] = field(default_factory=list)
     # Chained hashes of the full blocks of `tokens`, grown as decode fills blocks.
-    chain: list[int] = field(default_factory=list)
-    locals_: list[int] = field(default_factory=list)
+    chain: list[SequenceHash] = field(default_factory=list)
+    locals_: list[LocalBlockHash] = field(default_factory=list)
     cached_tokens: int = 0
     generated: int = 0
     done: bool = False
@@ -76,7 +83,9 @@ def read_model_facts(model_dir: str) -> tuple[int, int, tuple[int, ...]]:
 class MockerEngine(Engine):
     name = "mocker"
 
-    def __init__(self, config: MockerConfig) -> None:
+    def __init__(self, config: MockerConfig, kv_endpoint: NixlKvEndpoint | None = None) -> None:
+        """`kv_endpoint`: the NIXL agent that moves prompt KV to and from peers (disaggregated
+        serving); without one the engine serves aggregated only."""
         vocab, context, eos_ids = read_model_facts(config.model_dir)
         self.config = config
         self.info = EngineInfo(config.model_dir, config.served_model_name, config.block_size, context, vocab, eos_ids)
@@ -90,7 +99,7 @@ class MockerEngine(Engine):
         self._loop_task: asyncio.Task[None] | None = None
         self._prompt_tokens_seen = 0
         self._prompt_tokens_hit = 0
-        self.kv_endpoint: NixlKvEndpoint | None = None
+        self.kv_endpoint = kv_endpoint
 
     async def start(self) -> None:
         self._loop_task = asyncio.create_task(self._step_loop(), name="mocker-steps")
@@ -124,13 +133,12 @@ class MockerEngine(Engine):
     async def prefill(self, request: EngineRequest) -> PrefillResult:
         if self.kv_endpoint is None:
             return await super().prefill(request)
-        first, cached = 0, 0
+        cached = 0
         one = EngineRequest(request.request_id, request.token_ids, replace(request.sampling, max_tokens=1))
         async for out in self.generate(one):
-            first = out.token_ids[0] if out.token_ids else first
             cached = out.cached_tokens
         params = await self.kv_endpoint.hold(request.request_id, request.token_ids)
-        return PrefillResult(first, params, cached, int(params["nbytes"]))
+        return PrefillResult(params, cached)
 
     async def release_kv(self, request_id: str) -> bool:
         return self.kv_endpoint is not None and self.kv_endpoint.release(request_id)

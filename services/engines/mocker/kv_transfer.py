@@ -110,8 +110,10 @@ class _Held:
 class NixlKvEndpoint:
     """One NIXL agent per mocker worker; prefill workers hold KV, decode workers pull it."""
 
-    def __init__(self, agent_name: str, bytes_per_token: int, arena_bytes: int = 256 << 20,
-                 hold_timeout_s: float = 60.0) -> None:
+    def __init__(self, agent_name: str, bytes_per_token: int,
+                 metadata_lookup: Callable[[str], Awaitable[bytes | None]] | None = None,
+                 arena_bytes: int = 256 << 20, hold_timeout_s: float = 60.0) -> None:
+        """`metadata_lookup` finds a peer agent's NIXL metadata by its name (decode side)."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.name = agent_name
@@ -124,7 +126,7 @@ class NixlKvEndpoint:
         self._held: dict[str, _Held] = {}
         self._peers: set[str] = set()
         self._task: asyncio.Task[None] | None = None
-        self.metadata_lookup: Callable[[str], Awaitable[bytes | None]] | None = None
+        self.metadata_lookup = metadata_lookup
 
     def metadata(self) -> bytes:
         return self._agent.get_agent_metadata()

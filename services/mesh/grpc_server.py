@@ -1,4 +1,4 @@
-"""gRPC servers and channels with the mesh's defaults: health, reflection, keepalive."""
+"""gRPC servers with the mesh's defaults: health, reflection, keepalive, message limits."""
 
 from __future__ import annotations
 
@@ -55,29 +55,3 @@ async def start_server(
         await health_servicer.set(binding.full_name, health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return server, bound, health_servicer
-
-
-def insecure_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-
-
-class ChannelPool:
-    """One channel per address, reused across requests, closed with the owner."""
-
-    def __init__(self) -> None:
-        self._channels: dict[str, grpc.aio.Channel] = {}
-
-    def get(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = insecure_channel(address)
-        return channel
-
-    async def drop(self, address: str) -> None:
-        channel = self._channels.pop(address, None)
-        if channel is not None:
-            await channel.close()
-
-    async def close(self) -> None:
-        for address in list(self._channels):
-            await self.drop(address)

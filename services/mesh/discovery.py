@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from services.common.etcd_store import KeyValueStore, StoreUnavailable
+from services.mesh.etcd_store import KeyValueStore, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,10 @@ class ComponentView:
         self._synced = asyncio.Event()
 
     def add_listener(self, listener: Listener) -> None:
+        """`listener` hears every member from now on, starting with those already known."""
         self._listeners.append(listener)
+        for instance_id, info in list(self.instances.items()):
+            listener(instance_id, info)
 
     async def start(self, sync_timeout_s: float = 10.0) -> None:
         self._task = asyncio.create_task(self._run(), name=f"watch-{self.component}")

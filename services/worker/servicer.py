@@ -1,12 +1,13 @@
 """The gRPC face of an engine worker: generate, KV event and load metric streams.
 
-Shared by decode and prefill workers; the engine behind it is vLLM or the mocker.
+Every worker role serves this; the decode worker overrides Generate to decide where the
+prefill runs, the prefill worker adds the `Prefiller` service. The engine behind it is vLLM or
+the mocker; this module translates between protobuf and the engine's plain types.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -15,7 +16,7 @@ from contextlib import aclosing
 import grpc
 
 from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.common.kv_event_log import KvEventLog, NumberedEvent
+from services.worker.kv_event_log import KvEventLog, NumberedEvent
 from services.engines.base import (
     Engine,
     EngineOutput,
@@ -87,8 +88,14 @@ def load_to_proto(load: LoadSnapshot) -> worker_pb2.LoadMetrics:
         num_requests_waiting=load.num_requests_waiting,
         gpu_cache_usage_perc=load.gpu_cache_usage_perc,
         gpu_prefix_cache_hit_rate=load.gpu_prefix_cache_hit_rate,
-        timestamp_ms=int(time.time() * 1000),
     )
+
+
+LOCAL_PREFILL = common_pb2.PrefillLocation(site=common_pb2.PrefillLocation.SITE_LOCAL)
+
+
+def remote_prefill(prefill_worker_id: str) -> common_pb2.PrefillLocation:
+    return common_pb2.PrefillLocation(site=common_pb2.PrefillLocation.SITE_REMOTE, prefill_worker_id=prefill_worker_id)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -97,15 +104,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.worker_id = worker_id
         self.events = events
 
+    async def stop(self) -> None:
+        """Ends work the servicer owns beyond its calls (none here); runs before the engine stops."""
+
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         engine_request = EngineRequest(request.request_id, list(request.token_ids), sampling_from_proto(request.sampling))
         try:
-            async for msg in self.stream(engine_request, "local"):
+            async for msg in self.stream(engine_request, LOCAL_PREFILL):
                 yield msg
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
-    async def stream(self, engine_request: EngineRequest, prefill: str) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+    async def stream(self, engine_request: EngineRequest,
+                     prefill: common_pb2.PrefillLocation) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         """The engine's outputs as response messages; the first says where the prefill ran."""
         log.debug("request %s: %d prompt tokens", engine_request.request_id, len(engine_request.token_ids))
         first = True
@@ -113,29 +124,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             async for out in outputs:
                 msg = output_to_proto(out)
                 if first:
-                    msg.prefill = prefill
+                    msg.prefill.CopyFrom(prefill)
                     msg.prompt_tokens = len(engine_request.token_ids)
                     first = False
                 yield msg
-
-    async def Prefill(self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        engine_request = EngineRequest(request.request_id, list(request.token_ids), sampling_from_proto(request.sampling))
-        try:
-            result = await self.engine.prefill(engine_request)
-        except NotImplementedError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        log.info("request %s: prefilled %d tokens (%d cached) for remote decode", request.request_id,
-                 len(request.token_ids), result.cached_tokens)
-        return worker_pb2.PrefillResponse(first_token=result.first_token, kv_transfer_json=json.dumps(result.kv_transfer),
-                                          cached_tokens=result.cached_tokens, kv_bytes=result.kv_bytes)
-
-    async def ReleaseKv(self, request: worker_pb2.ReleaseKvRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        released = await self.engine.release_kv(request.request_id)
-        if released:
-            log.info("request %s: KV released, its decode side gave up", request.request_id)
-        return worker_pb2.ReleaseKvResponse(released=released)
 
     async def SubscribeKvEvents(self, request: worker_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext):
         async for batch, is_snapshot in self.events.subscribe(request.from_event_id):

@@ -11,7 +11,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from services.common.etcd_store import KeyValueStore, StoreUnavailable
+from services.mesh.etcd_store import KeyValueStore, StoreUnavailable
 
 log = logging.getLogger(__name__)
 

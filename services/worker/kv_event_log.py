@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from services.engines.base import KvCleared, KvEventData, KvRemoved, KvStored
+from services.mesh.hashing import LocalBlockHash, SequenceHash
 
 # Whole snapshots are cut into batches so no single message grows past the gRPC limit.
 SNAPSHOT_BATCH_BLOCKS = 4096
@@ -29,7 +30,7 @@ class KvEventLog:
         self._buffer: deque[NumberedEvent] = deque(maxlen=capacity)
         self._last_id = 0
         # block hash -> (parent hash, local hash), in store order (parents first).
-        self._blocks: dict[int, tuple[int | None, int]] = {}
+        self._blocks: dict[SequenceHash, tuple[SequenceHash | None, LocalBlockHash]] = {}
         self._subscribers: set[asyncio.Queue[NumberedEvent | None]] = set()
         self._subscriber_queue = subscriber_queue
 

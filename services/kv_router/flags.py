@@ -1,0 +1,38 @@
+"""The router's flags, declared once for the router and the launcher, and its config."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.kv_router.cost_function import CostWeights
+from services.kv_router.service import ROUTER_MODES, RouterConfig
+from services.mesh.flags import ConfigError, non_negative_float, validated
+
+_WEIGHTS = CostWeights()
+
+
+def add_router_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Returns the group, so the launcher can hand the same values to its routers."""
+    g = parser.add_argument_group("routing")
+    g.add_argument("--router-mode", choices=ROUTER_MODES, default=RouterConfig.mode)
+    g.add_argument("--seed", type=int, default=None, help="seed for random tie-breaking (reproducible runs)")
+    g.add_argument("--overlap-weight", type=float, default=_WEIGHTS.overlap,
+                   help="cost function: weight of the cached share")
+    g.add_argument("--cache-usage-weight", type=float, default=_WEIGHTS.cache_usage,
+                   help="cost function: weight of KV cache usage")
+    g.add_argument("--waiting-weight", type=float, default=_WEIGHTS.waiting,
+                   help="cost function: weight of the normalized queue")
+    g.add_argument("--router-temperature", type=non_negative_float, default=_WEIGHTS.temperature,
+                   help="0 = best logit wins; > 0 = sample from softmax(logit / T)")
+    return g
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    def build() -> RouterConfig:
+        if args.router_mode not in ROUTER_MODES:
+            raise ConfigError(f"--router-mode {args.router_mode!r} is not one of {', '.join(ROUTER_MODES)}")
+        weights = CostWeights(overlap=args.overlap_weight, cache_usage=args.cache_usage_weight,
+                              waiting=args.waiting_weight, temperature=args.router_temperature)
+        return RouterConfig(mode=args.router_mode, seed=args.seed, weights=weights)
+
+    return validated(build)

@@ -1,0 +1,34 @@
+"""A picker chooses one worker of a pool for a prompt; each router mode is one picker, so a mode
+is a class with one method instead of a branch in the service, and the service stays the same
+whichever mode it runs.
+
+Pickers only choose: the service finds the candidates (the pool's workers serving the model,
+minus exclusions), scores the prompt against the index, and does the pending accounting after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.kv_router.worker_pool import WorkerState
+
+
+@dataclass(frozen=True, slots=True)
+class PickContext:
+    """What the service knows about the prompt when it picks; modes that ignore the cache ignore it."""
+
+    # Per worker id, the prompt's blocks it already caches (the index's `find_matches`).
+    overlaps: Mapping[Hashable, int]
+    block_size: int
+    num_tokens: int
+    # Blocks the index holds for a worker id: the cost function's tie-breaker. A function, not a
+    # table, so modes that never break ties pay nothing for it.
+    indexed_blocks: Callable[[str], int]
+
+
+class Picker(Protocol):
+    def pick(self, candidates: Sequence[WorkerState], context: PickContext) -> WorkerState:
+        """One of `candidates` (never empty) for the prompt described by `context`."""
+        ...

@@ -1,0 +1,93 @@
+"""A deliberately naive `KvIndex`: the semantics written as plainly as possible, to check the fast
+radix tree against (tests) and to measure it against (the replay benchmark's baseline).
+
+Plain node objects, a set of workers per node, a walk that touches every worker at every level:
+slow and memory-hungry on purpose, so that it is obviously right. `KvIndex` states the rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+
+from services.kv_router.kv_index import EventError, KvIndex, StoredBlock
+from services.mesh.hashing import LocalBlockHash, SequenceHash
+
+
+class RefNode:
+    def __init__(self) -> None:
+        self.children: dict[LocalBlockHash, RefNode] = {}
+        self.workers: set[Hashable] = set()
+
+
+class ReferenceIndex(KvIndex):
+    def __init__(self) -> None:
+        self.root = RefNode()
+        # Per worker, the node of every block it holds, by the block's sequence hash.
+        self.lookup: dict[Hashable, dict[SequenceHash, RefNode]] = {}
+
+    def store(self, worker: Hashable, parent_hash: SequenceHash | None, blocks: Iterable[StoredBlock]) -> int:
+        lookup = self.lookup.setdefault(worker, {})
+        if parent_hash is None:
+            current = self.root
+        elif parent_hash in lookup:
+            current = lookup[parent_hash]
+        else:
+            raise EventError(f"worker {worker}: parent block {parent_hash} unknown; store skipped")
+        applied = 0
+        for block_hash, tokens_hash in blocks:
+            if tokens_hash in current.children:
+                child = current.children[tokens_hash]
+            else:
+                child = lookup.get(block_hash) or RefNode()
+                current.children[tokens_hash] = child
+            if child is current:
+                raise EventError(f"worker {worker}: block {block_hash} refers to itself; rest of the store skipped")
+            child.workers.add(worker)
+            lookup[block_hash] = child
+            current = child
+            applied += 1
+        return applied
+
+    def remove(self, worker: Hashable, block_hashes: Iterable[SequenceHash]) -> int:
+        lookup = self.lookup.get(worker, {})
+        removed = 0
+        for block_hash in block_hashes:
+            node = lookup.pop(block_hash, None)
+            if node is None:
+                continue
+            self._let_go(worker, node)
+            removed += 1
+        return removed
+
+    def clear(self, worker: Hashable) -> None:
+        for node in self.lookup.get(worker, {}).values():
+            self._let_go(worker, node)
+        if worker in self.lookup:
+            self.lookup[worker] = {}
+
+    def remove_worker(self, worker: Hashable) -> None:
+        self.clear(worker)
+        self.lookup.pop(worker, None)
+
+    def block_count(self, worker: Hashable | None = None) -> int:
+        if worker is None:
+            return sum(len(blocks) for blocks in self.lookup.values())
+        return len(self.lookup.get(worker, {}))
+
+    def find_matches(self, local_hashes: Sequence[LocalBlockHash]) -> dict[Hashable, int]:
+        scores: dict[Hashable, int] = {}
+        current = self.root
+        for h in local_hashes:
+            if h not in current.children:
+                break
+            current = current.children[h]
+            for worker in current.workers:
+                scores[worker] = scores.get(worker, 0) + 1
+        return scores
+
+    @staticmethod
+    def _let_go(worker: Hashable, node: RefNode) -> None:
+        node.workers.discard(worker)
+        if not node.workers:
+            # No worker holds this block, so none can hold anything below it.
+            node.children = {}

@@ -1,0 +1,202 @@
+"""Flags every process shares, declared once, and the rule that turns a bad setting into one line.
+
+A setting is validated where its config dataclass is built (`__post_init__` raises
+`ConfigError` with a one-line reason naming the flag); the command line turns that into
+`error: <reason>` on stderr and exit status 2, which is what scripts and deploy checks rely on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn, TypeVar
+
+DEFAULT_ETCD = "http://127.0.0.1:2379"
+DEFAULT_NAMESPACE = "kvmesh"
+DEFAULT_LOG_LEVEL = "INFO"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# Exit status for bad flags (argparse's own), and for a mesh that cannot be reached at start-up.
+EXIT_BAD_FLAGS = 2
+EXIT_UNREACHABLE = 3
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message is one line and names the flag."""
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Where the mesh lives (the etcd cluster, the key namespace) and how this process shows itself."""
+
+    etcd_endpoints: tuple[str, ...] = (DEFAULT_ETCD,)
+    namespace: str = DEFAULT_NAMESPACE
+    log_level: str = DEFAULT_LOG_LEVEL
+    host: str = "127.0.0.1"
+    # The address other instances use to reach this one (differs from `host` when binding 0.0.0.0).
+    advertise_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if not self.etcd_endpoints:
+            raise ConfigError("--etcd-endpoints is empty")
+        for e in self.etcd_endpoints:
+            if not e.startswith(("http://", "https://")) or ":" not in e.split("://", 1)[1]:
+                raise ConfigError(f"--etcd-endpoints: {e!r} is not a URL like http://127.0.0.1:2379")
+        if not self.namespace or "/" in self.namespace:
+            raise ConfigError(f"--namespace: {self.namespace!r} must be non-empty and contain no '/'")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"--log-level: {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """The model a process serves: its Hugging Face directory and the name clients ask for."""
+
+    model_dir: str
+    served_model_name: str
+
+    def __post_init__(self) -> None:
+        if not (Path(self.model_dir) / "config.json").is_file():
+            raise ConfigError(f"--model {self.model_dir}: no config.json there (expected a Hugging Face model directory)")
+        if not self.served_model_name:
+            raise ConfigError("--served-model-name is empty")
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse that reports bad flags as one line (`error: ...`, exit 2) instead of a usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        die(f"{self.prog}: {message} (see --help)")
+
+
+def add_mesh_flags(parser: argparse.ArgumentParser, *, embedded_etcd: bool = False) -> None:
+    """--etcd-endpoints, --namespace, --log-level, and for services --host/--advertise-host.
+
+    With `embedded_etcd` (the launcher) --etcd-endpoints defaults to none, meaning "start an
+    etcd of your own", and the service-only bind flags are left out."""
+    if embedded_etcd:
+        parser.add_argument("--etcd-endpoints", default=None,
+                            help="join this etcd (comma-separated URLs) instead of starting one")
+    else:
+        parser.add_argument("--etcd-endpoints", default=os.environ.get("ETCD_ENDPOINTS") or DEFAULT_ETCD,
+                            help="comma-separated etcd client URLs (env ETCD_ENDPOINTS)")
+    parser.add_argument("--namespace", default=os.environ.get("KVMESH_NAMESPACE", DEFAULT_NAMESPACE),
+                        help="etcd key namespace of this mesh (env KVMESH_NAMESPACE)")
+    parser.add_argument("--log-level", default=os.environ.get("KVMESH_LOG_LEVEL", DEFAULT_LOG_LEVEL),
+                        choices=LOG_LEVELS, type=str.upper)
+    if not embedded_etcd:
+        parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+        parser.add_argument("--advertise-host", default=None,
+                            help="address registered in etcd for others to reach this instance (default: --host, "
+                                 "or this machine's address when --host is a wildcard)")
+
+
+def split_endpoints(text: str) -> tuple[str, ...]:
+    return tuple(e.strip() for e in text.split(",") if e.strip())
+
+
+def mesh_config(args: argparse.Namespace) -> MeshConfig:
+    host = getattr(args, "host", "127.0.0.1")
+    advertise = getattr(args, "advertise_host", None) or _advertised(host)
+    return validated(lambda: MeshConfig(split_endpoints(args.etcd_endpoints), args.namespace, args.log_level,
+                                        host, advertise))
+
+
+def _advertised(host: str) -> str:
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    return socket.gethostbyname(socket.gethostname())
+
+
+def add_model_flags(parser: argparse._ActionsContainer) -> None:
+    parser.add_argument("--model", default=None, help="model directory (default: the demo model)")
+    parser.add_argument("--served-model-name", default=None, help="default: the model directory's name")
+
+
+def model_ref(args: argparse.Namespace) -> ModelRef:
+    """The model named by --model (the demo model, built on first use, when none is given)."""
+    from services.tools.make_demo_model import ensure_demo_model
+
+    model = Path(args.model) if args.model else ensure_demo_model()
+    return validated(lambda: ModelRef(str(model.resolve()), args.served_model_name or model.resolve().name))
+
+
+def validated(build: Callable[[], T]) -> T:
+    """Builds a config, exiting with its one-line reason when a setting cannot work."""
+    try:
+        return build()
+    except ConfigError as exc:
+        die(str(exc))
+
+
+def forward_flags(args: argparse.Namespace, actions: Iterable[argparse.Action], skip: Iterable[str] = ()) -> list[str]:
+    """The command line that gives a child process the same values of these flags.
+
+    The launcher declares the flags of every service it starts with the services' own
+    `add_*_flags` functions, then hands the parsed values down with this: a default lives only
+    where the flag is declared. Flags left at None are not passed (the child applies its default).
+    """
+    skipped = set(skip)
+    argv: list[str] = []
+    for action in actions:
+        if action.dest in skipped or not action.option_strings:
+            continue
+        value = getattr(args, action.dest, None)
+        if value is None:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, bool):
+            if value:
+                argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def die(reason: str, code: int = EXIT_BAD_FLAGS) -> NoReturn:
+    """Exits with a single-line reason: `error: <reason>` on stderr."""
+    print(f"error: {reason}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number 0..65535, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value

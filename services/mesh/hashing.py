@@ -1,0 +1,69 @@
+"""Block hashes are xxh3_64 (seed 1337) over little-endian u32 token ids, exactly as NVIDIA Dynamo
+computes them, so the router can score blocks that any Dynamo-compatible engine reports.
+
+Two kinds of hash travel through the mesh, and mixing them up mis-scores silently, so each has
+its own type (free at run time: a NewType is a plain int):
+- `LocalBlockHash`: the hash of one block's tokens alone. The same tokens hash the same at any
+  position; the radix tree keys each level by it (`tokens_hash` in KV events).
+- `SequenceHash`: a block's hash as an engine keys its cache, chained from its parent's, so it
+  identifies the block *and* everything before it (`block_hash` / `parent_hash` in KV events).
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Callable, Sequence
+from typing import NewType, cast
+
+import xxhash
+
+LocalBlockHash = NewType("LocalBlockHash", int)
+SequenceHash = NewType("SequenceHash", int)
+
+KV_HASH_SEED = 1337
+# The parent hash chained into a sequence's first block: it has no parent block.
+NO_PARENT = 0
+_NEEDS_BYTESWAP = sys.byteorder != "little"
+# One digest function, typed once per kind of hash: a NewType call per block would cost a Python
+# call in the hashing loops for nothing but the type checker.
+_local_digest = cast(Callable[[bytes, int], LocalBlockHash], xxhash.xxh3_64_intdigest)
+_sequence_digest = cast(Callable[[bytes, int], SequenceHash], xxhash.xxh3_64_intdigest)
+
+
+def block_bytes(tokens: Sequence[int]) -> bytes:
+    buf = array("I", tokens)
+    if _NEEDS_BYTESWAP:
+        buf.byteswap()
+    return buf.tobytes()
+
+
+def local_block_hashes(tokens: Sequence[int], block_size: int) -> list[LocalBlockHash]:
+    """The local hash of every full block of `tokens`; a trailing partial block is not hashed."""
+    full = len(tokens) - len(tokens) % block_size
+    if full == 0:
+        return []
+    data = block_bytes(tokens[:full])
+    step = block_size * 4
+    h = _local_digest
+    return [h(data[i : i + step], KV_HASH_SEED) for i in range(0, len(data), step)]
+
+
+def chained_block_hashes(tokens: Sequence[int], block_size: int) -> list[SequenceHash]:
+    """Hashes that identify a block *and* everything before it, as engines key their caches."""
+    return chain_from(local_block_hashes(tokens, block_size))
+
+
+def chain_from(local_hashes: Sequence[LocalBlockHash], parent: int = NO_PARENT) -> list[SequenceHash]:
+    """The sequence hashes of blocks with these local hashes, following the block hashed `parent`
+    (a `SequenceHash`, or `NO_PARENT` when the first of them starts the sequence)."""
+    out: list[SequenceHash] = []
+    for local in local_hashes:
+        parent = chain_hash(parent, local)
+        out.append(parent)
+    return out
+
+
+def chain_hash(parent: int, local: LocalBlockHash) -> SequenceHash:
+    """The sequence hash of a block given its parent's (`NO_PARENT` for a sequence's first block)."""
+    return _sequence_digest(parent.to_bytes(8, "little") + local.to_bytes(8, "little"), KV_HASH_SEED)

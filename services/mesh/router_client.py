@@ -1,0 +1,98 @@
+"""Asking the mesh's routers for a worker: the one client the processor and decode workers share.
+
+Rules:
+- Any live router will do: calls rotate over the routers registered in etcd, so load spreads
+  and a dead one costs one retry, not an outage.
+- `UNAVAILABLE` or `DEADLINE_EXCEEDED` from a router means *that router* could not answer:
+  the same call goes to the next router (each router at most once per call).
+- `NOT_FOUND` means the router answered: no worker of the pool serves the model (after the
+  caller's exclusions). That outcome is raised as `NoWorkerError` and never retried elsewhere:
+  every router sees the same etcd membership.
+- Any other status, or no router at all, is `RoutingUnavailable`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from itertools import count
+from typing import Protocol
+
+import grpc
+
+from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.mesh.channels import ChannelPool
+from services.mesh.discovery import InstanceInfo
+
+log = logging.getLogger(__name__)
+
+ROUTE_TIMEOUT_S = 2.0
+# Codes that say a router could not answer, so another one should be asked.
+TRY_NEXT_ROUTER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+class RoutingError(Exception):
+    """No worker could be chosen."""
+
+
+class NoWorkerError(RoutingError):
+    """No worker of the requested pool serves the model (the router's NOT_FOUND)."""
+
+
+class RoutingUnavailable(RoutingError):
+    """No router could answer: none registered, or every one failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouteChoice:
+    worker_id: str
+    address: str
+    overlap_blocks: int
+    # Share of the prompt's tokens already cached on the chosen worker.
+    prefix_hit_rate: float
+    # Requests waiting across the whole pool (the prefill queue size, for the prefill pool).
+    pool_waiting: int
+
+
+class Members(Protocol):
+    """The live instances of one component (a `ComponentView`)."""
+
+    @property
+    def instances(self) -> Mapping[str, InstanceInfo]: ...
+
+
+class RouterClient:
+    def __init__(self, routers: Members, channels: ChannelPool, timeout_s: float = ROUTE_TIMEOUT_S) -> None:
+        self._routers = routers
+        self._channels = channels
+        self._timeout_s = timeout_s
+        self._turn = count()
+
+    async def route(self, request_id: str, model: str, token_ids: Sequence[int], role: common_pb2.WorkerRole,
+                    exclude: Sequence[str] = ()) -> RouteChoice:
+        routers = sorted(self._routers.instances.values(), key=lambda r: r.instance_id)
+        if not routers:
+            raise RoutingUnavailable("no router is available")
+        request = router_pb2.RouteRequest(request_id=request_id, model=model, token_ids=token_ids, role=role,
+                                          exclude_worker_ids=exclude)
+        start = next(self._turn)
+        failures = []
+        for attempt in range(len(routers)):
+            router = routers[(start + attempt) % len(routers)]
+            stub = router_pb2_grpc.RouterStub(self._channels.get(router.address))
+            try:
+                reply = await stub.Route(request, timeout=self._timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                detail = exc.details() or exc.code().name
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    raise NoWorkerError(detail) from exc
+                failures.append(f"router {router.instance_id}: {exc.code().name} {detail}")
+                if exc.code() not in TRY_NEXT_ROUTER:
+                    break
+                log.debug("request %s: router %s could not answer (%s); trying the next", request_id,
+                          router.instance_id, exc.code().name)
+                continue
+            return RouteChoice(reply.worker_id, reply.address, reply.overlap_blocks, reply.prefix_hit_rate,
+                               reply.pool_waiting)
+        raise RoutingUnavailable("routing failed: " + "; ".join(failures))

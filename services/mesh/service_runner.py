@@ -1,0 +1,253 @@
+"""The one way a kvmesh process is assembled and torn down.
+
+Rule: a service acquires its resources inside `assemble(runner)` and registers each one's
+teardown with the runner right after acquiring it. The runner tears them down in exactly the
+reverse order — after SIGTERM/SIGINT, after a start-up failure, after an unexpected exception,
+and when a task the service asked it to watch ends. Every teardown step has a deadline; a step
+that fails or overruns is logged and the remaining steps still run, so a stuck gRPC server can
+never keep a lease alive or an engine process running.
+
+Exit status: 0 after a stop signal, the `SystemExit` code of a deliberate exit (bad flags 2,
+etcd unreachable 3), 1 after a crash or a watched task that ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health
+from prometheus_client import CollectorRegistry
+
+from services.mesh.channels import ChannelPool
+from services.mesh.discovery import ComponentView, InstanceInfo, instance_key
+from services.mesh.etcd_lease import LeasedRegistration
+from services.mesh.etcd_store import EtcdStore, KeyValueStore, StoreUnavailable
+from services.mesh.flags import EXIT_UNREACHABLE, MeshConfig, die
+from services.mesh.grpc_server import ServiceBinding, start_server
+from services.mesh.metrics_http import serve_metrics
+
+log = logging.getLogger(__name__)
+
+# A teardown step that takes longer is abandoned (and logged) so the next one still runs.
+TEARDOWN_STEP_S = 10.0
+# In-flight gRPC calls get this long to finish once the server stops taking new ones.
+GRPC_GRACE_S = 2.0
+
+Teardown = Callable[[], Awaitable[object] | None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    label: str
+    action: Teardown
+    timeout_s: float
+
+
+class ServiceRunner:
+    """Owns one process's resources: registered in start order, torn down in reverse."""
+
+    def __init__(self, component: str, mesh: MeshConfig | None = None) -> None:
+        self.component = component
+        self.mesh = mesh
+        self.exit_code = 0
+        self._steps: list[_Step] = []
+        self._stop = asyncio.Event()
+        self._store: KeyValueStore | None = None
+        self._channels: ChannelPool | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def on_teardown(self, label: str, action: Teardown, timeout_s: float = TEARDOWN_STEP_S) -> None:
+        """Registers the teardown of something just acquired; it runs before everything acquired earlier."""
+        self._steps.append(_Step(label, action, timeout_s))
+
+    def request_stop(self, reason: str, exit_code: int = 0) -> None:
+        if not self._stop.is_set():
+            log.info("%s stopping: %s", self.component, reason)
+            self.exit_code = exit_code
+            self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def watch(self, task: asyncio.Task[Any], label: str) -> asyncio.Task[Any]:
+        """A background task the service cannot live without: when it ends, the service stops
+        (exit 1 unless a stop was already under way); cancelled at teardown."""
+
+        def ended(t: asyncio.Task[Any]) -> None:
+            if self.stopping:
+                return
+            if t.cancelled():
+                self.request_stop(f"{label} was cancelled", 1)
+            elif (exc := t.exception()) is not None:
+                log.error("%s failed: %s", label, exc, exc_info=exc)
+                self.request_stop(f"{label} failed", 1)
+            else:
+                self.request_stop(f"{label} ended", 1)
+
+        task.add_done_callback(ended)
+        self.on_teardown(f"cancel {label}", lambda: cancel_and_wait(task))
+        return task
+
+    async def serve(self, assemble: Callable[[ServiceRunner], Awaitable[None]]) -> int:
+        """Assembles the service, runs it until a stop, tears it down; returns the exit status."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop, signal.Signals(sig).name)
+        try:
+            await self._assemble(assemble)
+            await self._stop.wait()
+        except _Exit as exc:
+            self.exit_code = exc.code
+        except Exception as exc:  # noqa: BLE001 - any crash still ends in an orderly teardown
+            log.critical("%s crashed: %s", self.component, exc, exc_info=exc)
+            self.exit_code = 1
+        finally:
+            await self._teardown()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+        return self.exit_code
+
+    async def _assemble(self, assemble: Callable[[ServiceRunner], Awaitable[None]]) -> None:
+        """Runs `assemble`, abandoning it if a stop signal comes first (a vLLM load takes a while)."""
+        building = asyncio.ensure_future(self._guarded(assemble))
+        stopped = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait([building, stopped], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if not building.done():
+            log.info("%s: stop requested during start-up", self.component)
+            await cancel_and_wait(building)
+            return
+        building.result()
+
+    async def _guarded(self, assemble: Callable[[ServiceRunner], Awaitable[None]]) -> None:
+        # SystemExit escaping a task would also escape the event loop and skip the teardown.
+        try:
+            await assemble(self)
+        except SystemExit as exc:
+            raise _Exit(exc.code if isinstance(exc.code, int) else 1) from None
+
+    async def _teardown(self) -> None:
+        while self._steps:
+            step = self._steps.pop()
+            try:
+                result = step.action()
+                if result is not None:
+                    await asyncio.wait_for(result, step.timeout_s)
+            except TimeoutError:
+                log.error("%s: teardown step '%s' overran %.0fs; abandoned", self.component, step.label, step.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - logged; the remaining steps must still run
+                log.error("%s: teardown step '%s' failed: %s", self.component, step.label, exc, exc_info=exc)
+
+    # -- the resources most services acquire --------------------------------------------------
+
+    @property
+    def store(self) -> KeyValueStore:
+        if self._store is None:
+            raise RuntimeError("connect_store() first")
+        return self._store
+
+    @property
+    def channels(self) -> ChannelPool:
+        """Client channels to other instances, one per address, closed at teardown."""
+        if self._channels is None:
+            self._channels = pool = ChannelPool()
+            self.on_teardown("close client channels", pool.close)
+        return self._channels
+
+    def _mesh(self) -> MeshConfig:
+        if self.mesh is None:
+            raise RuntimeError(f"{self.component} runs without a mesh config")
+        return self.mesh
+
+    async def connect_store(self) -> KeyValueStore:
+        """Connects to etcd or exits with status 3 and a one-line reason."""
+        store = EtcdStore(self._mesh().etcd_endpoints)
+        try:
+            await store.connect()
+        except StoreUnavailable as exc:
+            die(f"{exc} (start etcd or pass --etcd-endpoints)", code=EXIT_UNREACHABLE)
+        self._store = store
+        self.on_teardown("close etcd client", store.close)
+        return store
+
+    async def register(self, info: InstanceInfo, extra_keys: dict[str, bytes] | None = None) -> LeasedRegistration:
+        """Registers the instance (and keys that live and die with it) under a kept-alive lease.
+
+        Registered last during assembly, so it is the first thing torn down: peers stop
+        choosing this instance before its servers close."""
+        registration = LeasedRegistration(self.store)
+        keys = {**(extra_keys or {}), instance_key(self._mesh().namespace, info): info.to_json()}
+        try:
+            await registration.start(keys)
+        except StoreUnavailable as exc:
+            die(f"etcd registration failed: {exc}", code=EXIT_UNREACHABLE)
+        self.on_teardown(f"deregister {info.component} {info.instance_id}", registration.stop)
+        return registration
+
+    async def watch_component(self, component: str) -> ComponentView:
+        """A live view of one component's instances, stopped at teardown."""
+        view = ComponentView(self.store, self._mesh().namespace, component)
+        await view.start()
+        self.on_teardown(f"stop {component} view", view.stop)
+        return view
+
+    async def serve_grpc(self, bindings: Sequence[ServiceBinding], port: int = 0) -> tuple[int, health.HealthServicer]:
+        """Starts a gRPC server with health and reflection; returns its port and health servicer."""
+        server, bound, health_servicer = await start_server(bindings, self._mesh().host, port)
+        self.on_teardown("stop gRPC server", lambda: _stop_server(server), GRPC_GRACE_S + TEARDOWN_STEP_S)
+        return bound, health_servicer
+
+    def serve_metrics(self, registry: CollectorRegistry, port: int = 0) -> int:
+        """Serves Prometheus /metrics on a daemon thread (it dies with the process); returns the port."""
+        return serve_metrics(registry, self._mesh().host, port)
+
+
+class _Exit(Exception):
+    """A deliberate exit (`die`) during assembly, carried out of the assembling task."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+async def _stop_server(server: grpc.aio.Server) -> None:
+    await server.stop(grace=GRPC_GRACE_S)
+
+
+async def cancel_and_wait(task: asyncio.Future[Any]) -> None:
+    """Cancels a task and waits until it has ended."""
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+def run_service(component: str, mesh: MeshConfig | None,
+                assemble: Callable[[ServiceRunner], Awaitable[None]]) -> None:
+    """The entry point of every service: serve until stopped, then exit with the runner's status."""
+    code = run(lambda: ServiceRunner(component, mesh).serve(assemble))
+    raise SystemExit(code)
+
+
+def run(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    """Runs an async main on uvloop when available; returns its result (130 after Ctrl-C)."""
+    try:
+        import uvloop
+    except ImportError:
+        return _run_ignoring_interrupt(lambda: asyncio.run(main()))
+    return _run_ignoring_interrupt(lambda: uvloop.run(main()))
+
+
+def _run_ignoring_interrupt(call: Callable[[], int]) -> int:
+    try:
+        return call()
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,16 @@
+"""The processor's flags, declared once for the processor and the launcher."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.mesh.flags import positive_float
+from services.processor.service import ProcessorConfig
+
+
+def add_processor_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Returns the group, so the launcher can hand the same values to its processors."""
+    g = parser.add_argument_group("processor")
+    g.add_argument("--request-timeout", type=positive_float, default=ProcessorConfig.request_timeout_s,
+                   help="seconds one generation may take")
+    return g

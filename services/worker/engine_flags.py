@@ -1,0 +1,108 @@
+"""The engine flags, declared once for the worker modules and the launcher, and their config.
+
+Every default lives here: the mocker's KV capacity, its timing preset, the block size rule
+(16, except 32 for vLLM on CPU, whose attention needs a multiple of 32).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from services.engines.mocker.timing import PRESETS
+from services.mesh.flags import ConfigError, ModelRef, add_model_flags, model_ref, positive_float, positive_int, validated
+
+ENGINES = ("vllm", "mocker")
+KV_TRANSFERS = ("none", "nixl")
+DEFAULT_TIMING = "h100-8b"
+DEFAULT_NUM_GPU_BLOCKS = 16384
+DEFAULT_KV_BYTES_PER_TOKEN = 4096
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    engine: str
+    model: ModelRef
+    block_size: int
+    num_gpu_blocks: int = DEFAULT_NUM_GPU_BLOCKS
+    speedup: float = 1.0
+    timing: str = DEFAULT_TIMING
+    # None: the engine's own default (256 running requests on the mocker, 64 on vLLM).
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
+    # "nixl": this worker exchanges prompt KV with peers of the other role.
+    kv_transfer: str = "none"
+    # The address NIXL peers use to reach this worker.
+    advertise_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"--engine {self.engine!r} is not one of {', '.join(ENGINES)}")
+        if self.kv_transfer not in KV_TRANSFERS:
+            raise ConfigError(f"--kv-transfer {self.kv_transfer!r} is not one of {', '.join(KV_TRANSFERS)}")
+        if self.timing not in PRESETS:
+            raise ConfigError(f"--timing {self.timing!r} is not one of {', '.join(sorted(PRESETS))}")
+        for flag, value in (("--block-size", self.block_size), ("--num-gpu-blocks", self.num_gpu_blocks),
+                            ("--kv-bytes-per-token", self.kv_bytes_per_token)):
+            if value <= 0:
+                raise ConfigError(f"{flag} must be > 0, got {value}")
+        if not self.speedup > 0:
+            raise ConfigError(f"--speedup must be > 0, got {self.speedup}")
+        if self.engine == "vllm" and self.block_size % 32 and default_block_size("vllm") == 32:
+            raise ConfigError(f"--block-size {self.block_size}: vLLM on CPU needs a multiple of 32")
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model.served_model_name
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The flags that choose and size the engine; returns their group (the launcher forwards it)."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--engine", choices=ENGINES, default="vllm")
+    add_model_flags(g)
+    g.add_argument("--block-size", type=positive_int, default=None,
+                   help="KV block size in tokens (default 16; 32 for vLLM on CPU)")
+    g.add_argument("--num-gpu-blocks", type=positive_int, default=DEFAULT_NUM_GPU_BLOCKS,
+                   help="mocker: KV blocks per worker")
+    g.add_argument("--speedup", type=positive_float, default=1.0,
+                   help="mocker: divides the timing model's durations ('inf' = no compute time)")
+    g.add_argument("--timing", choices=sorted(PRESETS), default=DEFAULT_TIMING,
+                   help="mocker: the machine its timing model imitates")
+    g.add_argument("--max-num-seqs", type=positive_int, default=None, help="running requests per worker")
+    g.add_argument("--max-model-len", type=positive_int, default=None)
+    g.add_argument("--kv-bytes-per-token", type=positive_int, default=DEFAULT_KV_BYTES_PER_TOKEN,
+                   help="mocker: size of the synthetic KV moved per prompt token")
+    return g
+
+
+def add_kv_transfer_flag(parser: argparse.ArgumentParser, default: str = "none") -> None:
+    """Workers only: the launcher decides KV transfer from the number of prefill workers."""
+    parser.add_argument("--kv-transfer", choices=KV_TRANSFERS, default=default,
+                        help="nixl: this worker exchanges KV caches with prefill/decode peers over NIXL")
+
+
+def default_block_size(engine: str) -> int:
+    if engine == "vllm":
+        from services.engines.vllm_engine import on_cpu
+
+        return 32 if on_cpu() else 16
+    return 16
+
+
+def engine_config(args: argparse.Namespace, advertise_host: str = "127.0.0.1") -> EngineConfig:
+    model = model_ref(args)
+    return validated(lambda: EngineConfig(
+        engine=args.engine,
+        model=model,
+        block_size=args.block_size or default_block_size(args.engine),
+        num_gpu_blocks=args.num_gpu_blocks,
+        speedup=args.speedup,
+        timing=args.timing,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        kv_bytes_per_token=args.kv_bytes_per_token,
+        kv_transfer=getattr(args, "kv_transfer", "none"),
+        advertise_host=advertise_host,
+    ))

@@ -1,0 +1,153 @@
+"""Where an engine worker is assembled: engine, gRPC services, etcd registration, metrics.
+
+One process can host several independent workers (`--num-workers`, mocker only), each with its
+own server, lease and instance id, so scale tests do not need a process per worker. Roles differ
+only in what `Role.prepare` sets up once per process and the services its factory mounts.
+
+Start order per worker — engine, servicer, gRPC server, then the lease — makes the service
+runner's reverse teardown deregister first (peers stop choosing the worker), then close the
+server, then stop the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+
+from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.engines.base import Engine
+from services.mesh.discovery import InstanceInfo, new_instance_id
+from services.mesh.flags import FlagParser, MeshConfig, add_mesh_flags, die, mesh_config, port_number, positive_int
+from services.mesh.grpc_server import ServiceBinding
+from services.mesh.logs import setup_logging
+from services.mesh.service_runner import ServiceRunner, run_service
+from services.worker.engine_factory import build_engine
+from services.worker.engine_flags import EngineConfig, add_engine_flags, add_kv_transfer_flag, engine_config
+from services.worker.kv_event_log import KvEventLog
+from services.worker.load_collector import WorkerLoadCollector
+from services.worker.servicer import WorkerServicer
+
+log = logging.getLogger(__name__)
+
+# vLLM shuts its engine processes down in seconds; past this the teardown moves on.
+ENGINE_STOP_S = 30.0
+WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a role may use to set itself up, once per process."""
+
+    args: argparse.Namespace
+    mesh: MeshConfig
+    runner: ServiceRunner
+    registry: CollectorRegistry
+    engine: EngineConfig
+
+
+@dataclass(frozen=True)
+class WorkerServices:
+    """The servicers one worker mounts: the `Worker` service and any role-specific ones."""
+
+    worker: WorkerServicer
+    extra: tuple[ServiceBinding, ...] = ()
+
+
+ServicesFactory = Callable[[Engine, str, KvEventLog], WorkerServices]
+
+
+@dataclass(frozen=True)
+class Role:
+    component: str
+    name: str
+    # Sets up what the role's workers share in this process; returns how to build each one's services.
+    prepare: Callable[[WorkerContext], Awaitable[ServicesFactory]]
+    add_flags: Callable[[argparse.ArgumentParser], object] | None = None
+    default_kv_transfer: str = "none"
+
+
+@dataclass
+class _Running:
+    instance_id: str
+    engine: Engine
+
+
+@dataclass
+class _Process:
+    workers: list[_Running] = field(default_factory=list)
+
+
+def worker_parser(role: Role) -> FlagParser:
+    parser = FlagParser(prog=f"python -m services.{role.component.replace('-', '_')}")
+    add_mesh_flags(parser)
+    add_engine_flags(parser)
+    add_kv_transfer_flag(parser, role.default_kv_transfer)
+    parser.add_argument("--num-workers", type=positive_int, default=1,
+                        help="independent workers in this process (mocker only)")
+    parser.add_argument("--port", type=port_number, default=0, help="gRPC port of the first worker (0 = any free)")
+    parser.add_argument("--metrics-port", type=port_number, default=0, help="Prometheus port (0 = any free)")
+    parser.add_argument("--kv-event-buffer", type=positive_int, default=65536,
+                        help="KV events kept for subscribers that resume; older ones get a full snapshot")
+    if role.add_flags is not None:
+        role.add_flags(parser)
+    return parser
+
+
+async def start_worker(role: Role, ctx: WorkerContext, make_services: ServicesFactory, port: int,
+                       metrics_port: int) -> _Running:
+    runner, mesh, spec = ctx.runner, ctx.mesh, ctx.engine
+    instance_id = new_instance_id()
+    built = build_engine(spec, instance_id, runner.store, mesh.namespace)
+    events = KvEventLog(capacity=ctx.args.kv_event_buffer)
+    built.engine.set_kv_event_sink(events.append)
+    await built.engine.start()
+    runner.on_teardown(f"stop engine of {instance_id}", built.engine.stop, ENGINE_STOP_S)
+    services = make_services(built.engine, instance_id, events)
+    runner.on_teardown(f"stop servicer of {instance_id}", services.worker.stop)
+    binding = ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, services.worker, WORKER_SERVICE)
+    bound, _health = await runner.serve_grpc([binding, *services.extra], port)
+    info = InstanceInfo(
+        component=role.component,
+        instance_id=instance_id,
+        address=f"{mesh.advertise_host}:{bound}",
+        model=spec.served_model_name,
+        role=role.name,
+        block_size=spec.block_size,
+        engine=spec.engine,
+        metrics_port=metrics_port,
+        extra={"max_model_len": built.engine.info.max_model_len, "kv_transfer": spec.kv_transfer},
+    )
+    await runner.register(info, built.lease_keys)
+    log.info("%s %s serving %s (%s, block size %d, KV transfer %s) at %s", role.component, instance_id,
+             spec.served_model_name, spec.engine, spec.block_size, spec.kv_transfer, info.address)
+    return _Running(instance_id, built.engine)
+
+
+def main(role: Role) -> None:
+    args = worker_parser(role).parse_args()
+    mesh = mesh_config(args)
+    setup_logging(mesh.log_level, role.component)
+    if args.num_workers > 1 and args.engine != "mocker":
+        die("--num-workers > 1 needs --engine mocker (one vLLM engine per process)")
+    spec = engine_config(args, mesh.advertise_host)
+
+    async def assemble(runner: ServiceRunner) -> None:
+        await runner.connect_store()
+        process = _Process()
+        registry = CollectorRegistry()
+        registry.register(WorkerLoadCollector(lambda: [(w.instance_id, role.name, w.engine.load())
+                                                       for w in process.workers]))
+        metrics_port = runner.serve_metrics(registry, args.metrics_port)
+        ctx = WorkerContext(args, mesh, runner, registry, spec)
+        make_services = await role.prepare(ctx)
+        for i in range(args.num_workers):
+            port = args.port + i if args.port else 0
+            process.workers.append(await start_worker(role, ctx, make_services, port, metrics_port))
+        # The launcher and the tests wait for this line.
+        print(f"{role.component} ready: " + " ".join(w.instance_id for w in process.workers), flush=True)
+
+    run_service(role.component, mesh, assemble)
