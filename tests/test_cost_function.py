@@ -1,4 +1,4 @@
-"""The cost function: cached prefix against cache usage and queue length, as the seed defines it."""
+"""The cost function: 2 * cached share - cache usage - normalized queue, best logit wins."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The conditional disaggregation rule, as the seed states it."""
+"""The conditional disaggregation rule: remote iff the uncached prompt is longer than the limit and the prefill queue is short."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The launcher: config files in the seed's shape, start-up failures, clean shutdown."""
+"""The launcher: YAML worker-config files, start-up failures, clean shutdown."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from services.launch.config import load
 from tests.procs import Etcd, free_port, service
 
 
-def test_yaml_config_in_the_seed_shape_sets_defaults_and_flags_win(tmp_path: Path) -> None:
+def test_a_yaml_worker_config_sets_defaults_and_flags_win(tmp_path: Path) -> None:
     cfg_file = tmp_path / "mesh.yaml"
     cfg_file.write_text(
         "VllmWorker:\n  model: /models/x\n  enable-prefix-caching: true\n  router: round-robin\n"

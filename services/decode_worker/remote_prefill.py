@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.decode_worker.disagg_decision import DisaggConfig, prefill_remote, worth_remote
 from services.mesh.channels import ChannelPool
-from services.mesh.router_client import NoWorkerError, RouteChoice, RouterClient, RoutingError
+from services.mesh.router_client import NoWorkerError, RouterClient, RoutingError
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class RemotePrefiller:
             self.metrics.local.inc()
             return None
         try:
-            route = await self._route(rid, tokens)
+            route = await self._routers.route(rid, self._model, tokens, common_pb2.WORKER_ROLE_PREFILL)
         except NoWorkerError as exc:
             self.fallback(rid, "no_prefill_worker", str(exc))
             return None
@@ -106,6 +106,3 @@ class RemotePrefiller:
         except grpc.aio.AioRpcError as exc:
             log.info("request %s: could not release KV on %s (%s); it expires there", rid, remote.worker_id,
                      exc.code().name)
-
-    async def _route(self, rid: str, tokens: list[int]) -> RouteChoice:
-        return await self._routers.route(rid, self._model, tokens, common_pb2.WORKER_ROLE_PREFILL)

@@ -63,7 +63,9 @@ class EngineOutput:
 
 @dataclass(frozen=True, slots=True)
 class LoadSnapshot:
-    """The seed's worker load fields, read from the engine's own stats."""
+    """A worker's load, read from the engine's own stats: what the router's cost function and the
+    metrics report (active/total request slots and KV blocks, waiting requests, KV cache usage,
+    prefix-cache hit rate)."""
 
     request_active_slots: int = 0
     request_total_slots: int = 0

@@ -1,6 +1,6 @@
 """The KV-aware cost function: prefer cached prefixes, avoid full caches and long queues.
 
-From the seed (Dynamo's router):
+The rule (the same as NVIDIA Dynamo's KV router), per candidate worker:
 
     logit = 2 * overlap_ratio - gpu_cache_usage - normalized_waiting
 
@@ -9,7 +9,7 @@ normalized_waiting its queue length over the longest queue among the candidates.
 logit wins; among equal logits the worker caching the fewest blocks (so new prefixes spread over
 the pool's cache), then chance. With a temperature > 0 the choice is sampled from softmax(logit / T).
 
-What the seed lacks: its load inputs lag behind by up to one metrics period, so a burst of
+Beyond that rule: its load inputs lag behind by up to one metrics period, so a burst of
 requests sharing a prefix would all see the same idle worker. The router therefore adds the
 requests and blocks it dispatched itself since the worker's last report (`pending_*`).
 """

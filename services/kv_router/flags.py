@@ -6,7 +6,7 @@ import argparse
 
 from services.kv_router.cost_function import CostWeights
 from services.kv_router.service import ROUTER_MODES, RouterConfig
-from services.mesh.flags import ConfigError, non_negative_float, validated
+from services.mesh.flags import non_negative_float, validated
 
 _WEIGHTS = CostWeights()
 
@@ -28,11 +28,6 @@ def add_router_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
-    def build() -> RouterConfig:
-        if args.router_mode not in ROUTER_MODES:
-            raise ConfigError(f"--router-mode {args.router_mode!r} is not one of {', '.join(ROUTER_MODES)}")
-        weights = CostWeights(overlap=args.overlap_weight, cache_usage=args.cache_usage_weight,
-                              waiting=args.waiting_weight, temperature=args.router_temperature)
-        return RouterConfig(mode=args.router_mode, seed=args.seed, weights=weights)
-
-    return validated(build)
+    weights = CostWeights(overlap=args.overlap_weight, cache_usage=args.cache_usage_weight,
+                          waiting=args.waiting_weight, temperature=args.router_temperature)
+    return validated(lambda: RouterConfig(mode=args.router_mode, seed=args.seed, weights=weights))

@@ -21,11 +21,12 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.mesh.hashing import local_block_hashes
 from services.kv_router.cost_function import CostWeights, overlap_ratio
 from services.kv_router.pickers import ROUTER_MODES as ROUTER_MODES
 from services.kv_router.pickers import PickContext, make_picker
 from services.kv_router.worker_pool import WorkerPool
+from services.mesh.flags import ConfigError
+from services.mesh.hashing import local_block_hashes
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,12 @@ class RouterConfig:
     mode: str = "kv"
     seed: int | None = None
     weights: CostWeights = field(default_factory=CostWeights)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ROUTER_MODES:
+            raise ConfigError(f"--router-mode {self.mode!r} is not one of {', '.join(ROUTER_MODES)}")
+        if self.weights.temperature < 0:
+            raise ConfigError(f"--router-temperature must be >= 0, got {self.weights.temperature}")
 
 
 class RouterMetrics:

@@ -2,7 +2,7 @@
 
 The launcher declares no service flag itself: it adds each service's flag group with that
 service's `add_*_flags` and forwards the parsed values to the child, so every default lives in
-exactly one place. A YAML file in the seed's worker-config shape sets defaults; flags win:
+exactly one place. A YAML file in the shape of a Dynamo-style worker config sets defaults; flags win:
 
     engine: mocker
     model: .cache/models/kvmesh-demo
@@ -15,7 +15,7 @@ exactly one place. A YAML file in the seed's worker-config shape sets defaults; 
     decode-workers: 2
     prefill-workers: 1
 
-Keys may also sit under a `VllmWorker:` / `Worker:` section as in the seed.
+Keys may also sit under a `VllmWorker:` / `Worker:` / `ServiceArgs:` section, as in such files.
 """
 
 from __future__ import annotations

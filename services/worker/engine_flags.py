@@ -1,7 +1,8 @@
 """The engine flags, declared once for the worker modules and the launcher, and their config.
 
-Every default lives here: the mocker's KV capacity, its timing preset, the block size rule
-(16, except 32 for vLLM on CPU, whose attention needs a multiple of 32).
+The mocker's defaults (KV capacity, timing preset, synthetic KV size) come from the mocker
+itself; the block size rule lives here: 16, except 32 for vLLM on CPU, whose attention needs a
+multiple of 32.
 """
 
 from __future__ import annotations
@@ -9,14 +10,16 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from services.engines.mocker.timing import PRESETS
+from services.engines.mocker.engine import MockerConfig
+from services.engines.mocker.timing import DEFAULT_PRESET, PRESETS
 from services.mesh.flags import ConfigError, ModelRef, add_model_flags, model_ref, positive_float, positive_int, validated
 
 ENGINES = ("vllm", "mocker")
 KV_TRANSFERS = ("none", "nixl")
-DEFAULT_TIMING = "h100-8b"
-DEFAULT_NUM_GPU_BLOCKS = 16384
-DEFAULT_KV_BYTES_PER_TOKEN = 4096
+# The mocker's own defaults, surfaced as flags.
+DEFAULT_TIMING = DEFAULT_PRESET
+DEFAULT_NUM_GPU_BLOCKS = MockerConfig.num_gpu_blocks
+DEFAULT_KV_BYTES_PER_TOKEN = MockerConfig.kv_bytes_per_token
 
 
 @dataclass(frozen=True)

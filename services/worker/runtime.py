@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
@@ -76,11 +76,6 @@ class _Running:
     engine: Engine
 
 
-@dataclass
-class _Process:
-    workers: list[_Running] = field(default_factory=list)
-
-
 def worker_parser(role: Role) -> FlagParser:
     parser = FlagParser(prog=f"python -m services.{role.component.replace('-', '_')}")
     add_mesh_flags(parser)
@@ -137,17 +132,16 @@ def main(role: Role) -> None:
 
     async def assemble(runner: ServiceRunner) -> None:
         await runner.connect_store()
-        process = _Process()
+        workers: list[_Running] = []
         registry = CollectorRegistry()
-        registry.register(WorkerLoadCollector(lambda: [(w.instance_id, role.name, w.engine.load())
-                                                       for w in process.workers]))
+        registry.register(WorkerLoadCollector(lambda: [(w.instance_id, role.name, w.engine.load()) for w in workers]))
         metrics_port = runner.serve_metrics(registry, args.metrics_port)
         ctx = WorkerContext(args, mesh, runner, registry, spec)
         make_services = await role.prepare(ctx)
         for i in range(args.num_workers):
             port = args.port + i if args.port else 0
-            process.workers.append(await start_worker(role, ctx, make_services, port, metrics_port))
+            workers.append(await start_worker(role, ctx, make_services, port, metrics_port))
         # The launcher and the tests wait for this line.
-        print(f"{role.component} ready: " + " ".join(w.instance_id for w in process.workers), flush=True)
+        print(f"{role.component} ready: " + " ".join(w.instance_id for w in workers), flush=True)
 
     run_service(role.component, mesh, assemble)

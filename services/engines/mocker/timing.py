@@ -37,9 +37,10 @@ class TimingModel:
         return ms / 1000.0 / self.speedup
 
 
+DEFAULT_PRESET = "h100-8b"
 PRESETS: dict[str, TimingModel] = {
     # The defaults above.
-    "h100-8b": TimingModel(),
+    DEFAULT_PRESET: TimingModel(),
     # A larger accelerator (B200/GB200 class) serving the same 8B model: ~2.5x the prefill rate,
     # an 8 ms decode step. An 8k-token prompt prefills in ~250 ms.
     "large-gpu-8b": TimingModel(prefill_base_ms=5.0, prefill_per_token_us=20.0, prefill_quadratic_us_per_1k=1.2,

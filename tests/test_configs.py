@@ -1,0 +1,84 @@
+"""Every config validates itself when built: a setting that cannot work is a one-line ConfigError
+naming its flag, before any process starts anything."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from services.decode_worker.disagg_decision import DisaggConfig
+from services.frontend.app import FrontendConfig
+from services.kv_router.cost_function import CostWeights
+from services.kv_router.service import RouterConfig
+from services.mesh.flags import ConfigError, MeshConfig, ModelRef, forward_flags
+from services.processor.service import ProcessorConfig
+from services.tools.make_demo_model import ensure_demo_model
+from services.worker.engine_flags import EngineConfig
+
+
+def demo() -> ModelRef:
+    model = ensure_demo_model()
+    return ModelRef(str(model), model.name)
+
+
+BAD: list[tuple[str, Callable[[], object], str]] = [
+    ("empty etcd list", lambda: MeshConfig(etcd_endpoints=()), "--etcd-endpoints"),
+    ("etcd without scheme", lambda: MeshConfig(etcd_endpoints=("127.0.0.1:2379",)), "--etcd-endpoints"),
+    ("namespace with a slash", lambda: MeshConfig(namespace="a/b"), "--namespace"),
+    ("unknown log level", lambda: MeshConfig(log_level="LOUD"), "--log-level"),
+    ("model dir without config.json", lambda: ModelRef("/nonexistent", "x"), "--model"),
+    ("unknown engine", lambda: EngineConfig("tgi", demo(), 16), "--engine"),
+    ("zero block size", lambda: EngineConfig("mocker", demo(), 0), "--block-size"),
+    ("unknown timing preset", lambda: EngineConfig("mocker", demo(), 16, timing="tpu"), "--timing"),
+    ("zero speedup", lambda: EngineConfig("mocker", demo(), 16, speedup=0.0), "--speedup"),
+    ("remote prefill without NIXL", lambda: DisaggConfig(remote_prefill=True, kv_transfer=False), "--remote-prefill"),
+    ("negative prefill length", lambda: DisaggConfig(max_local_prefill_length=-1), "--max-local-prefill-length"),
+    ("zero prefill timeout", lambda: DisaggConfig(prefill_timeout_s=0), "--prefill-timeout"),
+    ("unknown router mode", lambda: RouterConfig(mode="least-loaded"), "--router-mode"),
+    ("negative temperature", lambda: RouterConfig(weights=CostWeights(temperature=-1)), "--router-temperature"),
+    ("zero request timeout", lambda: ProcessorConfig("m", request_timeout_s=0), "--request-timeout"),
+    ("non-ASCII API key", lambda: FrontendConfig(api_key="schlüssel"), "--api-key"),
+    ("zero body limit", lambda: FrontendConfig(max_body_bytes=0), "--max-body-bytes"),
+]
+
+
+@pytest.mark.parametrize(("case", "build", "flag"), BAD, ids=[case for case, _, _ in BAD])
+def test_a_bad_setting_is_one_line_naming_its_flag(case: str, build: Callable[[], object], flag: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        build()
+    message = str(exc.value)
+    assert flag in message
+    assert "\n" not in message
+
+
+def test_flags_left_out_give_exactly_the_config_defaults() -> None:
+    """A default is declared once: the launcher's flags fall back to the configs' own defaults."""
+    from services.launch.config import load
+
+    cfg = load(["--engine", "mocker"])
+    assert cfg.disagg_argv == ("--conditional-disagg", "--max-local-prefill-length", "512",
+                               "--max-prefill-queue-size", "2", "--prefill-timeout", "30.0")
+    assert (DisaggConfig().max_local_prefill_length, DisaggConfig().max_prefill_queue_size) == (512, 2)
+    assert cfg.router_argv == ("--router-mode", RouterConfig().mode, "--overlap-weight", "2.0",
+                               "--cache-usage-weight", "1.0", "--waiting-weight", "1.0", "--router-temperature", "0.0")
+    engine = dict(zip(cfg.engine_argv[::2], cfg.engine_argv[1::2], strict=True))
+    assert engine["--num-gpu-blocks"] == str(EngineConfig("mocker", demo(), 16).num_gpu_blocks) == "16384"
+    assert engine["--timing"] == EngineConfig("mocker", demo(), 16).timing == "h100-8b"
+    assert cfg.namespace == MeshConfig().namespace and cfg.log_level == MeshConfig().log_level
+
+
+def test_forwarded_flags_reproduce_the_values_a_child_needs() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    group = p.add_argument_group("g")
+    group.add_argument("--mode", default="kv")
+    group.add_argument("--limit", type=int, default=512)
+    group.add_argument("--switch", action=argparse.BooleanOptionalAction, default=True)
+    group.add_argument("--unset", default=None)
+    group.add_argument("--secret", default=None)
+    args = p.parse_args(["--limit", "64", "--no-switch", "--secret", "s3"])
+    argv = forward_flags(args, group._group_actions, skip=("secret",))
+    assert argv == ["--mode", "kv", "--limit", "64", "--no-switch"]
+    assert p.parse_args(argv).limit == 64
