@@ -5,19 +5,27 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 import threading
 from collections.abc import Iterator
 
+import grpc
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER
+from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
+from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, ROUTER
 from services.engines.mocker.kv_transfer import KvTransferError, NixlKvEndpoint, nixl_metadata_key
-from tests.procs import Etcd, ServiceMesh, registered, wait_until
+from tests.procs import MODEL, Etcd, ServiceMesh, registered, wait_until
 
 BYTES_PER_TOKEN = 2048
 LEASE_TTL_S = 10
+NIXL = ("--kv-transfer", "nixl", "--kv-bytes-per-token", str(BYTES_PER_TOKEN))
+# Prompts with more uncached tokens than this prefill remotely.
+MAX_LOCAL_PREFILL = 256
+# A prefill worker this slow takes ~28 s for a 2000-token prompt (~7 ms at the usual --speedup 20):
+# a prompt on it stays in flight long enough to be seen there on any machine.
+SLOW_PREFILL_SPEEDUP = 0.005
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -25,14 +33,10 @@ def tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(20, 1000) for _ in range(n)]
 
 
-def metric(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and not line.startswith(name + "_created"):
-            m = re.match(rf"{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$", line)
-            if m:
-                total += float(m.group(2))
-    return total
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of a sample over the label sets that include `labels` (0 when there is none yet)."""
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and labels.items() <= s.labels.items())
 
 
 def etcd_has(etcd: str, key: str) -> bool:
@@ -49,16 +53,45 @@ def etcd_has(etcd: str, key: str) -> bool:
     return asyncio.run(check())
 
 
+def disagg_mesh(etcd: Etcd, prefill_timeout_s: float, *prefill_extra: str) -> ServiceMesh:
+    """One decode worker (remote prefill above MAX_LOCAL_PREFILL tokens) and one prefill worker."""
+    mesh = ServiceMesh(etcd.endpoint, router_mode="kv")
+    try:
+        mesh.worker(*NIXL, "--remote-prefill", "--max-local-prefill-length", str(MAX_LOCAL_PREFILL),
+                    "--prefill-timeout", str(prefill_timeout_s), "--max-prefill-queue-size", "64")
+        mesh.prefill_worker(*NIXL, *prefill_extra)
+        assert wait_until(lambda: router_serves_prefill_pool(mesh), 20), "the router never saw the prefill worker"
+    except BaseException:
+        mesh.stop()
+        raise
+    return mesh
+
+
 @pytest.fixture
 def disagg(etcd: Etcd) -> Iterator[ServiceMesh]:
-    mesh = ServiceMesh(etcd.endpoint, router_mode="kv")
-    nixl = ["--kv-transfer", "nixl", "--kv-bytes-per-token", str(BYTES_PER_TOKEN)]
-    mesh.worker(*nixl, "--remote-prefill", "--max-local-prefill-length", "256", "--prefill-timeout", "5",
-                "--max-prefill-queue-size", "64")
-    mesh.prefill_worker(*nixl)
-    assert wait_until(lambda: registered(mesh.etcd, mesh.namespace, PREFILL_WORKER), 10)
+    mesh = disagg_mesh(etcd, 5)
     yield mesh
     mesh.stop()
+
+
+@pytest.fixture
+def slow_prefill_disagg(etcd: Etcd) -> Iterator[ServiceMesh]:
+    """As `disagg`, with a slow prefill worker and a decode worker that waits for it (no deadline fallback)."""
+    mesh = disagg_mesh(etcd, 300, "--speedup", str(SLOW_PREFILL_SPEEDUP))
+    yield mesh
+    mesh.stop()
+
+
+def router_serves_prefill_pool(mesh: ServiceMesh) -> bool:
+    """Whether the router has a prefill worker for the model (FindMatches names a block size only then)."""
+    routers = registered(mesh.etcd, mesh.namespace, ROUTER)
+    if not routers:
+        return False
+    with grpc.insecure_channel(routers[0].address) as channel:
+        reply = router_pb2_grpc.RouterStub(channel).FindMatches(
+            router_pb2.FindMatchesRequest(model=MODEL, token_ids=tokens(0, 32), role=common_pb2.WORKER_ROLE_PREFILL),
+            timeout=10)
+    return reply.block_size > 0
 
 
 def decode_metrics(mesh: ServiceMesh) -> str:
@@ -97,26 +130,57 @@ def test_nixl_metadata_lives_in_etcd_under_the_prefill_workers_lease(disagg: Ser
     assert wait_until(lambda: not etcd_has(disagg.etcd, key), LEASE_TTL_S + 5)
 
 
-def test_a_prefill_worker_killed_mid_stream_loses_no_request(disagg: ServiceMesh) -> None:
-    prompts = [tokens(100 + i, 600 + i) for i in range(30)]
-    prefill_proc = next(p for p in disagg.procs if p.name == "prefill-worker")
-    killer = threading.Timer(0.5, prefill_proc.kill)
-    results = []
-    killer.start()
+def complete(mesh: ServiceMesh, prompt: list[int]) -> httpx.Response:
+    return httpx.post(mesh.url("/v1/completions"), json={"model": MODEL, "prompt": prompt, "max_tokens": 8},
+                      timeout=120)
+
+
+def prefill_blocks_in_use(metrics_port: int) -> float:
+    """KV blocks the prefill worker's engine holds: above 0 only while it computes a prompt."""
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    return metric(text, "kvmesh_kv_active_blocks", role="prefill")
+
+
+def test_a_prefill_worker_killed_mid_prefill_loses_no_request(slow_prefill_disagg: ServiceMesh) -> None:
+    mesh = slow_prefill_disagg
+    prefill_proc = next(p for p in mesh.procs if p.name == "prefill-worker")
+    (prefill,) = registered(mesh.etcd, mesh.namespace, PREFILL_WORKER)
+    assert prefill_blocks_in_use(prefill.metrics_port) == 0
+    caught = tokens(100, 2000)
+    replies: list[httpx.Response] = []
+    sender = threading.Thread(target=lambda: replies.append(complete(mesh, caught)), daemon=True)
+    sender.start()
     try:
-        for p in prompts:
-            results.append(disagg.complete(p, max_tokens=8))
+        # Provably in flight: the prefill worker's engine holds this prompt's blocks while computing it.
+        assert wait_until(lambda: prefill_blocks_in_use(prefill.metrics_port) > 0, 60, 0.05), prefill_proc.tail()
+        prefill_proc.kill()
     finally:
-        killer.cancel()
-    assert prefill_proc.popen.poll() is not None, "the prefill worker was killed during the stream"
-    assert [r.status_code for r in results] == [200] * len(prompts), [r.text for r in results if r.status_code != 200]
-    where = [r.headers["x-kvmesh-prefill"].split(":")[0] for r in results]
-    assert where[0] == "remote" and where[-1] == "local"
-    assert metric(decode_metrics(disagg), "kvmesh_decode_prefill_fallback_total") >= 1
+        sender.join(150)
+    assert not sender.is_alive(), "the request on the killed prefill worker never finished"
+    (reply,) = replies
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["x-kvmesh-prefill"] == "local"
+    text = decode_metrics(mesh)
+    # The decode worker's Prefill call broke with the process: one fallback, reason "error".
+    assert metric(text, "kvmesh_decode_prefill_fallback_total", reason="error") == 1
+    assert metric(text, "kvmesh_decode_prefill_fallback_total") == 1
+    assert metric(text, "kvmesh_decode_remote_prefill_total") == 0
+    assert metric(text, "kvmesh_decode_local_prefill_total") == 1
+
+    # The stream goes on after the kill: every long prompt still completes, prefilled locally.
+    later = [tokens(200 + i, 600 + i) for i in range(4)]
+    results = [complete(mesh, p) for p in later]
+    assert [r.status_code for r in results] == [200] * len(later), [r.text for r in results if r.status_code != 200]
+    assert [r.headers["x-kvmesh-prefill"] for r in results] == ["local"] * len(later)
+    text = decode_metrics(mesh)
+    assert metric(text, "kvmesh_decode_prefill_fallback_total") == 1 + len(later)
+    # Until its lease expires the dead worker is still chosen (error); after, none is left (no_prefill_worker).
+    assert metric(text, "kvmesh_decode_prefill_fallback_total", reason="error") + \
+        metric(text, "kvmesh_decode_prefill_fallback_total", reason="no_prefill_worker") == 1 + len(later)
     # Correct answers: the mocker's output depends only on the prompt, so a second run (local, from
-    # the decode worker's cache) must match whatever path the first one took.
-    for prompt, first in zip(prompts, results):
-        again = disagg.complete(prompt, max_tokens=8)
+    # the decode worker's cache) must match the first.
+    for prompt, first in zip([caught, *later], [reply, *results]):
+        again = complete(mesh, prompt)
         assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -13,7 +16,8 @@ import pytest
 from services.mesh.discovery import DECODE_WORKER, ComponentView, InstanceInfo, instance_key
 from services.mesh.etcd_lease import LeaseConfig, LeasedRegistration
 from services.mesh.etcd_store import EtcdStore
-from tests.procs import Etcd, ServiceMesh, free_port, registered, service, wait_until
+from services.mesh.flags import EXIT_BAD_FLAGS, EXIT_UNREACHABLE
+from tests.procs import ROOT, Etcd, ServiceMesh, free_port, registered, wait_until
 
 MODEL = "kvmesh-demo"
 LEASE_TTL_S = 10
@@ -30,8 +34,15 @@ def test_a_worker_started_after_the_frontend_becomes_usable(small_mesh: ServiceM
     health = httpx.get(small_mesh.url("/health"), timeout=10)
     assert health.status_code == 503
     assert "decode worker" in health.json()["reason"]
-    early = httpx.post(small_mesh.url("/v1/completions"), json={"model": MODEL, "prompt": "x"}, timeout=30)
-    assert early.status_code in (404, 503)
+    # Until the frontend's view has the processor the model is unknown (404); once it has, a request
+    # reaches the router, which has no decode worker to offer: 503, saying so.
+    replies: list[httpx.Response] = []
+    assert wait_until(lambda: replies.append(small_mesh.complete()) or replies[-1].status_code != 404, 15), \
+        replies[-1].text
+    early = replies[-1]
+    assert early.status_code == 503, early.text
+    assert early.json()["error"]["code"] == "unavailable"
+    assert "no decode worker" in early.json()["error"]["message"], early.text
 
     _, (worker_id,) = small_mesh.worker()
     assert wait_until(lambda: httpx.get(small_mesh.url("/health"), timeout=10).status_code == 200, 15)
@@ -95,30 +106,45 @@ async def test_a_lost_lease_is_registered_again_and_watchers_see_it(etcd: Etcd) 
         await store.close()
 
 
-@pytest.mark.parametrize("module", ["services.kv_router", "services.processor", "services.frontend", "services.decode_worker"])
-def test_an_unreachable_etcd_exits_non_zero_with_one_line(module: str) -> None:
-    args = ["--etcd-endpoints", f"http://127.0.0.1:{free_port()}"]
-    if module == "services.decode_worker":
+def run_to_exit(*argv: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """Runs a service to its exit, keeping stdout and stderr apart."""
+    return subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+@pytest.mark.parametrize("module", ["services.kv_router", "services.processor", "services.frontend",
+                                    "services.decode_worker", "services.prefill_worker"])
+def test_an_unreachable_etcd_exits_3_with_one_error_line_naming_the_endpoint(module: str) -> None:
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    args = ["--etcd-endpoints", endpoint]
+    if module in ("services.decode_worker", "services.prefill_worker"):
         args += ["--engine", "mocker"]
     if module == "services.frontend":
         args += ["--http-port", str(free_port())]
-    proc = service(module, *args)
-    code = proc.popen.wait(120)  # the processor loads its tokenizer (transformers) before etcd
-    proc.stop()
-    assert code != 0
-    errors = [line for line in proc.lines if line.startswith("error:")]
-    assert len(errors) == 1 and "etcd unreachable" in errors[0], proc.tail()
+    # The processor loads its tokenizer (transformers) before it dials etcd.
+    result = run_to_exit(module, *args, timeout_s=120)
+    assert result.returncode == EXIT_UNREACHABLE, (result.returncode, result.stderr)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: etcd unreachable at {endpoint}: "), lines[0]
+    assert result.stdout == ""
 
 
-@pytest.mark.parametrize("argv", [
-    ["services.kv_router", "--router-mode", "fastest"],
-    ["services.decode_worker", "--engine", "tensorrt"],
-    ["services.frontend", "--etcd-endpoints", "localhost"],
-    ["services.launch", "--decode-workers", "0"],
+@pytest.mark.parametrize("argv, reason", [
+    pytest.param(["services.kv_router", "--router-mode", "fastest"], "argument --router-mode: invalid choice: 'fastest'",
+                 id="router-mode"),
+    pytest.param(["services.decode_worker", "--engine", "tensorrt"], "argument --engine: invalid choice: 'tensorrt'",
+                 id="engine"),
+    pytest.param(["services.frontend", "--etcd-endpoints", "localhost"], "--etcd-endpoints: 'localhost' is not a URL",
+                 id="etcd-endpoints"),
+    pytest.param(["services.launch", "--decode-workers", "0"], "argument --decode-workers: must be > 0, got 0",
+                 id="decode-workers"),
+    pytest.param(["services.processor", "--no-such-flag"], "unrecognized arguments: --no-such-flag", id="unknown-flag"),
 ])
-def test_bad_flags_exit_non_zero_with_a_reason(argv: list[str]) -> None:
-    proc = service(*argv)
-    code = proc.popen.wait(60)
-    proc.stop()
-    assert code == 2
-    assert any("error" in line for line in proc.lines), proc.tail()
+def test_bad_flags_exit_2_with_one_error_line_naming_the_flag(argv: list[str], reason: str) -> None:
+    result = run_to_exit(*argv, timeout_s=60)
+    assert result.returncode == EXIT_BAD_FLAGS, (result.returncode, result.stderr)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and reason in lines[0], lines[0]
+    assert result.stdout == ""

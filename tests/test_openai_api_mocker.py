@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import time
+import uuid
+
 import httpx
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.procs import Mesh
+from services.mesh.discovery import DECODE_WORKER
+from tests.procs import Mesh, registered
 
 MODEL = "kvmesh-demo"
 MESSAGES = [{"role": "user", "content": "Tell me about prefix caching."}]
+BLOCK_SIZE = 16  # the launcher's mocker workers
 
 
 def test_models_lists_the_served_model(mocker_client: openai.OpenAI) -> None:
@@ -16,7 +23,9 @@ def test_models_lists_the_served_model(mocker_client: openai.OpenAI) -> None:
 
 
 def test_chat_completion_returns_text_usage_and_length_finish(mocker_client: openai.OpenAI) -> None:
-    reply = mocker_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12)
+    # A conversation no earlier request shared a block with: nothing of it can be cached yet.
+    fresh = [{"role": "user", "content": f"{uuid.uuid4().hex} Tell me about prefix caching."}]
+    reply = mocker_client.chat.completions.create(model=MODEL, messages=fresh, max_tokens=12)
     choice = reply.choices[0]
     assert choice.message.role == "assistant"
     assert choice.message.content
@@ -24,7 +33,7 @@ def test_chat_completion_returns_text_usage_and_length_finish(mocker_client: ope
     assert reply.usage.completion_tokens == 12
     assert reply.usage.prompt_tokens > 5
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + 12
-    assert reply.usage.prompt_tokens_details.cached_tokens >= 0
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_streamed_chat_equals_the_non_streamed_answer(mocker_client: openai.OpenAI) -> None:
@@ -45,7 +54,9 @@ def test_sse_stream_ends_with_done(mocker_mesh: Mesh) -> None:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
-    assert len(events) >= 2
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert chunks and all(c["object"] == "text_completion" for c in chunks)
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == ["length"]
 
 
 def test_completion_with_string_prompt(mocker_client: openai.OpenAI) -> None:
@@ -76,12 +87,18 @@ def test_n_returns_n_choices_and_counts_all_their_tokens(mocker_client: openai.O
 
 
 def test_streamed_n_delivers_every_choice(mocker_client: openai.OpenAI) -> None:
-    chunks = list(mocker_client.completions.create(model=MODEL, prompt="abc", max_tokens=6, n=2, stream=True))
-    per_choice: dict[int, str] = {}
-    for c in chunks:
-        for ch in c.choices:
-            per_choice[ch.index] = per_choice.get(ch.index, "") + ch.text
-    assert set(per_choice) == {0, 1}
+    request = dict(model=MODEL, prompt="abc", max_tokens=6, n=2, seed=11)
+    whole = {c.index: c for c in mocker_client.completions.create(**request).choices}
+    assert sorted(whole) == [0, 1] and whole[0].text != whole[1].text
+    texts: dict[int, str] = {}
+    finishes: dict[int, list[str]] = {}
+    for chunk in mocker_client.completions.create(**request, stream=True):
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            if ch.finish_reason:
+                finishes.setdefault(ch.index, []).append(ch.finish_reason)
+    assert texts == {i: whole[i].text for i in (0, 1)}
+    assert finishes == {i: [whole[i].finish_reason] for i in (0, 1)}
 
 
 def test_stop_string_truncates_before_it_and_reports_stop(mocker_client: openai.OpenAI) -> None:
@@ -101,28 +118,79 @@ def test_every_response_carries_the_routing_headers(mocker_mesh: Mesh) -> None:
     assert r.status_code == 200
     assert r.headers["x-request-id"] == "my-request-42"
     assert r.headers["x-kvmesh-prefill"] == "local"
-    assert len(r.headers["x-kvmesh-worker"]) == 16
+    workers = registered(mocker_mesh.etcd, mocker_mesh.namespace, DECODE_WORKER)
+    assert r.headers["x-kvmesh-worker"] in {w.instance_id for w in workers}
 
 
 def test_repeated_prompt_reports_cached_tokens(mocker_client: openai.OpenAI) -> None:
-    prompt = "A long shared system prompt that spans several KV blocks. " * 8
-    mocker_client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    prompt = f"{uuid.uuid4().hex} " + "A long shared system prompt that spans several KV blocks. " * 8
+    first = mocker_client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
     second = mocker_client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
-    assert second.usage.prompt_tokens_details.cached_tokens >= 16
+    cached, prompt_tokens = second.usage.prompt_tokens_details.cached_tokens, second.usage.prompt_tokens
+    assert prompt_tokens == first.usage.prompt_tokens > 4 * BLOCK_SIZE
+    # Whole blocks only, and all the prompt's full blocks but possibly the last.
+    assert cached > 0 and cached % BLOCK_SIZE == 0 and cached <= prompt_tokens, (cached, prompt_tokens)
+    assert cached >= (prompt_tokens // BLOCK_SIZE - 1) * BLOCK_SIZE, (cached, prompt_tokens)
+
+
+def frontend_metrics(mesh: Mesh) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """The gateway's /metrics samples, by name and labels."""
+    text = httpx.get(mesh.base_url.removesuffix("/v1") + "/metrics", timeout=10).text
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def sample(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+    key = (name, frozenset(labels.items()))
+    assert key in samples, f"no sample {name}{labels} in /metrics"
+    return samples[key]
+
+
+def inflight_back_to_zero(mesh: Mesh, timeout_s: float = 15) -> float:
+    """Polls the in-flight gauge until it reads 0 (returns 0) or the deadline passes (returns the last value)."""
+    deadline = time.monotonic() + timeout_s
+    while (value := sample(frontend_metrics(mesh), "kvmesh_frontend_inflight_requests")) != 0 and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    return value
 
 
 def test_metrics_count_requests_and_latency(mocker_mesh: Mesh, mocker_client: openai.OpenAI) -> None:
+    ok = dict(endpoint="completions", status="200")
+    before = frontend_metrics(mocker_mesh)
     mocker_client.completions.create(model=MODEL, prompt="count me", max_tokens=2)
-    text = httpx.get(mocker_mesh.base_url.removesuffix("/v1") + "/metrics", timeout=10).text
-    for name in ("kvmesh_frontend_requests_total", "kvmesh_frontend_inflight_requests",
-                 "kvmesh_frontend_time_to_first_token_seconds_bucket",
-                 "kvmesh_frontend_inter_token_latency_seconds_bucket",
-                 "kvmesh_frontend_request_duration_seconds_count"):
-        assert name in text, name
-    assert 'kvmesh_frontend_requests_total{endpoint="completions",status="200"}' in text
+    mocker_client.completions.create(model=MODEL, prompt="count me too", max_tokens=2)
+    assert "".join(c.choices[0].text for c in mocker_client.completions.create(
+        model=MODEL, prompt="and me, streamed", max_tokens=2, stream=True) if c.choices)
+    sent = 3
+    after = frontend_metrics(mocker_mesh)
+    # No other test sends requests meanwhile: the counters moved by exactly what this one sent.
+    assert sample(after, "kvmesh_frontend_requests_total", **ok) - before.get(
+        ("kvmesh_frontend_requests_total", frozenset(ok.items())), 0.0) == sent
+    for histogram in ("kvmesh_frontend_time_to_first_token_seconds", "kvmesh_frontend_request_duration_seconds"):
+        assert sample(after, histogram + "_count") - sample(before, histogram + "_count") == sent, histogram
+        assert sample(after, histogram + "_sum") > sample(before, histogram + "_sum"), histogram
+        assert sample(after, histogram + "_bucket", le="+Inf") == sample(after, histogram + "_count"), histogram
+    # How many gaps a 2-token answer has depends on how the detokenizer groups tokens: only its presence is fixed.
+    assert ("kvmesh_frontend_inter_token_latency_seconds_count", frozenset()) in after
+    assert inflight_back_to_zero(mocker_mesh) == 0
+
+
+def test_an_abandoned_stream_leaves_nothing_in_flight(mocker_mesh: Mesh) -> None:
+    # 4000 tokens take seconds to stream: the request is still being served when the client leaves.
+    body = {"model": MODEL, "prompt": "a long answer nobody reads", "max_tokens": 4000, "stream": True}
+    with httpx.stream("POST", f"{mocker_mesh.base_url}/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # kept referenced: a dropped iterator would close the response early
+        first = next(line for line in lines if line)
+        assert json.loads(first.removeprefix("data: "))["choices"]
+        assert sample(frontend_metrics(mocker_mesh), "kvmesh_frontend_inflight_requests") == 1
+    # The client hung up after its first chunk; the gateway must notice and let the request go.
+    assert inflight_back_to_zero(mocker_mesh) == 0
 
 
 def test_health_is_ok_when_router_and_worker_serve(mocker_mesh: Mesh) -> None:
     r = httpx.get(mocker_mesh.base_url.removesuffix("/v1") + "/health", timeout=10)
     assert r.status_code == 200
-    assert "kvmesh-demo" in r.json()["reason"]
+    assert r.json() == {"status": "ok", "reason": "serving kvmesh-demo"}
