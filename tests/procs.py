@@ -74,6 +74,11 @@ class Proc:
         with self._cond:
             return "\n".join(self.lines[-n:])
 
+    def terminate(self) -> None:
+        """SIGTERM (the service drains); `stop` then waits for it."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+
     def stop(self, timeout_s: float = 20) -> int:
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
@@ -95,32 +100,45 @@ class Etcd:
     proc: Proc
     endpoint: str
     data_dir: str
+    client_port: int
+    peer_port: int
 
     @classmethod
     def start(cls) -> Etcd:
-        etcd = shutil.which("etcd")
-        if etcd is None:
-            raise RuntimeError("etcd is not installed: run `make install`")
         client, peer = free_port(), free_port()
         data = tempfile.mkdtemp(prefix="kvmesh-test-etcd-")
-        url = f"http://127.0.0.1:{client}"
-        proc = Proc([etcd, "--name", "t", "--data-dir", data, "--listen-client-urls", url,
-                     "--advertise-client-urls", url, "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                     "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                     "--initial-cluster", f"t=http://127.0.0.1:{peer}"], "etcd")
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", client), 0.5).close()
-                return cls(proc, url, data)
-            except OSError:
-                time.sleep(0.1)
-        proc.stop()
-        raise RuntimeError("etcd did not start:\n" + proc.tail())
+        return cls(_run_etcd(data, client, peer), f"http://127.0.0.1:{client}", data, client, peer)
+
+    def halt(self) -> None:
+        """Stops the server, keeping its data: `resume` brings the same cluster back."""
+        self.proc.stop()
+
+    def resume(self) -> None:
+        self.proc = _run_etcd(self.data_dir, self.client_port, self.peer_port)
 
     def stop(self) -> None:
         self.proc.stop()
         shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+def _run_etcd(data: str, client: int, peer: int) -> Proc:
+    etcd = shutil.which("etcd")
+    if etcd is None:
+        raise RuntimeError("etcd is not installed: run `make install`")
+    url = f"http://127.0.0.1:{client}"
+    proc = Proc([etcd, "--name", "t", "--data-dir", data, "--listen-client-urls", url,
+                 "--advertise-client-urls", url, "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                 "--initial-cluster", f"t=http://127.0.0.1:{peer}"], "etcd")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", client), 0.5).close()
+            return proc
+        except OSError:
+            time.sleep(0.1)
+    proc.stop()
+    raise RuntimeError("etcd did not start:\n" + proc.tail())
 
 
 def service(module: str, *args: str, name: str | None = None, env: dict[str, str] | None = None) -> Proc:
@@ -179,14 +197,14 @@ def registered(etcd: str, namespace: str, component: str) -> list[InstanceInfo]:
 class ServiceMesh:
     """Router, processor and frontend as separate processes; workers are added by the tests."""
 
-    def __init__(self, etcd: str, router_mode: str = "kv") -> None:
+    def __init__(self, etcd: str, router_mode: str = "kv", processor_flags: Sequence[str] = ()) -> None:
         self.etcd = etcd
         self.namespace = f"mesh-{uuid.uuid4().hex[:8]}"
         self.port = free_port()
         common = ["--etcd-endpoints", etcd, "--namespace", self.namespace]
         self.procs = [
             service("services.kv_router", *common, "--router-mode", router_mode, name="router"),
-            service("services.processor", *common, name="processor"),
+            service("services.processor", *common, *processor_flags, name="processor"),
             service("services.frontend", *common, "--http-port", str(self.port), name="frontend"),
         ]
         self.procs[2].wait_for("listening on", 60)
@@ -216,6 +234,11 @@ class ServiceMesh:
     def find_matches(self, token_ids: list[int]) -> dict[str, int]:
         return find_matches(self.etcd, self.namespace, token_ids)
 
+    def metrics(self, component: str) -> str:
+        """The Prometheus text of the (first) registered instance of a component."""
+        (info, *_) = registered(self.etcd, self.namespace, component)
+        return httpx.get(f"http://127.0.0.1:{info.metrics_port}/metrics", timeout=10).text
+
     def restart_router(self, router_mode: str = "kv") -> None:
         old = self.procs[0]
         old_ids = {i.instance_id for i in registered(self.etcd, self.namespace, "kv-router")}
@@ -227,6 +250,9 @@ class ServiceMesh:
                           30)
 
     def stop(self) -> None:
+        # All at once: each drain waits out a propagation delay, which need not add up.
+        for proc in reversed(self.procs):
+            proc.terminate()
         for proc in reversed(self.procs):
             proc.stop()
 

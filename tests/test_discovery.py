@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import replace
 from collections.abc import Iterator
 
 import httpx
@@ -77,7 +78,7 @@ def _registered_workers(mesh: ServiceMesh) -> set[str]:
     return {i.instance_id for i in registered(mesh.etcd, mesh.namespace, DECODE_WORKER)}
 
 
-async def test_a_lost_lease_is_registered_again_and_watchers_see_it(etcd: Etcd) -> None:
+async def test_a_lost_lease_is_registered_again_while_watchers_keep_the_member(etcd: Etcd) -> None:
     namespace = f"lease-{uuid.uuid4().hex[:8]}"
     store = EtcdStore((etcd.endpoint,))
     await store.connect()
@@ -88,20 +89,25 @@ async def test_a_lost_lease_is_registered_again_and_watchers_see_it(etcd: Etcd) 
     try:
         first_lease = await registration.start({instance_key(namespace, info): info.to_json()})
         assert await view.wait_for(lambda i: "w1" in i, 5)
-        # An etcd-side loss of the lease (as after a long partition) deletes the key...
+        heard: list[tuple[str, bool]] = []
+        view.add_listener(lambda instance_id, info: heard.append((instance_id, info is not None)))
+        # An etcd-side loss of the lease (as after a long partition) deletes the key; the view
+        # keeps its last member meanwhile, and the registration notices at its next refresh and
+        # puts the key back under a new lease.
         await store.revoke_lease(first_lease)
-        assert await view.wait_for(lambda i: "w1" not in i, 5)
-        # ...and the registration notices at its next refresh and puts it back under a new lease.
-        assert await view.wait_for(lambda i: "w1" in i, 5)
-        for _ in range(50):  # the watch can report the put before the registration task resumes
-            if registration.registrations == 2:
+        for _ in range(100):
+            if registration.registrations == 2 and await store.get(instance_key(namespace, info)) is not None:
                 break
+            assert "w1" in view.instances
             await asyncio.sleep(0.1)
         assert registration.registrations == 2 and registration.lease_id != first_lease
+        assert "w1" in view.instances and not view._leaving
+        # Listeners heard it join once and never leave.
+        assert heard == [("w1", True)]
         assert view.instances["w1"] == info
     finally:
-        await registration.stop()
-        assert await view.wait_for(lambda i: "w1" not in i, 5), "stop() revokes the lease at once"
+        await registration.stop(farewell={instance_key(namespace, info): replace(info, leaving=True).to_json()})
+        assert await view.wait_for(lambda i: "w1" not in i, 5), "a deliberate exit leaves the view at once"
         await view.stop()
         await store.close()
 

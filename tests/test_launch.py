@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
+import httpx
 import pytest
 
 from services.launch.config import load
-from tests.procs import Etcd, free_port, service
+from tests.procs import Etcd, Proc, free_port, service, wait_until
 
 
 def test_a_yaml_worker_config_sets_defaults_and_flags_win(tmp_path: Path) -> None:
@@ -74,3 +76,46 @@ def test_launch_joins_an_existing_etcd_without_starting_one(etcd: Etcd) -> None:
         assert not any(line.startswith("CHILD etcd") for line in launcher.lines)
     finally:
         assert launcher.stop() == 0
+
+
+def _child_pids(launcher: Proc, component: str) -> list[int]:
+    return [int(line.split("pid=")[1]) for line in launcher.lines if line.startswith(f"CHILD {component} ")]
+
+
+def test_a_child_that_dies_after_start_up_is_restarted_and_serves_again(etcd: Etcd) -> None:
+    port = free_port()
+    launcher = service("services.launch", "--engine", "mocker", "--http-port", str(port), "--prefill-workers", "0",
+                       "--etcd-endpoints", etcd.endpoint, "--namespace", "launch-restart")
+    try:
+        launcher.wait_for(r"^READY ", 120)
+        (first,) = _child_pids(launcher, "decode-worker")
+        os.kill(first, signal.SIGKILL)
+        launcher.wait_for(rf"decode-worker pid={first} exited with code -9; restarting it in 1s", 30)
+        launcher.wait_for(rf"^CHILD decode-worker pid=(?!{first}\b)\d+$", 30)
+        assert wait_until(lambda: _completes(port), 60)
+    finally:
+        assert launcher.stop() == 0, launcher.tail()
+
+
+def test_with_on_child_exit_exit_a_dead_child_stops_the_mesh_with_status_1(etcd: Etcd) -> None:
+    port = free_port()
+    launcher = service("services.launch", "--engine", "mocker", "--http-port", str(port), "--prefill-workers", "0",
+                       "--etcd-endpoints", etcd.endpoint, "--namespace", "launch-exit", "--on-child-exit", "exit")
+    launcher.wait_for(r"^READY ", 120)
+    pids = {c: _child_pids(launcher, c) for c in ("kv-router", "processor", "decode-worker", "frontend")}
+    os.kill(pids["processor"][0], signal.SIGKILL)
+    assert launcher.popen.wait(60) == 1
+    assert any("processor pid=" in line and "stopping the mesh (--on-child-exit exit)" in line
+               for line in launcher.lines), launcher.tail()
+    for pid in (p for ps in pids.values() for p in ps):
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    launcher.stop()
+
+
+def _completes(port: int) -> bool:
+    try:
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=10,
+                       json={"model": "kvmesh-demo", "prompt": "back?", "max_tokens": 2})
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200

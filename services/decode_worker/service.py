@@ -15,9 +15,9 @@ import grpc
 
 from gen.kvmesh.v1 import worker_pb2
 from services.decode_worker.remote_prefill import DisaggMetrics, RemotePrefill, RemotePrefiller
-from services.engines.base import Engine, EngineRequest
+from services.engines.base import Engine
 from services.worker.kv_event_log import KvEventLog
-from services.worker.servicer import LOCAL_PREFILL, WorkerServicer, remote_prefill, sampling_from_proto
+from services.worker.servicer import LOCAL_PREFILL, WorkerServicer, remote_prefill, request_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class DecodeServicer(WorkerServicer):
 
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         rid = request.request_id
-        local = EngineRequest(rid, list(request.token_ids), sampling_from_proto(request.sampling))
+        local = await request_from_proto(request, context)
         remote: RemotePrefill | None = None
         if self.prefiller is not None:
             remote = await self.prefiller.plan(rid, local.token_ids, request.sampling, request.prefix_hit_rate)

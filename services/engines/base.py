@@ -32,6 +32,9 @@ class EngineRequest:
     sampling: Sampling
     # Set when a prefill worker computed this prompt's KV: what the engine needs to pull it.
     kv_transfer: dict | None = None
+    # A request moved from another worker: the last `resumed_tokens` of token_ids are output it
+    # already generated there, to be continued as if the sequence had never broken.
+    resumed_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +133,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def load(self) -> LoadSnapshot:
         """Current load, cheap enough to call on every metrics tick."""
+
+    @abc.abstractmethod
+    async def check_health(self) -> None:
+        """Returns if the engine can serve; raises, saying why, once it cannot (its step loop
+        died, its engine processes are gone)."""
 
     async def prefill(self, request: EngineRequest) -> PrefillResult:
         """Computes the prompt's KV and keeps it for a decode engine to pull (prefill workers)."""

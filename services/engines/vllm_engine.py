@@ -154,6 +154,11 @@ class VllmEngine(Engine):
             await self._events.stop()
             self._events = None
 
+    async def check_health(self) -> None:
+        if self._llm is None:
+            raise RuntimeError("vLLM engine is not started")
+        await self._llm.check_health()
+
     def load(self) -> LoadSnapshot:
         r = self._load
         total = self._num_blocks

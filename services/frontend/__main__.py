@@ -67,9 +67,10 @@ def main() -> None:
                         channels=runner.channels)
         app = create_app(config, view, FrontendMetrics())
         server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, http="httptools",
-                                        timeout_keep_alive=30, lifespan="off"))
+                                        timeout_keep_alive=30, lifespan="off",
+                                        timeout_graceful_shutdown=max(1, round(mesh.drain_timeout_s))))
         serving = runner.watch(asyncio.create_task(server.serve(sockets=[sock]), name="http"), "the HTTP server")
-        runner.on_teardown("stop the HTTP server", lambda: _shut_down(server, serving))
+        runner.on_teardown("stop the HTTP server", lambda: _shut_down(server, serving), mesh.drain_timeout_s + 10)
         port = sock.getsockname()[1]
         info = InstanceInfo(component=FRONTEND, instance_id=new_instance_id(), address=f"{mesh.advertise_host}:{port}")
         await runner.register(info)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+from pydantic import BaseModel
 from starlette.responses import JSONResponse
 
 _TYPES = {
@@ -20,6 +21,19 @@ _TYPES = {
 RETRY_AFTER_S = 1
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """The body of every error response (published in the OpenAPI document)."""
+
+    error: ErrorDetail
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -29,9 +43,12 @@ class ApiError(Exception):
         self.code = code
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        """429 and 503 carry Retry-After (the client may retry); 401 says which scheme to use."""
         out_headers = dict(headers or {})
         if self.status in (429, 503):
             out_headers["retry-after"] = str(RETRY_AFTER_S)
+        if self.status == 401:
+            out_headers["www-authenticate"] = "Bearer"
         body = {"error": {"message": self.message, "type": _TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=out_headers)

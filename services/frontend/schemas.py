@@ -1,19 +1,54 @@
 """Request bodies of the OpenAI API, validated strictly but accepting what official clients send.
 
 Unknown fields are accepted and ignored (clients send `user`, `logit_bias`, ...); known fields
-must have the right JSON type (strict mode: "5" is not an integer).
+must have the right JSON type (strict mode: "5" is not an integer, `true` is not 1; 16.0 is the
+integer 16, as in JSON Schema) and a value that fits where it goes: every number is bounded by
+the protobuf field that carries it (uint32 token counts and ids, int32 top_k, int64 seed), floats
+must be finite, strings valid Unicode. Anything else is a 400 naming the field, never an error
+further in.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails
 
 from services.frontend.errors import ApiError
+from services.processor.validation import INT64_MAX, MAX_LOGPROBS, MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, UINT32_MAX
 
-MAX_STOP_STRINGS = 16
-MAX_N = 128
+INT32_MAX = 2**31 - 1
+INT64_MIN = -(2**63)
+# Prompts in one completions request, and the streams (prompts x n) it may open.
+MAX_PROMPTS = 64
+MAX_STREAMS = 128
+
+
+def _valid_unicode(value: str) -> str:
+    """JSON may escape a lone surrogate (\\ud800); no UTF-8 wire format can carry one."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode text (it has an unpaired surrogate escape)") from None
+    return value
+
+
+def _integral(value: object) -> object:
+    """JSON has one number type: 16.0 is the integer 16 (JSON Schema agrees); 16.5 stays a float
+    and fails the strict integer check."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# The bounds go before the validator, so they show in the JSON schema as minimum/maximum.
+Integral = BeforeValidator(_integral)
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS), AfterValidator(_valid_unicode)]
+TokenCount = Annotated[int, Field(ge=1, le=UINT32_MAX), Integral]
+TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX), Integral]
+UnitFloat = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
@@ -26,13 +61,13 @@ class StreamOptions(_Strict):
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessageIn(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -42,17 +77,17 @@ class ChatMessageIn(_Strict):
         return "".join(part.text for part in self.content)
 
 
-class _Sampling(_Strict):
-    model: str = Field(min_length=1)
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    seed: int | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+class GenerationRequest(_Strict):
+    model: Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
+    max_tokens: TokenCount | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
+    top_p: UnitFloat | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX), Integral] | None = None
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), Integral] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N), Integral] = 1
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX), Integral] = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -65,18 +100,31 @@ class _Sampling(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def streams(self) -> int:
+        """How many generation streams the request opens: what it weighs against --max-inflight."""
+        return self.n
 
-class ChatCompletionRequest(_Sampling):
+    def token_limit(self) -> int | None:
+        """The most tokens to generate per choice; None: as many as the context leaves room for."""
+        return self.max_tokens
+
+    def logprobs_k(self) -> int | None:
+        """Alternatives to report per token (0: only the chosen one's); None: no logprobs."""
+        raise NotImplementedError
+
+    def check_combined(self) -> None:
+        """Rules across fields (pydantic names no single field for them): 400 naming the later one."""
+
+
+class ChatCompletionRequest(GenerationRequest):
     messages: Annotated[list[ChatMessageIn], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), Integral] | None = None
 
-    @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+    def check_combined(self) -> None:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
-        return self
+            raise _invalid("top_logprobs", "top_logprobs requires logprobs to be true")
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -85,37 +133,76 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-TokenList = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+TokenList = Annotated[list[TokenId], Field(min_length=1)]
 
 
-class CompletionRequest(_Sampling):
-    prompt: str | Annotated[list[str], Field(min_length=1)] | TokenList | Annotated[list[TokenList], Field(min_length=1)]
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+class CompletionRequest(GenerationRequest):
+    prompt: (Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenList
+             | Annotated[list[TokenList], Field(min_length=1, max_length=MAX_PROMPTS)])
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), Integral] | None = None
     echo: Literal[False] = False
     # OpenAI's default for the legacy completions endpoint.
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: TokenCount | None = 16
 
-    def token_limit(self) -> int | None:
-        return self.max_tokens
+    def check_combined(self) -> None:
+        if self.streams() > MAX_STREAMS:
+            raise _invalid("n", f"{self._prompt_count()} prompts x n={self.n} would open {self.streams()} "
+                                f"completions; at most {MAX_STREAMS} are allowed per request")
+
+    def streams(self) -> int:
+        return self._prompt_count() * self.n
 
     def logprobs_k(self) -> int | None:
         return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+        if isinstance(self.prompt, str) or self._is_one_id_list():
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
+
+    def _is_one_id_list(self) -> bool:
+        # Validated, so a list is all ids, all strings or all id lists: its first item tells which
+        # (without a pass over a prompt of a million ids).
+        return isinstance(self.prompt, list) and isinstance(self.prompt[0], int)
+
+    def _prompt_count(self) -> int:
+        return 1 if isinstance(self.prompt, str) or self._is_one_id_list() else len(self.prompt)
 
 
-def parse(model: type[_Sampling], body: object) -> _Sampling:
+def parse(model: type[GenerationRequest], body: object) -> GenerationRequest:
+    """The validated request, or a 400 naming the first offending field (`param`)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     try:
-        return model.model_validate(body)
+        req = model.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        raise ApiError(400, f"invalid field {param}: {first['msg']}", param=param, code="invalid_value") from None
+        error = _most_telling(exc)
+        param = _param(error["loc"])
+        raise _invalid(param, f"invalid field {param}: {error['msg']}") from None
+    req.check_combined()
+    return req
+
+
+def _invalid(param: str | None, message: str) -> ApiError:
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+# pydantic reports a type mismatch in every member of a union (`prompt` is a string, a list of
+# strings, a list of ids or a list of lists); the error that passed the type check says more.
+_TYPE_ERRORS = frozenset({"string_type", "int_type", "float_type", "bool_type", "list_type", "dict_type",
+                          "model_type", "none_required", "literal_error", "is_instance_of", "model_attributes_type"})
+
+
+def _most_telling(exc: ValidationError) -> ErrorDetails:
+    errors = exc.errors(include_url=False, include_input=False)
+    return next((e for e in errors if e["type"] not in _TYPE_ERRORS), errors[0])
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    """`messages.0.content`: field names and list indexes, without pydantic's union-member tags."""
+    parts = [str(p) for p in loc if isinstance(p, int) or not _is_union_tag(p)]
+    return ".".join(parts) or None
+
+
+def _is_union_tag(part: str) -> bool:
+    return any(c in part for c in "[(-") or part in {"str", "int", "float", "bool", "none", "nullable"}

@@ -12,14 +12,15 @@ from services.kv_router.flags import add_router_flags, router_config
 from services.kv_router.service import RouterMetrics, RouterServicer
 from services.kv_router.worker_pool import WorkerPool
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, ROUTER, InstanceInfo, new_instance_id
-from services.mesh.flags import FlagParser, add_mesh_flags, mesh_config, port_number
+from services.mesh.flags import FlagParser, add_mesh_flags, mesh_config, non_negative_float, port_number
 from services.mesh.grpc_server import ServiceBinding
 from services.mesh.logs import setup_logging
 from services.mesh.service_runner import ServiceRunner, run_service
 
 log = logging.getLogger("kv_router")
 
-POOLS = {common_pb2.WORKER_ROLE_DECODE: DECODE_WORKER, common_pb2.WORKER_ROLE_PREFILL: PREFILL_WORKER}
+SYNC_TIMEOUT_S = 10.0
+POOLS: dict[int, str] = {common_pb2.WORKER_ROLE_DECODE: DECODE_WORKER, common_pb2.WORKER_ROLE_PREFILL: PREFILL_WORKER}
 
 
 def parser() -> FlagParser:
@@ -28,7 +29,20 @@ def parser() -> FlagParser:
     add_router_flags(p)
     p.add_argument("--port", type=port_number, default=0)
     p.add_argument("--metrics-port", type=port_number, default=0)
+    p.add_argument("--sync-timeout", type=non_negative_float, default=SYNC_TIMEOUT_S,
+                   help="seconds to wait for every worker's cached blocks before serving")
     return p
+
+
+async def _sync_indexes(pools: dict[int, WorkerPool], timeout_s: float) -> None:
+    """A router joins the mesh only once its index holds the workers' caches (resumed or from a
+    snapshot): a fresh or restarted router that answered at once would route blind, sending
+    prefix-sharing requests anywhere until the KV events caught up."""
+    for role, pool in pools.items():
+        late = await pool.wait_synced(timeout_s)
+        if late:
+            log.warning("serving without the cached blocks of %d %s(s) after %.0fs: %s", len(late), POOLS[role],
+                        timeout_s, ", ".join(late))
 
 
 def main() -> None:
@@ -48,6 +62,7 @@ def main() -> None:
         for role, component in POOLS.items():
             pool = pools[role] = WorkerPool(await runner.watch_component(component), runner.channels)
             runner.on_teardown(f"stop {component} subscriptions", pool.stop)
+        await _sync_indexes(pools, args.sync_timeout)
         registry = CollectorRegistry()
         servicer = RouterServicer(pools, config, RouterMetrics(registry))
         binding = ServiceBinding(router_pb2_grpc.add_RouterServicer_to_server, servicer,

@@ -38,6 +38,8 @@ class WorkerState:
     info: InstanceInfo
     load: worker_pb2.LoadMetrics = field(default_factory=worker_pb2.LoadMetrics)
     last_event_id: int = 0
+    # The index holds everything the worker had cached when this router subscribed to it.
+    synced: bool = False
     # (dispatch time, new blocks) of requests this router sent that the worker has not reported yet.
     pending: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=MAX_PENDING))
 
@@ -62,7 +64,24 @@ class WorkerPool:
         self.workers: dict[str, WorkerState] = {}
         self._block_size_by_model: dict[str, int] = {}
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self._synced_changed = asyncio.Event()
         view.add_listener(self._on_change)
+
+    async def wait_synced(self, timeout_s: float) -> list[str]:
+        """Waits until the index holds the cache of every worker known now (each one's first KV
+        event batch arrived), or the timeout; returns the workers still not synced."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while pending := [w for w, s in self.workers.items() if not s.synced]:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return pending
+            self._synced_changed.clear()
+            try:
+                await asyncio.wait_for(self._synced_changed.wait(), remaining)
+            except TimeoutError:
+                return [w for w, s in self.workers.items() if not s.synced]
+        return []
 
     def candidates(self, model: str) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.info.model == model]
@@ -137,6 +156,9 @@ class WorkerPool:
                     for event in batch.events:
                         self._apply(instance_id, event)
                         state.last_event_id = event.event_id
+                    if not state.synced:
+                        state.synced = True
+                        self._synced_changed.set()
             except grpc.aio.AioRpcError as exc:
                 log.debug("KV event stream of %s broke at id %d: %s", instance_id, state.last_event_id, exc.code())
             await asyncio.sleep(RESUBSCRIBE_BACKOFF_S)

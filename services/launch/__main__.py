@@ -16,13 +16,16 @@ import httpx
 from services.launch.children import Child, child_env, python_module
 from services.launch.config import LaunchConfig, load
 from services.launch.etcd_child import EtcdChild
-from services.mesh.service_runner import ServiceRunner, cancel_and_wait, run_service
+from services.mesh.service_runner import ServiceRunner, run_service
 from services.tools.make_demo_model import ensure_demo_model
 
 HEALTH_POLL_S = 0.25
-# A child gets this long to exit after SIGTERM before it is killed; the runner adds a margin.
-CHILD_STOP_S = 10.0
+# Beyond its drain timeout, what a child gets to exit after SIGTERM before it is killed.
+CHILD_EXIT_MARGIN_S = 10.0
 EXIT_FAILED = 1
+# A child that exits is started again after this, doubling up to the maximum while it keeps dying.
+RESTART_BACKOFF_S = 1.0
+RESTART_BACKOFF_MAX_S = 30.0
 
 
 def plan_children(cfg: LaunchConfig, etcd: str, model: str) -> list[Child]:
@@ -31,14 +34,15 @@ def plan_children(cfg: LaunchConfig, etcd: str, model: str) -> list[Child]:
     With prefill workers, decode and prefill workers exchange KV over NIXL and the decode workers
     apply the conditional disaggregation rule; with --prefill-workers 0 serving is aggregated.
     """
-    common = ["--etcd-endpoints", etcd, "--namespace", cfg.namespace, "--log-level", cfg.log_level]
+    common = ["--etcd-endpoints", etcd, "--namespace", cfg.namespace, "--log-level", cfg.log_level,
+              "--drain-timeout", str(cfg.drain_timeout_s)]
     named = ["--served-model-name", cfg.served_model_name] if cfg.served_model_name else []
     env = child_env()
-    children = [
-        Child("kv-router", python_module("services.kv_router", *common, *cfg.router_argv), env),
-        Child("processor", python_module("services.processor", *common, "--model", model, *named,
-                                         *cfg.processor_argv), env),
-    ]
+    children = [Child("kv-router", python_module("services.kv_router", *common, *cfg.router_argv), env)
+                for _ in range(cfg.routers)]
+    children += [Child("processor", python_module("services.processor", *common, "--model", model, *named,
+                                                  *cfg.processor_argv), env)
+                 for _ in range(cfg.processors)]
     engine = [*common, "--model", model, *named, *cfg.engine_argv]
     decode = [*engine, *cfg.disagg_argv]
     if cfg.disaggregated:
@@ -87,9 +91,11 @@ async def wait_ready(base: str, children: list[Child], timeout_s: float) -> None
     raise TimeoutError(f"the mesh was not healthy within {timeout_s:.0f}s: {reason}")
 
 
-async def start_child(runner: ServiceRunner, child: Child) -> None:
+async def start_child(runner: ServiceRunner, child: Child, drain_timeout_s: float) -> None:
+    """Starts a child; at teardown it gets SIGTERM, its drain timeout to finish, then SIGKILL."""
     await child.start()
-    runner.on_teardown(f"stop {child.component}", lambda: child.stop(CHILD_STOP_S), CHILD_STOP_S + 5)
+    stop_s = drain_timeout_s + CHILD_EXIT_MARGIN_S
+    runner.on_teardown(f"stop {child.component}", lambda: child.stop(stop_s), stop_s + 5)
 
 
 async def assemble(runner: ServiceRunner, cfg: LaunchConfig) -> None:
@@ -102,11 +108,11 @@ async def assemble(runner: ServiceRunner, cfg: LaunchConfig) -> None:
         if not endpoint:
             etcd = EtcdChild()
             await etcd.start()
-            runner.on_teardown("stop etcd", etcd.stop, CHILD_STOP_S + 5)
+            runner.on_teardown("stop etcd", etcd.stop, CHILD_EXIT_MARGIN_S + 5)
             endpoint = etcd.endpoint
         children = plan_children(cfg, endpoint, model)
         for child in children:
-            await start_child(runner, child)
+            await start_child(runner, child, cfg.drain_timeout_s)
         base = f"http://127.0.0.1:{cfg.http_port}"
         await wait_ready(base, children, cfg.ready_timeout_s)
     except (RuntimeError, TimeoutError, FileNotFoundError) as exc:
@@ -114,22 +120,34 @@ async def assemble(runner: ServiceRunner, cfg: LaunchConfig) -> None:
         raise SystemExit(EXIT_FAILED) from None
     print(f"READY {base}/v1", flush=True)
     for child in children:
-        supervise(runner, child)
+        supervise(runner, child, cfg.on_child_exit)
 
 
-def supervise(runner: ServiceRunner, child: Child) -> None:
-    """A dead worker is reported (the rest of the pool serves on); any other dead child ends the mesh."""
-    task = asyncio.create_task(_report_exit(child), name=f"supervise-{child.component}")
-    if child.component.endswith("worker"):
-        runner.on_teardown(f"stop supervising {child.component}", lambda: cancel_and_wait(task))
-    else:
-        runner.watch(task, f"the {child.component} process")
+def supervise(runner: ServiceRunner, child: Child, policy: str) -> None:
+    """Watches a child after start-up. When it exits: `restart` starts it again after a back-off
+    that doubles with each exit in quick succession (the rest of the mesh serves on meanwhile);
+    `exit` stops the whole mesh with exit status 1."""
+    task = asyncio.create_task(_keep_running(child, policy), name=f"supervise-{child.component}")
+    runner.watch(task, f"the {child.component} process")
 
 
-async def _report_exit(child: Child) -> None:
-    code = await child.wait()
-    print(f"{child.component} pid={child.process.pid if child.process else '?'} exited with code {code}",
-          file=sys.stderr, flush=True)
+async def _keep_running(child: Child, policy: str) -> None:
+    backoff = RESTART_BACKOFF_S
+    while True:
+        started = asyncio.get_running_loop().time()
+        code = await child.wait()
+        pid = child.process.pid if child.process else "?"
+        if policy != "restart":
+            print(f"{child.component} pid={pid} exited with code {code}; stopping the mesh (--on-child-exit exit)",
+                  file=sys.stderr, flush=True)
+            return
+        if asyncio.get_running_loop().time() - started > RESTART_BACKOFF_MAX_S:
+            backoff = RESTART_BACKOFF_S  # it ran a good while: a fresh failure, not a crash loop
+        print(f"{child.component} pid={pid} exited with code {code}; restarting it in {backoff:.0f}s",
+              file=sys.stderr, flush=True)
+        await asyncio.sleep(backoff)
+        backoff = min(backoff * 2, RESTART_BACKOFF_MAX_S)
+        await child.start()
 
 
 def main() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import signal
 import sys
@@ -11,16 +10,19 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-PR_SET_PDEATHSIG = 1
+from services.mesh.process_tree import die_with_parent
+
 TAIL_LINES = 30
+# How long a child's output is still read after it exited (see Child.wait).
+OUTPUT_DRAIN_S = 2.0
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: the kernel sends it SIGTERM if the launcher dies."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
+def _prepare_child() -> None:
+    """Runs in the child before exec. Its own process group: whatever it starts (vLLM's engine
+    processes) can be found and ended with it, even if it dies without ending them. And the
+    kernel sends it SIGTERM (it drains) if the launcher dies."""
+    os.setpgid(0, 0)
+    die_with_parent(signal.SIGTERM)
 
 
 @dataclass
@@ -42,7 +44,7 @@ class Child:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             env=self.env,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_prepare_child,
         )
         self._pump = asyncio.create_task(self._forward_output(), name=f"output-{self.component}")
         print(f"CHILD {self.component} pid={self.process.pid}", flush=True)
@@ -63,26 +65,46 @@ class Child:
         return None if self.process is None else self.process.returncode
 
     async def wait(self) -> int:
+        """The child's exit status, once it has exited and its output is read.
+
+        A process the child left behind may hold the output pipe open forever: the rest of the
+        output gets a short while, then the reading stops."""
         assert self.process is not None
         code = await self.process.wait()
         if self._pump is not None:
-            await asyncio.gather(self._pump, return_exceptions=True)
+            done, _ = await asyncio.wait([self._pump], timeout=OUTPUT_DRAIN_S)
+            if not done:
+                self._pump.cancel()
+                await asyncio.gather(self._pump, return_exceptions=True)
         return code
 
-    async def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL if the child has not exited within the timeout."""
-        if self.process is None or self.process.returncode is not None:
-            if self._pump is not None:
-                await asyncio.gather(self._pump, return_exceptions=True)
+    def kill_leftovers(self) -> None:
+        """SIGKILLs whatever is left of the child's process group (it has exited itself)."""
+        if self.process is None:
             return
-        self.process.send_signal(signal.SIGTERM)
         try:
-            await asyncio.wait_for(self.wait(), timeout_s)
-        except TimeoutError:
-            print(f"{self.component} pid={self.process.pid} ignored SIGTERM for {timeout_s:.0f}s; killing it",
-                  file=sys.stderr, flush=True)
-            self.process.kill()
-            await self.wait()
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        print(f"{self.component} pid={self.process.pid} left processes behind; killed them",
+              file=sys.stderr, flush=True)
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM (the child drains), SIGKILL if it has not exited within the timeout, then
+        SIGKILL for anything it left in its process group."""
+        if self.process is None:
+            return
+        if self.process.returncode is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.process.wait(), timeout_s)
+            except TimeoutError:
+                print(f"{self.component} pid={self.process.pid} ignored SIGTERM for {timeout_s:.0f}s; killing it",
+                      file=sys.stderr, flush=True)
+                self.process.kill()
+                await self.process.wait()
+        self.kill_leftovers()
+        await self.wait()
 
 
 def python_module(module: str, *args: str) -> list[str]:

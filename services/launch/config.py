@@ -46,6 +46,7 @@ from services.worker.engine_flags import add_engine_flags
 _SECTIONS = ("VllmWorker", "Worker", "PrefillWorker", "Router", "Processor", "Frontend", "ServiceArgs")
 _ALIASES = {"router": "router_mode", "workers": "decode_workers"}
 _IGNORED = {"enable_prefix_caching", "tensor_parallel_size", "resources"}
+ON_CHILD_EXIT = ("restart", "exit")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,10 @@ class LaunchConfig:
     served_model_name: str | None
     decode_workers: int
     prefill_workers: int
+    # Replicas of the stateless services: the frontend spreads requests over the processors,
+    # which use any live router.
+    processors: int
+    routers: int
     # Prefill workers get work (decode workers prefill long prompts on them).
     remote_prefill: bool
     http_port: int
@@ -63,7 +68,10 @@ class LaunchConfig:
     etcd_endpoints: str | None
     namespace: str
     log_level: str
+    drain_timeout_s: float
     ready_timeout_s: float
+    # "restart" a child that exits after start-up, or "exit": stop the mesh.
+    on_child_exit: str
     # Each service's flags as given to the launcher, forwarded to its children.
     engine_argv: tuple[str, ...]
     disagg_argv: tuple[str, ...]
@@ -74,6 +82,10 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if self.decode_workers < 1 or self.prefill_workers < 0:
             raise ConfigError("--decode-workers must be >= 1 and --prefill-workers >= 0")
+        if self.processors < 1 or self.routers < 1:
+            raise ConfigError("--processors and --routers must be >= 1")
+        if not self.drain_timeout_s >= 0:
+            raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         if not self.ready_timeout_s > 0:
             raise ConfigError(f"--ready-timeout must be > 0, got {self.ready_timeout_s}")
 
@@ -97,7 +109,11 @@ def parser() -> tuple[FlagParser, _Groups]:
     add_mesh_flags(p, embedded_etcd=True)
     p.add_argument("--decode-workers", type=positive_int, default=1)
     p.add_argument("--prefill-workers", type=non_negative_int, default=1, help="0 = aggregated serving")
+    p.add_argument("--processors", type=positive_int, default=1, help="processor replicas")
+    p.add_argument("--routers", type=positive_int, default=1, help="kv-router replicas")
     p.add_argument("--ready-timeout", type=positive_float, default=600.0, help="seconds to wait for /health")
+    p.add_argument("--on-child-exit", choices=ON_CHILD_EXIT, default="restart",
+                   help="a service that exits after start-up is restarted (with back-off) or stops the mesh")
     groups = _Groups(engine=add_engine_flags(p), disagg=add_disagg_flags(p), router=add_router_flags(p),
                      processor=add_processor_flags(p), frontend=add_frontend_flags(p))
     return p, groups
@@ -141,9 +157,12 @@ def load(argv: list[str] | None = None) -> LaunchConfig:
     return validated(lambda: LaunchConfig(
         engine=args.engine, model=args.model, served_model_name=args.served_model_name,
         decode_workers=args.decode_workers,
-        prefill_workers=args.prefill_workers, remote_prefill=args.remote_prefill is not False,
+        prefill_workers=args.prefill_workers, processors=args.processors, routers=args.routers,
+        remote_prefill=args.remote_prefill is not False,
         http_port=args.http_port, api_key=args.api_key, etcd_endpoints=args.etcd_endpoints,
-        namespace=args.namespace, log_level=args.log_level, ready_timeout_s=args.ready_timeout,
+        namespace=args.namespace, log_level=args.log_level,
+        drain_timeout_s=args.drain_timeout, ready_timeout_s=args.ready_timeout,
+        on_child_exit=args.on_child_exit,
         # The launcher resolves the model once (building the demo model if needed) and passes it.
         engine_argv=forwarded(groups.engine, ("model", "served_model_name")),
         # Whether prefill goes remote is the launcher's call (it knows the prefill pool's size).

@@ -41,6 +41,9 @@ class InstanceInfo:
     engine: str = ""
     metrics_port: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    # Put just before a deliberate deregistration: watchers drop the instance at once, where a
+    # key that merely vanished may be an outage (see ComponentView).
+    leaving: bool = False
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -61,6 +64,9 @@ def instance_key(namespace: str, info: InstanceInfo) -> str:
 
 
 Listener = Callable[[str, InstanceInfo | None], None]
+# How long a member stays after its key vanished when that may be an outage, not a death (see
+# ComponentView): one lease TTL, three times what a live instance needs to register again.
+REJOIN_GRACE_S = 10.0
 
 
 class ComponentView:
@@ -68,17 +74,28 @@ class ComponentView:
 
     A broken watch is re-established from a fresh listing, so the view converges after etcd
     blips; listeners hear every add and remove (info None) as it happens.
+
+    When a member leaves: if it said so (a drain marks its record `leaving` before revoking its
+    lease), or the watch reports its key deleted and other members remain, it leaves at once (a
+    SIGKILLed worker's lease ran out). Otherwise — it was the last member, or
+    a listing after a broken watch simply no longer shows it — it stays for `rejoin_grace_s`:
+    after an etcd outage or a lost lease every live instance registers again within a third of
+    its lease TTL, and until then an empty view would turn every request away for nothing.
     """
 
-    def __init__(self, store: KeyValueStore, namespace: str, component: str) -> None:
+    def __init__(self, store: KeyValueStore, namespace: str, component: str,
+                 rejoin_grace_s: float = REJOIN_GRACE_S) -> None:
         self._store = store
         self._prefix = component_prefix(namespace, component)
         self.component = component
         self.instances: dict[str, InstanceInfo] = {}
         self._listeners: list[Listener] = []
-        self._changed = asyncio.Condition()
+        self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._synced = asyncio.Event()
+        self._rejoin_grace_s = rejoin_grace_s
+        # Members whose keys are gone, kept until their timer runs out unless they register again.
+        self._leaving: dict[str, asyncio.TimerHandle] = {}
 
     def add_listener(self, listener: Listener) -> None:
         """`listener` hears every member from now on, starting with those already known."""
@@ -91,6 +108,9 @@ class ComponentView:
         await asyncio.wait_for(self._synced.wait(), sync_timeout_s)
 
     async def stop(self) -> None:
+        for timer in self._leaving.values():
+            timer.cancel()
+        self._leaving.clear()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -98,15 +118,16 @@ class ComponentView:
 
     async def wait_for(self, predicate: Callable[[dict[str, InstanceInfo]], bool], timeout_s: float) -> bool:
         """Waits until `predicate(instances)` holds; False on timeout."""
-        async def _wait() -> None:
-            async with self._changed:
-                await self._changed.wait_for(lambda: predicate(self.instances))
-
-        try:
-            await asyncio.wait_for(_wait(), timeout_s)
-            return True
-        except TimeoutError:
-            return False
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not predicate(self.instances):
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                return False
+        return True
 
     async def _run(self) -> None:
         backoff = 0.2
@@ -114,16 +135,14 @@ class ComponentView:
             try:
                 items, revision = await self._store.get_prefix(self._prefix)
                 self._replace({kv.key[len(self._prefix):]: kv.value for kv in items})
-                await self._notify()
                 self._synced.set()
                 backoff = 0.2
                 async for event in self._store.watch_prefix(self._prefix, revision + 1):
                     instance_id = event.key[len(self._prefix):]
                     if event.deleted:
-                        self._remove(instance_id)
+                        self._depart(instance_id, observed=True)
                     else:
                         self._upsert(instance_id, event.value)
-                    await self._notify()
             except StoreUnavailable as exc:
                 log.warning("watch on %s broke (%s); relisting", self._prefix, exc)
             await asyncio.sleep(backoff)
@@ -132,7 +151,7 @@ class ComponentView:
     def _replace(self, raw: dict[str, bytes]) -> None:
         for instance_id in list(self.instances):
             if instance_id not in raw:
-                self._remove(instance_id)
+                self._depart(instance_id, observed=False)
         for instance_id, value in raw.items():
             self._upsert(instance_id, value)
 
@@ -142,19 +161,46 @@ class ComponentView:
         except (ValueError, TypeError) as exc:
             log.warning("ignoring malformed registration %s%s: %s", self._prefix, instance_id, exc)
             return
+        timer = self._leaving.pop(instance_id, None)
+        if timer is not None:
+            timer.cancel()
+            if not info.leaving:
+                log.info("%s %s registered again", self.component, instance_id)
+        if info.leaving:
+            self._remove(instance_id)
+            return
         is_new = self.instances.get(instance_id) != info
         self.instances[instance_id] = info
         if is_new:
             log.info("%s %s joined at %s", self.component, instance_id, info.address)
             for listener in self._listeners:
                 listener(instance_id, info)
+        self._signal()
+
+    def _depart(self, instance_id: str, observed: bool) -> None:
+        if instance_id not in self.instances or instance_id in self._leaving:
+            return
+        others = len(self.instances) - len(self._leaving) - 1
+        if observed and others > 0:
+            self._remove(instance_id)
+            return
+        log.info("%s %s is gone from etcd; kept for %.0fs in case it registers again", self.component,
+                 instance_id, self._rejoin_grace_s)
+        self._leaving[instance_id] = asyncio.get_running_loop().call_later(
+            self._rejoin_grace_s, self._expire, instance_id)
+
+    def _expire(self, instance_id: str) -> None:
+        if self._leaving.pop(instance_id, None) is not None:
+            self._remove(instance_id)
 
     def _remove(self, instance_id: str) -> None:
         if self.instances.pop(instance_id, None) is not None:
             log.info("%s %s left", self.component, instance_id)
             for listener in self._listeners:
                 listener(instance_id, None)
+        self._signal()
 
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+    def _signal(self) -> None:
+        """Wakes every `wait_for`; each waits on the event current when it started waiting."""
+        self._changed.set()
+        self._changed = asyncio.Event()

@@ -53,13 +53,21 @@ class LeasedRegistration:
         if self._lease_id is not None:
             await self._store.put(key, value, self._lease_id)
 
-    async def stop(self) -> None:
-        """Cancels the keep-alive and revokes the lease so watchers forget us at once."""
+    async def stop(self, farewell: dict[str, bytes] | None = None) -> None:
+        """Cancels the keep-alive and revokes the lease so watchers forget us at once.
+
+        `farewell` values are put first (best effort): a record saying "leaving" tells watchers
+        this is a deliberate exit, not a lease lost to an outage."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         if self._lease_id is not None:
+            try:
+                for key, value in (farewell or {}).items():
+                    await asyncio.wait_for(self._store.put(key, value, self._lease_id), 2)
+            except (TimeoutError, StoreUnavailable) as exc:
+                log.warning("could not say farewell before revoking lease %x: %s", self._lease_id, exc)
             try:
                 await asyncio.wait_for(self._store.revoke_lease(self._lease_id), 2)
             except (TimeoutError, StoreUnavailable) as exc:
@@ -74,19 +82,25 @@ class LeasedRegistration:
         self.registrations += 1
 
     async def _keep_alive(self) -> None:
+        """Refreshes the lease a few times per TTL. A refresh that fails or hangs is retried
+        after a short back-off rather than a whole period, each try bounded by the period, so
+        one slow answer never costs the lease."""
         period = self._config.ttl_s / self._config.refreshes_per_ttl
+        delay = period
         while True:
-            await asyncio.sleep(period)
+            await asyncio.sleep(delay)
+            assert self._lease_id is not None
             try:
-                assert self._lease_id is not None
-                ttl = await self._store.keepalive(self._lease_id)
-                if ttl > 0:
-                    continue
-                log.warning("lease %x expired; registering again", self._lease_id)
-            except StoreUnavailable as exc:
-                log.warning("lease refresh failed (%s); will retry", exc)
+                ttl = await asyncio.wait_for(self._store.keepalive(self._lease_id), period)
+            except (StoreUnavailable, TimeoutError) as exc:
+                log.warning("lease refresh failed (%s); retrying in %.1fs", exc or "timed out",
+                            self._config.retry_backoff_s)
+                delay = self._config.retry_backoff_s
                 continue
-            await self._reregister()
+            delay = period
+            if ttl <= 0:
+                log.warning("lease %x expired; registering again", self._lease_id)
+                await self._reregister()
 
     async def _reregister(self) -> None:
         backoff = self._config.retry_backoff_s

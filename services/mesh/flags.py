@@ -19,6 +19,8 @@ from typing import NoReturn, TypeVar
 DEFAULT_ETCD = "http://127.0.0.1:2379"
 DEFAULT_NAMESPACE = "kvmesh"
 DEFAULT_LOG_LEVEL = "INFO"
+# Seconds a stopping service lets in-flight work finish (SIGTERM drains; then it exits 0).
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # Exit status for bad flags (argparse's own), and for a mesh that cannot be reached at start-up.
 EXIT_BAD_FLAGS = 2
@@ -41,8 +43,11 @@ class MeshConfig:
     host: str = "127.0.0.1"
     # The address other instances use to reach this one (differs from `host` when binding 0.0.0.0).
     advertise_host: str = "127.0.0.1"
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
 
     def __post_init__(self) -> None:
+        if not self.drain_timeout_s >= 0:
+            raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         if not self.etcd_endpoints:
             raise ConfigError("--etcd-endpoints is empty")
         for e in self.etcd_endpoints:
@@ -90,6 +95,8 @@ def add_mesh_flags(parser: argparse.ArgumentParser, *, embedded_etcd: bool = Fal
                         help="etcd key namespace of this mesh (env KVMESH_NAMESPACE)")
     parser.add_argument("--log-level", default=os.environ.get("KVMESH_LOG_LEVEL", DEFAULT_LOG_LEVEL),
                         choices=LOG_LEVELS, type=str.upper)
+    parser.add_argument("--drain-timeout", type=non_negative_float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                        help="seconds in-flight work may take to finish after SIGTERM")
     if not embedded_etcd:
         parser.add_argument("--host", default="127.0.0.1", help="address to bind")
         parser.add_argument("--advertise-host", default=None,
@@ -105,7 +112,7 @@ def mesh_config(args: argparse.Namespace) -> MeshConfig:
     host = getattr(args, "host", "127.0.0.1")
     advertise = getattr(args, "advertise_host", None) or _advertised(host)
     return validated(lambda: MeshConfig(split_endpoints(args.etcd_endpoints), args.namespace, args.log_level,
-                                        host, advertise))
+                                        host, advertise, args.drain_timeout))
 
 
 def _advertised(host: str) -> str:

@@ -7,6 +7,12 @@ and when a task the service asked it to watch ends. Every teardown step has a de
 that fails or overruns is logged and the remaining steps still run, so a stuck gRPC server can
 never keep a lease alive or an engine process running.
 
+SIGTERM drains, by the same reverse order: the lease goes first (peers stop choosing this
+instance), then a short propagation delay (requests already routed here still arrive and are
+served), then servers stop taking new calls (gRPC answers UNAVAILABLE, which callers retry
+elsewhere) and give those in flight up to `--drain-timeout` to finish; what is still running
+then is cancelled (a decode worker's callers move it to another worker).
+
 Exit status: 0 after a stop signal, the `SystemExit` code of a deliberate exit (bad flags 2,
 etcd unreachable 3), 1 after a crash or a watched task that ended.
 """
@@ -17,10 +23,9 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-import grpc
 from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry
 
@@ -36,8 +41,9 @@ log = logging.getLogger(__name__)
 
 # A teardown step that takes longer is abandoned (and logged) so the next one still runs.
 TEARDOWN_STEP_S = 10.0
-# In-flight gRPC calls get this long to finish once the server stops taking new ones.
-GRPC_GRACE_S = 2.0
+# After deregistering, how long peers get to notice (an etcd watch delivers within milliseconds;
+# a request routed just before still reaches us and is served).
+PROPAGATION_DELAY_S = 1.0
 
 Teardown = Callable[[], Awaitable[object] | None]
 
@@ -186,12 +192,18 @@ class ServiceRunner:
         Registered last during assembly, so it is the first thing torn down: peers stop
         choosing this instance before its servers close."""
         registration = LeasedRegistration(self.store)
-        keys = {**(extra_keys or {}), instance_key(self._mesh().namespace, info): info.to_json()}
+        key = instance_key(self._mesh().namespace, info)
+        keys = {**(extra_keys or {}), key: info.to_json()}
         try:
             await registration.start(keys)
         except StoreUnavailable as exc:
             die(f"etcd registration failed: {exc}", code=EXIT_UNREACHABLE)
-        self.on_teardown(f"deregister {info.component} {info.instance_id}", registration.stop)
+        async def deregister() -> None:
+            await registration.stop(farewell={key: replace(info, leaving=True).to_json()})
+            if self.stopping:  # a drain: let peers see we are gone before servers stop
+                await asyncio.sleep(min(PROPAGATION_DELAY_S, self.drain_timeout_s))
+
+        self.on_teardown(f"deregister {info.component} {info.instance_id}", deregister)
         return registration
 
     async def watch_component(self, component: str) -> ComponentView:
@@ -201,10 +213,19 @@ class ServiceRunner:
         self.on_teardown(f"stop {component} view", view.stop)
         return view
 
+    @property
+    def drain_timeout_s(self) -> float:
+        return self.mesh.drain_timeout_s if self.mesh is not None else 0.0
+
     async def serve_grpc(self, bindings: Sequence[ServiceBinding], port: int = 0) -> tuple[int, health.HealthServicer]:
-        """Starts a gRPC server with health and reflection; returns its port and health servicer."""
+        """Starts a gRPC server with health and reflection; returns its port and health servicer.
+
+        At teardown it first reports NOT_SERVING, then stops: new calls are refused at once,
+        calls in flight get the drain timeout to finish."""
         server, bound, health_servicer = await start_server(bindings, self._mesh().host, port)
-        self.on_teardown("stop gRPC server", lambda: _stop_server(server), GRPC_GRACE_S + TEARDOWN_STEP_S)
+        grace = self.drain_timeout_s
+        self.on_teardown("stop gRPC server", lambda: server.stop(grace=grace), grace + TEARDOWN_STEP_S)
+        self.on_teardown("report NOT_SERVING", health_servicer.enter_graceful_shutdown)
         return bound, health_servicer
 
     def serve_metrics(self, registry: CollectorRegistry, port: int = 0) -> int:
@@ -218,10 +239,6 @@ class _Exit(Exception):
     def __init__(self, code: int) -> None:
         super().__init__(code)
         self.code = code
-
-
-async def _stop_server(server: grpc.aio.Server) -> None:
-    await server.stop(grace=GRPC_GRACE_S)
 
 
 async def cancel_and_wait(task: asyncio.Future[Any]) -> None:

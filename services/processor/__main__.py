@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from prometheus_client import CollectorRegistry
+
 from gen.kvmesh.v1 import processor_pb2, processor_pb2_grpc
 from services.mesh.discovery import PROCESSOR, ROUTER, InstanceInfo, new_instance_id
 from services.mesh.flags import (
@@ -20,7 +22,7 @@ from services.mesh.logs import setup_logging
 from services.mesh.router_client import RouterClient
 from services.mesh.service_runner import ServiceRunner, run_service
 from services.processor.flags import add_processor_flags
-from services.processor.service import ProcessorConfig, ProcessorServicer
+from services.processor.service import ProcessorConfig, ProcessorMetrics, ProcessorServicer
 from services.processor.tokenizer import ModelTokenizer
 
 log = logging.getLogger("processor")
@@ -32,6 +34,7 @@ def parser() -> FlagParser:
     add_model_flags(p)
     add_processor_flags(p)
     p.add_argument("--port", type=port_number, default=0)
+    p.add_argument("--metrics-port", type=port_number, default=0, help="Prometheus port (0 = any free)")
     return p
 
 
@@ -41,18 +44,22 @@ def main() -> None:
     setup_logging(mesh.log_level, PROCESSOR)
     model = model_ref(args)
     config = validated(lambda: ProcessorConfig(served_model_name=model.served_model_name,
-                                               request_timeout_s=args.request_timeout))
+                                               request_timeout_s=args.request_timeout,
+                                               migration_limit=args.migration_limit))
 
     async def assemble(runner: ServiceRunner) -> None:
         tokenizer = ModelTokenizer(model.model_dir)
         await runner.connect_store()
         routers = RouterClient(await runner.watch_component(ROUTER), runner.channels)
-        servicer = ProcessorServicer(config, tokenizer, routers, runner.channels)
+        registry = CollectorRegistry()
+        servicer = ProcessorServicer(config, tokenizer, routers, runner.channels, ProcessorMetrics(registry))
         binding = ServiceBinding(processor_pb2_grpc.add_ProcessorServicer_to_server, servicer,
                                  processor_pb2.DESCRIPTOR.services_by_name["Processor"].full_name)
         port, _ = await runner.serve_grpc([binding], args.port)
+        metrics_port = runner.serve_metrics(registry, args.metrics_port)
         info = InstanceInfo(component=PROCESSOR, instance_id=new_instance_id(), address=f"{mesh.advertise_host}:{port}",
-                            model=config.served_model_name, extra={"max_model_len": tokenizer.max_model_len})
+                            model=config.served_model_name, metrics_port=metrics_port,
+                            extra={"max_model_len": tokenizer.max_model_len})
         await runner.register(info)
         log.info("processor %s for %s at %s", info.instance_id, config.served_model_name, info.address)
 

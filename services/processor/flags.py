@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.mesh.flags import positive_float
+from services.mesh.flags import non_negative_int, positive_float
 from services.processor.service import ProcessorConfig
 
 
@@ -12,5 +12,7 @@ def add_processor_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
     """Returns the group, so the launcher can hand the same values to its processors."""
     g = parser.add_argument_group("processor")
     g.add_argument("--request-timeout", type=positive_float, default=ProcessorConfig.request_timeout_s,
-                   help="seconds one generation may take")
+                   help="seconds one generation may take, however often it moves between workers")
+    g.add_argument("--migration-limit", type=non_negative_int, default=ProcessorConfig.migration_limit,
+                   help="times a request may move to another decode worker after its first token (0 = off)")
     return g

@@ -1,31 +1,36 @@
 """The processor: prompt -> tokens -> router -> decode worker -> text, streamed back.
 
 Per request it tokenizes (chat template or plain text, or takes token ids), checks the context
-length, asks a router for a worker, streams the worker's tokens through an incremental
-detokenizer and the stop strings, and reports usage. `n` choices run concurrently on the worker
-the router chose. A worker that fails before its first token is replaced by another.
+length, asks a router for a worker, streams each of the `n` choices (choice_stream.py: tokens to
+text, retry and migration when a worker fails) and reports usage. The choices run concurrently
+on the worker the router chose.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from prometheus_client import CollectorRegistry, Counter
 
-from gen.kvmesh.v1 import common_pb2, processor_pb2, processor_pb2_grpc, worker_pb2, worker_pb2_grpc
+from gen.kvmesh.v1 import common_pb2, processor_pb2, processor_pb2_grpc
 from services.mesh.channels import ChannelPool
 from services.mesh.flags import ConfigError
 from services.mesh.router_client import NoWorkerError, RouteChoice, RouterClient, RoutingError
 from services.mesh.streams import merge
-from services.processor.detokenizer import IncrementalDetokenizer, StopStrings
-from services.processor.tokenizer import ChatTurn, ModelTokenizer, PromptError
+from services.processor.choice_stream import ChoiceFailure, ChoiceLimits, ChoiceStream, Finished, Started
+from services.processor.failed_workers import FailedWorkers
+from services.processor.tokenizer import LARGE_TEXT_CHARS, ChatTurn, ContextLengthError, ModelTokenizer, PromptError
+from services.processor.validation import check_request, context_error
 
 log = logging.getLogger(__name__)
 
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+# Chats with more messages than this render their template in a worker thread (see _tokenize).
+LARGE_CHAT_MESSAGES = 64
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,8 @@ class ProcessorConfig:
     request_timeout_s: float = 600.0
     # Workers tried per choice when one fails before its first token.
     max_attempts: int = 3
+    # Moves of a choice to another worker after its first token (0 = a mid-stream failure fails it).
+    migration_limit: int = 3
     max_inflight: int = 4096
 
     def __post_init__(self) -> None:
@@ -41,49 +48,61 @@ class ProcessorConfig:
             raise ConfigError("--served-model-name is empty")
         if not self.request_timeout_s > 0:
             raise ConfigError(f"--request-timeout must be > 0, got {self.request_timeout_s}")
+        if self.migration_limit < 0:
+            raise ConfigError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.max_attempts < 1 or self.max_inflight < 1:
             raise ConfigError("the processor needs at least one attempt and one in-flight request")
 
 
-@dataclass(slots=True)
-class _Started:
-    worker_id: str
-    prefill: common_pb2.PrefillLocation
-
-
-@dataclass(slots=True)
-class _Finished:
-    completion_tokens: int
-    cached_tokens: int
+class ProcessorMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.migrations = Counter("kvmesh_processor_migrations",
+                                  "choices moved to another decode worker after their first token", registry=registry)
+        self.worker_failures = Counter("kvmesh_processor_worker_failures",
+                                       "decode worker calls that failed (before or after the first token)",
+                                       registry=registry)
 
 
 class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
     def __init__(self, config: ProcessorConfig, tokenizer: ModelTokenizer, routers: RouterClient,
-                 channels: ChannelPool) -> None:
+                 channels: ChannelPool, metrics: ProcessorMetrics) -> None:
         self._config = config
         self._tok = tokenizer
         self._routers = routers
         self._channels = channels
+        self._metrics = metrics
+        self._failed = FailedWorkers()
+        self._limits = ChoiceLimits(config.request_timeout_s, config.max_attempts, config.migration_limit)
         self.inflight = 0
 
     async def Generate(  # noqa: N802
         self, request: processor_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[processor_pb2.GenerateResponse]:
+        """Checks, tokenizes and streams one prompt's choices.
+
+        Bad input is INVALID_ARGUMENT (a prompt that cannot fit the context: OUT_OF_RANGE) with a
+        one-line message, another model NOT_FOUND, too much work RESOURCE_EXHAUSTED; the
+        gateway maps them to 400, 404 and 429."""
         rid = request.request_id or uuid.uuid4().hex
+        try:
+            check_request(request, self._tok.max_model_len)
+        except PromptError as exc:
+            await context.abort(_status_of(exc), _one_line(exc))
         if request.model != self._config.served_model_name:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model!r} is not served here")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model[:200]!r} is not served here")
         if self.inflight >= self._config.max_inflight:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "processor overloaded")
-        try:
-            tokens = self._tokenize(request)
-            sampling = self._checked_sampling(request.sampling, len(tokens))
-        except PromptError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        # Counted from here: a large prompt's tokenizing (in a thread) is work in flight too.
         self.inflight += 1
         try:
+            try:
+                tokens = await self._tokenize(request)
+                sampling = self._checked_sampling(request.sampling, len(tokens))
+            except PromptError as exc:
+                await context.abort(_status_of(exc), _one_line(exc))
             async for msg in self._generate(rid, request, tokens, sampling):
                 yield msg
-        except _Failure as exc:
+        except ChoiceFailure as exc:
             log.warning("request %s failed: %s", rid, exc.message)
             await context.abort(exc.code, exc.message)
         finally:
@@ -91,7 +110,14 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
 
     # -- input -------------------------------------------------------------------------------
 
-    def _tokenize(self, request: processor_pb2.GenerateRequest) -> list[int]:
+    async def _tokenize(self, request: processor_pb2.GenerateRequest) -> list[int]:
+        """The prompt's tokens; a large one is tokenized in a worker thread so the event loop
+        keeps serving every other stream meanwhile."""
+        if _is_large(request):
+            return await asyncio.to_thread(self._tokenize_now, request)
+        return self._tokenize_now(request)
+
+    def _tokenize_now(self, request: processor_pb2.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("input")
         if kind == "chat":
             turns = [ChatTurn(m.role, m.content, m.name) for m in request.chat.messages]
@@ -108,18 +134,17 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         return tokens
 
     def _checked_sampling(self, sampling: common_pb2.SamplingParams, prompt_len: int) -> common_pb2.SamplingParams:
+        """The sampling to run with: max_tokens filled to the room left, or refused when it does not fit."""
         context = self._tok.max_model_len
         if prompt_len >= context:
-            raise PromptError(
-                f"the prompt has {prompt_len} tokens; this model's context length is {context} tokens"
-            )
+            raise context_error(prompt_len, context)
         out = common_pb2.SamplingParams()
         out.CopyFrom(sampling)
         room = context - prompt_len
         if not out.max_tokens:
             out.max_tokens = room
         elif out.max_tokens > room:
-            raise PromptError(
+            raise ContextLengthError(
                 f"max_tokens ({out.max_tokens}) plus the prompt ({prompt_len} tokens) exceed this model's "
                 f"context length of {context} tokens; at most {room} tokens can be generated"
             )
@@ -129,118 +154,66 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
 
     # -- routing and generation --------------------------------------------------------------
 
-    async def _route(self, rid: str, tokens: list[int], exclude: list[str]) -> RouteChoice:
+    async def _route(self, rid: str, tokens: list[int], tried: list[str]) -> RouteChoice:
+        """A decode worker for the tokens, avoiding the ones tried and the ones seen failing."""
+        exclude = tried + [w for w in self._failed.current() if w not in tried]
         try:
             return await self._routers.route(rid, self._config.served_model_name, tokens,
                                              common_pb2.WORKER_ROLE_DECODE, exclude)
         except NoWorkerError as exc:
-            raise _Failure(grpc.StatusCode.UNAVAILABLE, f"no decode worker can take the request: {exc}") from exc
+            raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE, f"no decode worker can take the request: {exc}") from exc
         except RoutingError as exc:
-            raise _Failure(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+            raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+
+    def _worker_failed(self, worker_id: str) -> None:
+        self._metrics.worker_failures.inc()
+        self._failed.add(worker_id)
 
     async def _generate(self, rid: str, request: processor_pb2.GenerateRequest, tokens: list[int],
                         sampling: common_pb2.SamplingParams) -> AsyncIterator[processor_pb2.GenerateResponse]:
         route = await self._route(rid, tokens, [])
         n = max(request.n, 1)
-        stops = list(request.stop)
         choices = [
-            self._choice(f"{rid}-{i}" if n > 1 else rid, request.choice_offset + i, tokens,
-                         _choice_sampling(sampling, i), stops, route)
+            ChoiceStream(f"{rid}-{i}" if n > 1 else rid, request.choice_offset + i, tokens, _choice_sampling(sampling, i),
+                         list(request.stop), self._tok, self._channels, self._limits, self._route, self._worker_failed,
+                         self._metrics.migrations.inc).run(route)
             for i in range(n)
         ]
         completion_tokens = 0
         cached_tokens = 0
         announced = False
         async for item in merge(choices):
-            if isinstance(item, _Started):
+            if isinstance(item, processor_pb2.ChoiceDelta):
+                yield processor_pb2.GenerateResponse(delta=item)
+            elif isinstance(item, Started):
                 if not announced:
                     announced = True
                     yield processor_pb2.GenerateResponse(route=processor_pb2.RouteInfo(
                         worker_id=item.worker_id, prefill=item.prefill, prompt_tokens=len(tokens)))
-            elif isinstance(item, _Finished):
+            elif isinstance(item, Finished):
                 completion_tokens += item.completion_tokens
                 cached_tokens = max(cached_tokens, item.cached_tokens)
-            elif isinstance(item, processor_pb2.ChoiceDelta):
-                yield processor_pb2.GenerateResponse(delta=item)
         yield processor_pb2.GenerateResponse(usage=processor_pb2.Usage(
             prompt_tokens=len(tokens), completion_tokens=completion_tokens, cached_tokens=cached_tokens))
 
-    async def _choice(self, rid: str, index: int, tokens: list[int], sampling: common_pb2.SamplingParams,
-                      stops: list[str], route: RouteChoice) -> AsyncIterator[object]:
-        tried: list[str] = []
-        for attempt in range(self._config.max_attempts):
-            if attempt:
-                route = await self._route(rid, tokens, tried)
-            tried.append(route.worker_id)
-            started = False
-            try:
-                async for item in self._stream_from_worker(rid, index, tokens, sampling, stops, route):
-                    started = True
-                    yield item
-                return
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise _Failure(grpc.StatusCode.INVALID_ARGUMENT, exc.details() or "invalid request") from exc
-                if started or exc.code() not in RETRYABLE:
-                    raise _Failure(grpc.StatusCode.UNAVAILABLE,
-                                   f"worker {route.worker_id} failed mid-stream: {exc.code().name}") from exc
-                log.warning("request %s: worker %s unavailable (%s); trying another",
-                            rid, route.worker_id, exc.code().name)
-        raise _Failure(grpc.StatusCode.UNAVAILABLE, f"no worker could serve the request after {len(tried)} attempts")
 
-    async def _stream_from_worker(self, rid: str, index: int, tokens: list[int], sampling: common_pb2.SamplingParams,
-                                  stops: list[str], route: RouteChoice) -> AsyncIterator[object]:
-        stub = worker_pb2_grpc.WorkerStub(self._channels.get(route.address))
-        call = stub.Generate(
-            worker_pb2.WorkerGenerateRequest(request_id=rid, token_ids=tokens, sampling=sampling,
-                                             prefix_hit_rate=route.prefix_hit_rate),
-            timeout=self._config.request_timeout_s,
-        )
-        detok = IncrementalDetokenizer(self._tok.decode)
-        stopper = StopStrings(stops)
-        want_logprobs = sampling.HasField("logprobs")
-        generated = 0
-        cached = 0
-        first = True
-        try:
-            async for msg in call:
-                if first:
-                    first = False
-                    cached = msg.cached_tokens
-                    yield _Started(route.worker_id, msg.prefill)
-                if msg.finish_reason == "abort":
-                    raise _Failure(grpc.StatusCode.UNAVAILABLE, f"worker {route.worker_id} aborted the request")
-                ids = list(msg.token_ids)
-                generated += len(ids)
-                text = detok.push(ids) if ids else ""
-                if msg.finish_reason:
-                    text += detok.flush()
-                out, stopped = stopper.push(text)
-                finish = "stop" if stopped else ""
-                if msg.finish_reason and not stopped:
-                    out += stopper.flush()
-                    finish = msg.finish_reason
-                delta = processor_pb2.ChoiceDelta(index=index, text=out, token_ids=ids, finish_reason=finish)
-                if want_logprobs:
-                    delta.logprobs.extend(msg.logprobs)
-                    for lp in delta.logprobs:
-                        for top in lp.top:
-                            top.text = self._tok.token_text(top.token_id)
-                    delta.token_texts.extend(self._tok.token_text(t) for t in ids)
-                if out or finish or want_logprobs:
-                    yield delta
-                if finish:
-                    break
-        finally:
-            call.cancel()
-        yield _Finished(generated, cached)
+def _is_large(request: processor_pb2.GenerateRequest) -> bool:
+    kind = request.WhichOneof("input")
+    if kind == "text":
+        return len(request.text) > LARGE_TEXT_CHARS
+    if kind == "chat":
+        messages = request.chat.messages
+        return len(messages) > LARGE_CHAT_MESSAGES or sum(len(m.content) for m in messages) > LARGE_TEXT_CHARS
+    return False
 
 
-class _Failure(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+def _status_of(exc: PromptError) -> grpc.StatusCode:
+    return grpc.StatusCode.OUT_OF_RANGE if isinstance(exc, ContextLengthError) else grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _one_line(exc: Exception) -> str:
+    """gRPC details travel in a header; one line also keeps every log line one event."""
+    return " ".join(str(exc).split())
 
 
 def _choice_sampling(sampling: common_pb2.SamplingParams, index: int) -> common_pb2.SamplingParams:

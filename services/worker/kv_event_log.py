@@ -74,7 +74,10 @@ class KvEventLog:
         return events
 
     async def subscribe(self, from_event_id: int) -> AsyncIterator[tuple[list[NumberedEvent], bool]]:
-        """Yields (events, is_snapshot) batches after `from_event_id`, then live ones, forever."""
+        """Yields (events, is_snapshot) batches after `from_event_id`, then live ones, forever.
+
+        The first batch comes at once, even when it is empty: it tells the subscriber it has
+        caught up with everything the worker cached when it subscribed."""
         queue: asyncio.Queue[NumberedEvent | None] = asyncio.Queue(maxsize=self._subscriber_queue + 1)
         self._subscribers.add(queue)
         try:
@@ -84,9 +87,7 @@ class KvEventLog:
             # resume only after more events were appended.
             sent = self._last_id
             if from_event_id + 1 >= oldest or from_event_id >= self._last_id:
-                backlog = [e for e in self._buffer if e.event_id > from_event_id]
-                if backlog:
-                    yield backlog, False
+                yield [e for e in self._buffer if e.event_id > from_event_id], False
             else:
                 yield self.snapshot(), True
             while True:

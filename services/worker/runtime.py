@@ -5,14 +5,19 @@ own server, lease and instance id, so scale tests do not need a process per work
 only in what `Role.prepare` sets up once per process and the services its factory mounts.
 
 Start order per worker — engine, servicer, gRPC server, then the lease — makes the service
-runner's reverse teardown deregister first (peers stop choosing the worker), then close the
-server, then stop the engine.
+runner's reverse teardown deregister first (peers stop choosing the worker), end the endless
+subscription streams, let generations in flight finish within the drain timeout, then stop the
+engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -26,6 +31,7 @@ from services.mesh.grpc_server import ServiceBinding
 from services.mesh.logs import setup_logging
 from services.mesh.service_runner import ServiceRunner, run_service
 from services.worker.engine_factory import build_engine
+from services.worker.engine_health import watch_engine
 from services.worker.engine_flags import EngineConfig, add_engine_flags, add_kv_transfer_flag, engine_config
 from services.worker.kv_event_log import KvEventLog
 from services.worker.load_collector import WorkerLoadCollector
@@ -104,7 +110,8 @@ async def start_worker(role: Role, ctx: WorkerContext, make_services: ServicesFa
     services = make_services(built.engine, instance_id, events)
     runner.on_teardown(f"stop servicer of {instance_id}", services.worker.stop)
     binding = ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, services.worker, WORKER_SERVICE)
-    bound, _health = await runner.serve_grpc([binding, *services.extra], port)
+    bound, health_servicer = await runner.serve_grpc([binding, *services.extra], port)
+    runner.on_teardown(f"end subscriptions to {instance_id}", services.worker.end_subscriptions)
     info = InstanceInfo(
         component=role.component,
         instance_id=instance_id,
@@ -117,9 +124,27 @@ async def start_worker(role: Role, ctx: WorkerContext, make_services: ServicesFa
         extra={"max_model_len": built.engine.info.max_model_len, "kv_transfer": spec.kv_transfer},
     )
     await runner.register(info, built.lease_keys)
+    runner.watch(asyncio.create_task(watch_engine(built.engine, health_servicer, instance_id),
+                                     name=f"engine-health-{instance_id}"), f"the engine of {instance_id}")
     log.info("%s %s serving %s (%s, block size %d, KV transfer %s) at %s", role.component, instance_id,
              spec.served_model_name, spec.engine, spec.block_size, spec.kv_transfer, info.address)
     return _Running(instance_id, built.engine)
+
+
+def start_reaper(runner: ServiceRunner) -> None:
+    """The process that ends this worker's engine processes if the worker dies (see reaper.py)."""
+    reaper = subprocess.Popen([sys.executable, "-m", "services.worker.reaper", str(os.getpid())],
+                              stdin=subprocess.DEVNULL)
+
+    def stop_reaper() -> None:
+        # A clean shutdown stopped the engine already; the reaper has nothing left to do.
+        reaper.terminate()
+        try:
+            reaper.wait(5)
+        except subprocess.TimeoutExpired:
+            reaper.kill()
+
+    runner.on_teardown("stop the reaper", stop_reaper)
 
 
 def main(role: Role) -> None:
@@ -131,6 +156,8 @@ def main(role: Role) -> None:
     spec = engine_config(args, mesh.advertise_host)
 
     async def assemble(runner: ServiceRunner) -> None:
+        if spec.engine == "vllm":
+            start_reaper(runner)
         await runner.connect_store()
         workers: list[_Running] = []
         registry = CollectorRegistry()

@@ -91,6 +91,19 @@ def load_to_proto(load: LoadSnapshot) -> worker_pb2.LoadMetrics:
     )
 
 
+async def request_from_proto(request: worker_pb2.WorkerGenerateRequest,
+                             context: grpc.aio.ServicerContext) -> EngineRequest:
+    """The engine's request, or INVALID_ARGUMENT for one no engine could serve."""
+    if not request.token_ids:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+    if request.resumed_tokens >= len(request.token_ids):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"resumed_tokens ({request.resumed_tokens}) must be fewer than the tokens sent "
+                            f"({len(request.token_ids)})")
+    return EngineRequest(request.request_id, list(request.token_ids), sampling_from_proto(request.sampling),
+                         resumed_tokens=request.resumed_tokens)
+
+
 LOCAL_PREFILL = common_pb2.PrefillLocation(site=common_pb2.PrefillLocation.SITE_LOCAL)
 
 
@@ -103,12 +116,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.engine = engine
         self.worker_id = worker_id
         self.events = events
+        # The handlers of the endless subscription streams, ended when the worker drains.
+        self._subscriptions: set[asyncio.Task[object]] = set()
+
+    async def end_subscriptions(self) -> None:
+        """Ends the KV event and metrics streams (a drain: they would never finish by themselves
+        and hold the server's grace period for nothing); the subscribers resubscribe elsewhere."""
+        for task in list(self._subscriptions):
+            task.cancel()
 
     async def stop(self) -> None:
         """Ends work the servicer owns beyond its calls (none here); runs before the engine stops."""
 
+    def _subscribed(self) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._subscriptions.add(task)
+            task.add_done_callback(self._subscriptions.discard)
+
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        engine_request = EngineRequest(request.request_id, list(request.token_ids), sampling_from_proto(request.sampling))
+        engine_request = await request_from_proto(request, context)
         try:
             async for msg in self.stream(engine_request, LOCAL_PREFILL):
                 yield msg
@@ -130,10 +157,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield msg
 
     async def SubscribeKvEvents(self, request: worker_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext):
+        self._subscribed()
         async for batch, is_snapshot in self.events.subscribe(request.from_event_id):
             yield worker_pb2.KvEventBatch(events=[event_to_proto(e) for e in batch], snapshot=is_snapshot)
 
     async def SubscribeMetrics(self, request: worker_pb2.SubscribeMetricsRequest, context: grpc.aio.ServicerContext):
+        self._subscribed()
         last: LoadSnapshot | None = None
         last_sent = 0.0
         while True:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from gen.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/worker.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"d\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\"N\n\x0fPrefillResponse\x12\x18\n\x10kv_transfer_json\x18\x02 \x01(\t\x12\x15\n\rcached_tokens\x18\x03 \x01(\rJ\x04\x08\x01\x10\x02J\x04\x08\x04\x10\x05\"&\n\x10ReleaseKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x8a\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x17\n\x0fprefix_hit_rate\x18\x04 \x01(\x01J\x04\x08\x05\x10\x06\"\xce\x01\n\x16WorkerGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12+\n\x07prefill\x18\x07 \x01(\x0b\x32\x1a.kvmesh.v1.PrefillLocationJ\x04\x08\x06\x10\x07\"1\n\x18SubscribeKvEventsRequest\x12\x15\n\rfrom_event_id\x18\x01 \x01(\x04\"6\n\x0bStoredBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x04\x12\x13\n\x0btokens_hash\x18\x02 \x01(\x04\"`\n\x0c\x42locksStored\x12\x18\n\x0bparent_hash\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12&\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x16.kvmesh.v1.StoredBlockB\x0e\n\x0c_parent_hash\"%\n\rBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"\x12\n\x10\x41llBlocksCleared\"\xab\x01\n\x07KvEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x04\x12)\n\x06stored\x18\x02 \x01(\x0b\x32\x17.kvmesh.v1.BlocksStoredH\x00\x12+\n\x07removed\x18\x03 \x01(\x0b\x32\x18.kvmesh.v1.BlocksRemovedH\x00\x12.\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x1b.kvmesh.v1.AllBlocksClearedH\x00\x42\x06\n\x04\x64\x61ta\"D\n\x0cKvEventBatch\x12\"\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x12.kvmesh.v1.KvEvent\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\"\x19\n\x17SubscribeMetricsRequest\"\xe0\x01\n\x0bLoadMetrics\x12\x1c\n\x14request_active_slots\x18\x01 \x01(\r\x12\x1b\n\x13request_total_slots\x18\x02 \x01(\r\x12\x18\n\x10kv_active_blocks\x18\x03 \x01(\r\x12\x17\n\x0fkv_total_blocks\x18\x04 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x05 \x01(\r\x12\x1c\n\x14gpu_cache_usage_perc\x18\x06 \x01(\x01\x12!\n\x19gpu_prefix_cache_hit_rate\x18\x07 \x01(\x01J\x04\x08\x08\x10\t2\x82\x02\n\x06Worker\x12Q\n\x08Generate\x12 .kvmesh.v1.WorkerGenerateRequest\x1a!.kvmesh.v1.WorkerGenerateResponse0\x01\x12S\n\x11SubscribeKvEvents\x12#.kvmesh.v1.SubscribeKvEventsRequest\x1a\x17.kvmesh.v1.KvEventBatch0\x01\x12P\n\x10SubscribeMetrics\x12\".kvmesh.v1.SubscribeMetricsRequest\x1a\x16.kvmesh.v1.LoadMetrics0\x01\x32\x95\x01\n\tPrefiller\x12@\n\x07Prefill\x12\x19.kvmesh.v1.PrefillRequest\x1a\x1a.kvmesh.v1.PrefillResponse\x12\x46\n\tReleaseKv\x12\x1b.kvmesh.v1.ReleaseKvRequest\x1a\x1c.kvmesh.v1.ReleaseKvResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/worker.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"d\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\"N\n\x0fPrefillResponse\x12\x18\n\x10kv_transfer_json\x18\x02 \x01(\t\x12\x15\n\rcached_tokens\x18\x03 \x01(\rJ\x04\x08\x01\x10\x02J\x04\x08\x04\x10\x05\"&\n\x10ReleaseKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xa2\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x17\n\x0fprefix_hit_rate\x18\x04 \x01(\x01\x12\x16\n\x0eresumed_tokens\x18\x06 \x01(\rJ\x04\x08\x05\x10\x06\"\xce\x01\n\x16WorkerGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12+\n\x07prefill\x18\x07 \x01(\x0b\x32\x1a.kvmesh.v1.PrefillLocationJ\x04\x08\x06\x10\x07\"1\n\x18SubscribeKvEventsRequest\x12\x15\n\rfrom_event_id\x18\x01 \x01(\x04\"6\n\x0bStoredBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x04\x12\x13\n\x0btokens_hash\x18\x02 \x01(\x04\"`\n\x0c\x42locksStored\x12\x18\n\x0bparent_hash\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12&\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x16.kvmesh.v1.StoredBlockB\x0e\n\x0c_parent_hash\"%\n\rBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"\x12\n\x10\x41llBlocksCleared\"\xab\x01\n\x07KvEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x04\x12)\n\x06stored\x18\x02 \x01(\x0b\x32\x17.kvmesh.v1.BlocksStoredH\x00\x12+\n\x07removed\x18\x03 \x01(\x0b\x32\x18.kvmesh.v1.BlocksRemovedH\x00\x12.\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x1b.kvmesh.v1.AllBlocksClearedH\x00\x42\x06\n\x04\x64\x61ta\"D\n\x0cKvEventBatch\x12\"\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x12.kvmesh.v1.KvEvent\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\"\x19\n\x17SubscribeMetricsRequest\"\xe0\x01\n\x0bLoadMetrics\x12\x1c\n\x14request_active_slots\x18\x01 \x01(\r\x12\x1b\n\x13request_total_slots\x18\x02 \x01(\r\x12\x18\n\x10kv_active_blocks\x18\x03 \x01(\r\x12\x17\n\x0fkv_total_blocks\x18\x04 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x05 \x01(\r\x12\x1c\n\x14gpu_cache_usage_perc\x18\x06 \x01(\x01\x12!\n\x19gpu_prefix_cache_hit_rate\x18\x07 \x01(\x01J\x04\x08\x08\x10\t2\x82\x02\n\x06Worker\x12Q\n\x08Generate\x12 .kvmesh.v1.WorkerGenerateRequest\x1a!.kvmesh.v1.WorkerGenerateResponse0\x01\x12S\n\x11SubscribeKvEvents\x12#.kvmesh.v1.SubscribeKvEventsRequest\x1a\x17.kvmesh.v1.KvEventBatch0\x01\x12P\n\x10SubscribeMetrics\x12\".kvmesh.v1.SubscribeMetricsRequest\x1a\x16.kvmesh.v1.LoadMetrics0\x01\x32\x95\x01\n\tPrefiller\x12@\n\x07Prefill\x12\x19.kvmesh.v1.PrefillRequest\x1a\x1a.kvmesh.v1.PrefillResponse\x12\x46\n\tReleaseKv\x12\x1b.kvmesh.v1.ReleaseKvRequest\x1a\x1c.kvmesh.v1.ReleaseKvResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,29 +41,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASEKVRESPONSE']._serialized_start=283
   _globals['_RELEASEKVRESPONSE']._serialized_end=320
   _globals['_WORKERGENERATEREQUEST']._serialized_start=323
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=461
-  _globals['_WORKERGENERATERESPONSE']._serialized_start=464
-  _globals['_WORKERGENERATERESPONSE']._serialized_end=670
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=672
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=721
-  _globals['_STOREDBLOCK']._serialized_start=723
-  _globals['_STOREDBLOCK']._serialized_end=777
-  _globals['_BLOCKSSTORED']._serialized_start=779
-  _globals['_BLOCKSSTORED']._serialized_end=875
-  _globals['_BLOCKSREMOVED']._serialized_start=877
-  _globals['_BLOCKSREMOVED']._serialized_end=914
-  _globals['_ALLBLOCKSCLEARED']._serialized_start=916
-  _globals['_ALLBLOCKSCLEARED']._serialized_end=934
-  _globals['_KVEVENT']._serialized_start=937
-  _globals['_KVEVENT']._serialized_end=1108
-  _globals['_KVEVENTBATCH']._serialized_start=1110
-  _globals['_KVEVENTBATCH']._serialized_end=1178
-  _globals['_SUBSCRIBEMETRICSREQUEST']._serialized_start=1180
-  _globals['_SUBSCRIBEMETRICSREQUEST']._serialized_end=1205
-  _globals['_LOADMETRICS']._serialized_start=1208
-  _globals['_LOADMETRICS']._serialized_end=1432
-  _globals['_WORKER']._serialized_start=1435
-  _globals['_WORKER']._serialized_end=1693
-  _globals['_PREFILLER']._serialized_start=1696
-  _globals['_PREFILLER']._serialized_end=1845
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=485
+  _globals['_WORKERGENERATERESPONSE']._serialized_start=488
+  _globals['_WORKERGENERATERESPONSE']._serialized_end=694
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=696
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=745
+  _globals['_STOREDBLOCK']._serialized_start=747
+  _globals['_STOREDBLOCK']._serialized_end=801
+  _globals['_BLOCKSSTORED']._serialized_start=803
+  _globals['_BLOCKSSTORED']._serialized_end=899
+  _globals['_BLOCKSREMOVED']._serialized_start=901
+  _globals['_BLOCKSREMOVED']._serialized_end=938
+  _globals['_ALLBLOCKSCLEARED']._serialized_start=940
+  _globals['_ALLBLOCKSCLEARED']._serialized_end=958
+  _globals['_KVEVENT']._serialized_start=961
+  _globals['_KVEVENT']._serialized_end=1132
+  _globals['_KVEVENTBATCH']._serialized_start=1134
+  _globals['_KVEVENTBATCH']._serialized_end=1202
+  _globals['_SUBSCRIBEMETRICSREQUEST']._serialized_start=1204
+  _globals['_SUBSCRIBEMETRICSREQUEST']._serialized_end=1229
+  _globals['_LOADMETRICS']._serialized_start=1232
+  _globals['_LOADMETRICS']._serialized_end=1456
+  _globals['_WORKER']._serialized_start=1459
+  _globals['_WORKER']._serialized_end=1717
+  _globals['_PREFILLER']._serialized_start=1720
+  _globals['_PREFILLER']._serialized_end=1869
 # @@protoc_insertion_point(module_scope)

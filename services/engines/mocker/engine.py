@@ -116,6 +116,14 @@ class MockerEngine(Engine):
         for seq in list(self._running) + list(self._waiting):
             self._finish(seq, "abort")
 
+    async def check_health(self) -> None:
+        task = self._loop_task
+        if task is None:
+            raise RuntimeError("the mocker is not started")
+        if task.done():
+            reason = "was cancelled" if task.cancelled() else f"died: {task.exception()!r}"
+            raise RuntimeError(f"the mocker's step loop {reason}")
+
     def load(self) -> LoadSnapshot:
         total = self.config.num_gpu_blocks
         active = self.blocks.active_blocks
@@ -224,7 +232,7 @@ class MockerEngine(Engine):
             if not self._grow(seq):
                 self._preempt(seq)
                 continue
-            token = self._token_at(seq, seq.generated)
+            token = self._token_at(seq, seq.request.resumed_tokens + seq.generated)
             seq.tokens.append(token)
             seq.generated += 1
             finish = self._finish_reason(seq, token)
@@ -288,10 +296,14 @@ class MockerEngine(Engine):
 
     @staticmethod
     def _digest(request: EngineRequest) -> int:
+        """What every token of the request's output depends on, besides its position: the
+        original prompt (without output resumed from another worker) and the sampling."""
         s = request.sampling
         params = f"{s.seed}|{s.temperature}|{s.top_p}|{s.top_k}".encode()
-        return xxhash.xxh3_64_intdigest(block_bytes(request.token_ids) + params)
+        prompt = request.token_ids[: len(request.token_ids) - request.resumed_tokens]
+        return xxhash.xxh3_64_intdigest(block_bytes(prompt) + params)
 
     def _token_at(self, seq: _Seq, position: int) -> int:
+        """The token at `position` of the request's output, counting output resumed from another worker."""
         h = xxhash.xxh3_64_intdigest(position.to_bytes(8, "little"), seq.digest)
         return self._token_low + h % self._token_span

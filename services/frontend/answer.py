@@ -1,0 +1,208 @@
+"""A request's answer after routing: processor deltas to SSE chunks or one JSON body.
+
+`Answer.close` ends the request exactly once on every path (normal end, upstream error, client
+gone, streaming never started): it cancels the processor calls, releases the in-flight lease and
+counts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from gen.kvmesh.v1 import processor_pb2
+from services.frontend.endpoints import CHAT, Kind
+from services.frontend.errors import ApiError, from_grpc
+from services.frontend.inflight import Lease
+from services.frontend.metrics import FrontendMetrics
+from services.frontend.responses import (
+    SSE_DONE,
+    ChoiceAccumulator,
+    chat_logprobs,
+    completion_logprobs,
+    sse,
+    usage_body,
+)
+from services.mesh.streams import merge
+
+
+async def first_route(calls: list[grpc.aio.UnaryStreamCall]) -> processor_pb2.RouteInfo:
+    """Each processor stream opens with its RouteInfo; errors before it become HTTP errors."""
+    first: processor_pb2.RouteInfo | None = None
+    for call in calls:
+        try:
+            msg = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise from_grpc(exc) from None
+        if msg is grpc.aio.EOF or msg.WhichOneof("kind") != "route":
+            raise ApiError(503, "the processor closed the stream before routing", code="unavailable")
+        first = first or msg.route
+    assert first is not None
+    return first
+
+
+async def _messages(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[processor_pb2.GenerateResponse]:
+    while True:
+        msg = await call.read()
+        if msg is grpc.aio.EOF:
+            return
+        yield msg
+
+
+class Answer:
+    """The rest of a request after routing: deltas to SSE chunks or one JSON body."""
+
+    def __init__(self, metrics: FrontendMetrics, kind: Kind, req, rid: str,
+                 calls: list[grpc.aio.UnaryStreamCall], started: float, lease: Lease) -> None:
+        self.metrics = metrics
+        self.kind = kind
+        self.req = req
+        self.calls = calls
+        self.started = started
+        self.lease = lease
+        self.id = kind.id_prefix + rid
+        self.created = int(time.time())
+        self.usage = processor_pb2.Usage()
+        self.status = "200"
+        self._closed = False
+
+    def close(self) -> None:
+        """Ends the request once: cancels what still runs, frees its in-flight share, counts it."""
+        if self._closed:
+            return
+        self._closed = True
+        for call in self.calls:
+            call.cancel()
+        self.lease.release()
+        metrics = self.metrics
+        metrics.duration.observe(time.perf_counter() - self.started)
+        metrics.requests.labels(self.kind.endpoint, self.status).inc()
+
+    async def _items(self) -> AsyncIterator[processor_pb2.ChoiceDelta]:
+        metrics = self.metrics
+        last = None
+        try:
+            async for msg in merge([_messages(c) for c in self.calls]):
+                which = msg.WhichOneof("kind")
+                if which == "delta":
+                    now = time.perf_counter()
+                    if last is None:
+                        metrics.ttft.observe(now - self.started)
+                    else:
+                        metrics.itl.observe(now - last)
+                    last = now
+                    yield msg.delta
+                elif which == "usage":
+                    u = self.usage
+                    u.prompt_tokens += msg.usage.prompt_tokens
+                    u.completion_tokens += msg.usage.completion_tokens
+                    u.cached_tokens += msg.usage.cached_tokens
+        except grpc.aio.AioRpcError as exc:
+            error = from_grpc(exc)
+            self.status = str(error.status)
+            raise error from None
+        finally:
+            self.close()
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        body = {"id": self.id, "object": self.kind.chunk_name, "created": self.created, "model": self.req.model,
+                "choices": choices}
+        if self.req.include_usage:
+            body["usage"] = usage
+        return body
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        is_chat = self.kind is CHAT
+        opened: set[int] = set()
+        try:
+            async for d in self._items():
+                if is_chat:
+                    delta: dict = {"content": d.text}
+                    if d.index not in opened:
+                        opened.add(d.index)
+                        delta["role"] = "assistant"
+                    choice = {"index": d.index, "delta": delta, "logprobs": chat_logprobs([d]) if d.logprobs else None,
+                              "finish_reason": d.finish_reason or None}
+                else:
+                    choice = {"index": d.index, "text": d.text, "finish_reason": d.finish_reason or None,
+                              "logprobs": completion_logprobs([d]) if d.logprobs else None}
+                yield sse(self._chunk([choice]))
+            if self.req.include_usage:
+                yield sse(self._chunk([], usage_body(self.usage)))
+        except ApiError as exc:
+            yield sse({"error": {"message": exc.message, "type": "server_error", "param": None, "code": exc.code}})
+        yield SSE_DONE
+
+    async def collect(self) -> dict:
+        choices: dict[int, ChoiceAccumulator] = {}
+        async for d in self._items():
+            acc = choices.setdefault(d.index, ChoiceAccumulator())
+            acc.text.append(d.text)
+            if d.logprobs:
+                acc.tokens.append(d)
+            if d.finish_reason:
+                acc.finish_reason = d.finish_reason
+        out = []
+        for index in sorted(choices):
+            acc = choices[index]
+            text = "".join(acc.text)
+            if self.kind is CHAT:
+                out.append({"index": index, "message": {"role": "assistant", "content": text},
+                            "logprobs": chat_logprobs(acc.tokens) if self.req.logprobs else None,
+                            "finish_reason": acc.finish_reason})
+            else:
+                out.append({"index": index, "text": text, "finish_reason": acc.finish_reason,
+                            "logprobs": completion_logprobs(acc.tokens) if self.req.logprobs is not None else None})
+        return {"id": self.id, "object": self.kind.object_name, "created": self.created, "model": self.req.model,
+                "choices": out, "usage": usage_body(self.usage)}
+
+
+class SseResponse(StreamingResponse):
+    """A StreamingResponse that always ends its request: Starlette may stop iterating the body
+    (client gone, send failed, task cancelled) without closing it, or before starting it."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], **kwargs: object) -> None:
+        super().__init__(content, **kwargs)  # type: ignore[arg-type]
+        self._content = content
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            await self._content.aclose()  # type: ignore[attr-defined]
+
+
+async def collect_unless_gone(answer: Answer, receive: Receive) -> dict | ApiError | None:
+    """The whole answer, an ApiError, or None when the client hung up first (the request is
+    then cancelled rather than generated for nobody)."""
+    collecting = asyncio.ensure_future(answer.collect())
+    gone = asyncio.ensure_future(_disconnected(receive))
+    answered = False
+    try:
+        finished, _ = await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+        answered = collecting in finished
+    finally:
+        gone.cancel()
+        if not answered:
+            answer.status = "499"  # nginx's "client closed request", for the metrics
+            collecting.cancel()
+            answer.close()
+    if not answered:
+        return None
+    try:
+        return collecting.result()
+    except ApiError as exc:
+        return exc
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns when the client disconnects (the body is read: nothing else can arrive)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,209 @@
+"""One choice of a request, streamed from decode workers: tokens to text, and migration.
+
+A choice keeps its state — tokens generated so far, the detokenizer, the stop strings — outside
+any one worker call, so when its worker fails it can move:
+
+- before the first token: the same request goes to another worker (a retry);
+- after it (the worker died, its stream broke, it aborted the request while draining): the
+  prompt *plus every token already generated* goes to another worker, with `resumed_tokens`
+  saying how many of those were generated, `max_tokens` and `min_tokens` reduced by them, and
+  the same seed and stop strings (a migration). Engines continue the sequence where it broke:
+  the mocker's tokens are a function of prompt, sampling and position; vLLM's greedy decoding
+  is a function of the context. The client sees one stream, no token twice, none missing, and
+  usage counts each token once.
+
+At most `max_attempts` retries before the first token and `migration_limit` migrations after
+it; each failed worker is reported to `on_worker_failed` so routing avoids it at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from gen.kvmesh.v1 import common_pb2, processor_pb2, worker_pb2, worker_pb2_grpc
+from services.mesh.channels import ChannelPool
+from services.mesh.router_client import RouteChoice
+from services.processor.detokenizer import IncrementalDetokenizer, StopStrings
+from services.processor.tokenizer import ModelTokenizer
+
+log = logging.getLogger(__name__)
+
+# Worker failures that say "this worker cannot go on", not "this request is wrong".
+WORKER_FAILED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
+                           grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED})
+
+
+class ChoiceFailure(Exception):
+    """The choice cannot be completed; carries the status the processor answers with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class _WorkerLost(Exception):
+    """The worker stopped serving this choice (failed call or an aborted request)."""
+
+
+@dataclass(slots=True)
+class Started:
+    """The choice's first token is on its way: where it runs."""
+
+    worker_id: str
+    prefill: common_pb2.PrefillLocation
+
+
+@dataclass(slots=True)
+class Finished:
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class ChoiceLimits:
+    request_timeout_s: float
+    max_attempts: int
+    migration_limit: int
+
+
+Router = Callable[[str, list[int], list[str]], Awaitable[RouteChoice]]
+
+
+@dataclass
+class ChoiceStream:
+    rid: str
+    index: int
+    prompt: list[int]
+    sampling: common_pb2.SamplingParams
+    stops: Sequence[str]
+    tokenizer: ModelTokenizer
+    channels: ChannelPool
+    limits: ChoiceLimits
+    route: Router
+    on_worker_failed: Callable[[str], None]
+    on_migration: Callable[[], None]
+    generated: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    tried: list[str] = field(default_factory=list)
+    # One deadline for the whole choice, however often it moves.
+    deadline: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.deadline = time.monotonic() + self.limits.request_timeout_s
+
+    async def run(self, first_route: RouteChoice) -> AsyncIterator[object]:
+        detok = IncrementalDetokenizer(self.tokenizer.decode)
+        stopper = StopStrings(list(self.stops))
+        route: RouteChoice | None = first_route
+        retries = migrations = 0
+        announced = False
+        while True:
+            if route is None:
+                route = await self.route(self.rid, self.prompt + self.generated, self.tried)
+            self.tried.append(route.worker_id)
+            try:
+                async for item in self._from_worker(route, detok, stopper):
+                    if isinstance(item, Started):
+                        if announced:
+                            continue
+                        announced = True
+                    yield item
+                yield Finished(len(self.generated), self.cached_tokens)
+                return
+            except _WorkerLost as exc:
+                self.on_worker_failed(route.worker_id)
+                if not announced:
+                    retries += 1
+                    if retries >= self.limits.max_attempts:
+                        raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE,
+                                            f"no worker could serve the request after {retries} attempts: {exc}") from exc
+                    log.warning("request %s: worker %s failed before its first token (%s); trying another",
+                                self.rid, route.worker_id, exc)
+                else:
+                    migrations += 1
+                    if migrations > self.limits.migration_limit:
+                        raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE,
+                                            f"worker {route.worker_id} failed mid-stream ({exc}) and the request "
+                                            f"was already moved {migrations - 1} times") from exc
+                    self.on_migration()
+                    log.warning("request %s: worker %s failed after %d tokens (%s); moving it to another worker",
+                                self.rid, route.worker_id, len(self.generated), exc)
+                route = None
+
+    def _request(self, route: RouteChoice) -> worker_pb2.WorkerGenerateRequest:
+        sampling = common_pb2.SamplingParams()
+        sampling.CopyFrom(self.sampling)
+        done = len(self.generated)
+        if done:
+            sampling.max_tokens = self.sampling.max_tokens - done
+            sampling.min_tokens = max(0, self.sampling.min_tokens - done)
+        # A moved request gets a fresh engine id: the old worker may still hold the old one.
+        rid = self.rid if len(self.tried) == 1 else f"{self.rid}~{len(self.tried) - 1}"
+        return worker_pb2.WorkerGenerateRequest(request_id=rid, token_ids=self.prompt + self.generated,
+                                                sampling=sampling, prefix_hit_rate=route.prefix_hit_rate,
+                                                resumed_tokens=done)
+
+    async def _from_worker(self, route: RouteChoice, detok: IncrementalDetokenizer,
+                           stopper: StopStrings) -> AsyncIterator[object]:
+        stub = worker_pb2_grpc.WorkerStub(self.channels.get(route.address))
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise ChoiceFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"the request took longer than {self.limits.request_timeout_s:.0f}s")
+        call = stub.Generate(self._request(route), timeout=remaining)
+        want_logprobs = self.sampling.HasField("logprobs")
+        first = True
+        try:
+            async for msg in call:
+                if msg.finish_reason == "abort":
+                    raise _WorkerLost(f"worker {route.worker_id} aborted the request")
+                if first:
+                    first = False
+                    if not self.generated:
+                        self.cached_tokens = msg.cached_tokens
+                    yield Started(route.worker_id, msg.prefill)
+                delta = self._delta(msg, detok, stopper, want_logprobs)
+                if delta is not None:
+                    yield delta
+                    if delta.finish_reason:
+                        return
+            raise _WorkerLost(f"worker {route.worker_id} ended the stream before the choice finished")
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ChoiceFailure(grpc.StatusCode.INVALID_ARGUMENT, exc.details() or "invalid request") from exc
+            if exc.code() not in WORKER_FAILED:
+                raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE,
+                                    f"worker {route.worker_id} failed: {exc.code().name} {exc.details()}") from exc
+            raise _WorkerLost(f"{exc.code().name} {exc.details()}") from exc
+        finally:
+            call.cancel()
+
+    def _delta(self, msg: worker_pb2.WorkerGenerateResponse, detok: IncrementalDetokenizer, stopper: StopStrings,
+               want_logprobs: bool) -> processor_pb2.ChoiceDelta | None:
+        """The client-facing delta of one worker message; None when it adds nothing to show."""
+        ids = list(msg.token_ids)
+        self.generated.extend(ids)
+        text = detok.push(ids) if ids else ""
+        if msg.finish_reason:
+            text += detok.flush()
+        out, stopped = stopper.push(text)
+        finish = "stop" if stopped else ""
+        if msg.finish_reason and not stopped:
+            out += stopper.flush()
+            finish = msg.finish_reason
+        delta = processor_pb2.ChoiceDelta(index=self.index, text=out, token_ids=ids, finish_reason=finish)
+        if want_logprobs:
+            delta.logprobs.extend(msg.logprobs)
+            for lp in delta.logprobs:
+                for top in lp.top:
+                    top.text = self.tokenizer.token_text(top.token_id)
+            delta.token_texts.extend(self.tokenizer.token_text(t) for t in ids)
+        if out or finish or want_logprobs:
+            return delta
+        return None

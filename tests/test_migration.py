@@ -1,0 +1,140 @@
+"""Nothing lost when a decode worker goes away mid-stream: the request moves to another worker
+and the client sees one uninterrupted stream, and a drained worker finishes what it started."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.procs import MODEL, Etcd, Proc, ServiceMesh, wait_until
+
+# 48 ms per decode step: a 120-token answer streams for about 6 s, long enough to act mid-stream.
+SLOW = ("--speedup", "0.25")
+MAX_TOKENS = 120
+
+
+@dataclass
+class Streamed:
+    worker: str = ""
+    text: list[str] = field(default_factory=list)
+    finish: str | None = None
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+def stream(mesh: ServiceMesh, prompt: str, on_chunk: Callable[[Streamed], None] = lambda s: None) -> Streamed:
+    """A streamed completion, read chunk by chunk; `on_chunk` is called after each text chunk."""
+    out = Streamed()
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", mesh.url("/v1/completions"), json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        out.worker = r.headers["x-kvmesh-worker"]
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                out.error = chunk["error"]["message"]
+                continue
+            if chunk.get("usage"):
+                out.completion_tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk["choices"]:
+                out.text.append(choice["text"])
+                out.finish = choice["finish_reason"] or out.finish
+                on_chunk(out)
+    return out
+
+
+def counter(text: str, name: str) -> float:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    raise AssertionError(f"{name} not exported")
+
+
+@pytest.fixture
+def mesh(etcd: Etcd, request: pytest.FixtureRequest) -> Iterator[ServiceMesh]:
+    flags = getattr(request, "param", ())
+    m = ServiceMesh(etcd.endpoint, processor_flags=flags)
+    yield m
+    m.stop()
+
+
+def two_workers(mesh: ServiceMesh, *extra: str) -> dict[str, Proc]:
+    procs = {}
+    for _ in range(2):
+        proc, (worker_id,) = mesh.worker(*SLOW, *extra)
+        procs[worker_id] = proc
+    assert wait_until(lambda: mesh.complete("warm up", 1).status_code == 200, 30)
+    return procs
+
+
+def act_after(chunks: int, action: Callable[[Streamed], None]) -> Callable[[Streamed], None]:
+    """Runs `action` once, after the stream has delivered `chunks` text chunks."""
+    fired = threading.Event()
+
+    def on_chunk(s: Streamed) -> None:
+        if len(s.text) >= chunks and not fired.is_set():
+            fired.set()
+            action(s)
+
+    return on_chunk
+
+
+def test_a_worker_killed_mid_stream_is_invisible_to_the_client(mesh: ServiceMesh) -> None:
+    workers = two_workers(mesh)
+    broken = stream(mesh, "migrate me please", act_after(10, lambda s: workers[s.worker].kill()))
+    assert broken.error is None
+    assert broken.finish == "length"
+    assert broken.completion_tokens == MAX_TOKENS
+    assert counter(mesh.metrics("processor"), "kvmesh_processor_migrations_total") == 1
+    # The same request, served start to finish by the surviving worker, gives the same text:
+    # no token repeated, none missing.
+    unbroken = stream(mesh, "migrate me please")
+    assert unbroken.worker != broken.worker
+    assert "".join(broken.text) == "".join(unbroken.text)
+
+
+@pytest.mark.parametrize("mesh", [("--migration-limit", "0")], indirect=True)
+def test_with_migration_off_a_mid_stream_failure_ends_the_stream_with_an_error(mesh: ServiceMesh) -> None:
+    workers = two_workers(mesh)
+    broken = stream(mesh, "do not migrate me", act_after(10, lambda s: workers[s.worker].kill()))
+    assert broken.error is not None and "failed mid-stream" in broken.error
+    assert counter(mesh.metrics("processor"), "kvmesh_processor_migrations_total") == 0
+
+
+def test_a_drained_worker_finishes_its_stream_then_exits_0(mesh: ServiceMesh) -> None:
+    workers = two_workers(mesh, "--drain-timeout", "60")
+    sent = threading.Event()
+
+    def drain(s: Streamed) -> None:
+        workers[s.worker].popen.send_signal(signal.SIGTERM)
+        sent.set()
+
+    drained = stream(mesh, "finish me where I started", act_after(10, drain))
+    assert sent.is_set()
+    assert drained.error is None and drained.completion_tokens == MAX_TOKENS
+    assert counter(mesh.metrics("processor"), "kvmesh_processor_migrations_total") == 0
+    assert workers[drained.worker].popen.wait(30) == 0
+    # New work goes to the worker that stayed.
+    survivor = next(w for w in workers if w != drained.worker)
+    assert mesh.complete("after the drain", 2).headers["x-kvmesh-worker"] == survivor
+
+
+def test_a_drain_deadline_moves_what_is_still_running(mesh: ServiceMesh) -> None:
+    workers = two_workers(mesh, "--drain-timeout", "1")
+    moved = stream(mesh, "move me at the deadline",
+                   act_after(5, lambda s: workers[s.worker].popen.send_signal(signal.SIGTERM)))
+    assert moved.error is None and moved.completion_tokens == MAX_TOKENS
+    assert counter(mesh.metrics("processor"), "kvmesh_processor_migrations_total") == 1
+    assert workers[moved.worker].popen.wait(30) == 0
+    assert "".join(moved.text) == "".join(stream(mesh, "move me at the deadline").text)
