@@ -6,7 +6,7 @@ VPY   := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTO_FILES := $(wildcard protos/kvmesh/v1/*.proto)
 
-.PHONY: install run test protos bench lint clean
+.PHONY: install run test protos bench chaos lint clean
 
 install: $(STAMP)
 
@@ -27,6 +27,10 @@ protos: install
 
 bench: install
 	$(VPY) -m bench $(ARGS)
+
+# Streaming load on a disaggregated mocker mesh while its processes are killed (bench/chaos.py).
+chaos: install
+	$(VPY) -m bench.chaos $(ARGS)
 
 lint: install
 	$(VPY) -m ruff check services tests bench

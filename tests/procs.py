@@ -197,18 +197,22 @@ def registered(etcd: str, namespace: str, component: str) -> list[InstanceInfo]:
 class ServiceMesh:
     """Router, processor and frontend as separate processes; workers are added by the tests."""
 
-    def __init__(self, etcd: str, router_mode: str = "kv", processor_flags: Sequence[str] = ()) -> None:
+    def __init__(self, etcd: str, router_mode: str = "kv", processor_flags: Sequence[str] = (),
+                 processors: int = 1) -> None:
         self.etcd = etcd
         self.namespace = f"mesh-{uuid.uuid4().hex[:8]}"
         self.port = free_port()
         common = ["--etcd-endpoints", etcd, "--namespace", self.namespace]
+        self.processors = [service("services.processor", *common, *processor_flags, name=f"processor-{i}")
+                           for i in range(processors)]
         self.procs = [
             service("services.kv_router", *common, "--router-mode", router_mode, name="router"),
-            service("services.processor", *common, *processor_flags, name="processor"),
+            *self.processors,
             service("services.frontend", *common, "--http-port", str(self.port), name="frontend"),
         ]
-        self.procs[2].wait_for("listening on", 60)
-        self.procs[1].wait_for(r"processor \w+ for", 60)
+        self.procs[-1].wait_for("listening on", 60)
+        for processor in self.processors:
+            processor.wait_for(r"processor \w+ for", 60)
 
     def worker(self, *extra: str) -> tuple[Proc, list[str]]:
         """A mocker decode worker process joining this mesh; returns it and its instance ids."""

@@ -8,18 +8,19 @@ counts the request.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
-import grpc
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gen.kvmesh.v1 import processor_pb2
 from services.frontend.endpoints import CHAT, Kind
-from services.frontend.errors import ApiError, from_grpc
+from services.frontend.errors import ApiError
 from services.frontend.inflight import Lease
 from services.frontend.metrics import FrontendMetrics
+from services.frontend.processor_stream import ProcessorStream
 from services.frontend.responses import (
     SSE_DONE,
     ChoiceAccumulator,
@@ -30,39 +31,25 @@ from services.frontend.responses import (
 )
 from services.mesh.streams import merge
 
-
-async def first_route(calls: list[grpc.aio.UnaryStreamCall]) -> processor_pb2.RouteInfo:
-    """Each processor stream opens with its RouteInfo; errors before it become HTTP errors."""
-    first: processor_pb2.RouteInfo | None = None
-    for call in calls:
-        try:
-            msg = await call.read()
-        except grpc.aio.AioRpcError as exc:
-            raise from_grpc(exc) from None
-        if msg is grpc.aio.EOF or msg.WhichOneof("kind") != "route":
-            raise ApiError(503, "the processor closed the stream before routing", code="unavailable")
-        first = first or msg.route
-    assert first is not None
-    return first
+log = logging.getLogger(__name__)
 
 
-async def _messages(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[processor_pb2.GenerateResponse]:
-    while True:
-        msg = await call.read()
-        if msg is grpc.aio.EOF:
-            return
-        yield msg
+async def first_route(streams: list[ProcessorStream]) -> processor_pb2.RouteInfo:
+    """Opens every prompt's stream; the first one's routing answers for the request's headers.
+    Failures before routing are HTTP errors."""
+    routes = [await stream.open() for stream in streams]
+    return routes[0]
 
 
 class Answer:
     """The rest of a request after routing: deltas to SSE chunks or one JSON body."""
 
     def __init__(self, metrics: FrontendMetrics, kind: Kind, req, rid: str,
-                 calls: list[grpc.aio.UnaryStreamCall], started: float, lease: Lease) -> None:
+                 streams: list[ProcessorStream], started: float, lease: Lease) -> None:
         self.metrics = metrics
         self.kind = kind
         self.req = req
-        self.calls = calls
+        self.streams = streams
         self.started = started
         self.lease = lease
         self.id = kind.id_prefix + rid
@@ -76,8 +63,8 @@ class Answer:
         if self._closed:
             return
         self._closed = True
-        for call in self.calls:
-            call.cancel()
+        for stream in self.streams:
+            stream.cancel()
         self.lease.release()
         metrics = self.metrics
         metrics.duration.observe(time.perf_counter() - self.started)
@@ -87,9 +74,12 @@ class Answer:
         metrics = self.metrics
         last = None
         try:
-            async for msg in merge([_messages(c) for c in self.calls]):
+            async for msg in merge([s.messages() for s in self.streams]):
                 which = msg.WhichOneof("kind")
                 if which == "delta":
+                    d = msg.delta
+                    if not (d.text or d.finish_reason or d.logprobs):
+                        continue  # tokens still forming a character: nothing to show yet
                     now = time.perf_counter()
                     if last is None:
                         metrics.ttft.observe(now - self.started)
@@ -102,10 +92,10 @@ class Answer:
                     u.prompt_tokens += msg.usage.prompt_tokens
                     u.completion_tokens += msg.usage.completion_tokens
                     u.cached_tokens += msg.usage.cached_tokens
-        except grpc.aio.AioRpcError as exc:
-            error = from_grpc(exc)
+        except ApiError as error:
             self.status = str(error.status)
-            raise error from None
+            log.warning("request %s: %d mid-stream: %s", self.id, error.status, error.message)
+            raise
         finally:
             self.close()
 

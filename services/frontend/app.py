@@ -7,7 +7,6 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import grpc
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -22,9 +21,11 @@ from services.frontend.errors import ApiError
 from services.frontend.inflight import InflightLimit, Lease
 from services.frontend.mesh import MeshView
 from services.frontend.metrics import FrontendMetrics
+from services.frontend.processor_stream import ProcessorStream
 from services.frontend.responses import prefill_header
 from services.frontend.schemas import ChatCompletionRequest, CompletionRequest, parse
 from services.mesh.flags import ConfigError
+from services.mesh.recent_failures import RecentFailures
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ class _Gateway:
         self.mesh = mesh
         self.metrics = metrics
         self.inflight = InflightLimit(config.max_inflight, metrics.inflight)
+        # Processors seen failing, kept out of the gateway's choices until they are surely gone.
+        self.failed_processors = RecentFailures()
 
     async def handle(self, request: Request, kind: Kind) -> Response:
         """One API request: checked, admitted against the in-flight limit, routed, then answered.
@@ -111,7 +114,7 @@ class _Gateway:
         # send the same one, and engines need unique ids).
         rid = uuid.uuid4().hex
         headers = {"x-request-id": request.headers.get("x-request-id") or rid}
-        calls: list[grpc.aio.UnaryStreamCall] = []
+        streams: list[ProcessorStream] = []
         lease: Lease | None = None
         try:
             check_api_key(request.headers.get("authorization"), self.config.api_key)
@@ -120,15 +123,13 @@ class _Gateway:
                 raise ApiError(404, f"the model {req.model[:200]!r} does not exist", param="model",
                                code="model_not_found")
             lease = self.inflight.acquire(req.streams())
-            stub = self.mesh.processor_for(req.model)
-            if stub is None:
-                raise ApiError(503, f"no processor serves {req.model!r} right now", code="unavailable")
-            calls = [stub.Generate(msg, timeout=self.config.request_timeout_s) for msg in processor_requests(rid, req)]
-            route = await first_route(calls)
+            streams = [ProcessorStream(self.mesh, msg, self.config.request_timeout_s, self.failed_processors)
+                       for msg in processor_requests(rid, req)]
+            route = await first_route(streams)
         except BaseException as exc:
             # Nothing was handed to a stream yet: this is the only place to let go.
-            for call in calls:
-                call.cancel()
+            for stream in streams:
+                stream.cancel()
             if lease is not None:
                 lease.release()
             if not isinstance(exc, ApiError):
@@ -139,7 +140,7 @@ class _Gateway:
         log.info("request %s: %s %d prompt tokens x %d streams -> worker %s (%s prefill)%s", rid, kind.endpoint,
                  route.prompt_tokens, req.streams(), route.worker_id, headers["x-kvmesh-prefill"],
                  f" client id {headers['x-request-id'][:64]!r}" if headers["x-request-id"] != rid else "")
-        answer = Answer(self.metrics, kind, req, rid, calls, started, lease)
+        answer = Answer(self.metrics, kind, req, rid, streams, started, lease)
         if req.stream:
             return SseResponse(answer.sse(), answer.close, media_type="text/event-stream", headers=headers)
         body = await collect_unless_gone(answer, request.receive)

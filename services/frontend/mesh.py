@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -28,13 +29,16 @@ class MeshView:
         return any(i.model == model for i in self.decoders.instances.values()) or any(
             p.model == model for p in self.processors.instances.values())
 
-    def processor_for(self, model: str) -> processor_pb2_grpc.ProcessorStub | None:
+    def processor_for(self, model: str,
+                      exclude: Sequence[str] = ()) -> tuple[str, processor_pb2_grpc.ProcessorStub] | None:
+        """The next processor of `model` in turn, skipping `exclude`: its id and a stub."""
         candidates: list[InstanceInfo] = sorted(
-            (p for p in self.processors.instances.values() if p.model == model), key=lambda p: p.instance_id)
+            (p for p in self.processors.instances.values() if p.model == model and p.instance_id not in exclude),
+            key=lambda p: p.instance_id)
         if not candidates:
             return None
         chosen = candidates[next(self._turn) % len(candidates)]
-        return processor_pb2_grpc.ProcessorStub(self.channels.get(chosen.address))
+        return chosen.instance_id, processor_pb2_grpc.ProcessorStub(self.channels.get(chosen.address))
 
     def health(self) -> tuple[bool, str]:
         if not self.routers.instances:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -55,3 +55,19 @@ async def start_server(
         await health_servicer.set(binding.full_name, health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return server, bound, health_servicer
+
+
+# Trailing metadata on an error a service chose to return ("this request is bad", "no worker
+# can take it"), as opposed to one from a process that died or a connection that broke: a
+# caller must not try the same request on another instance.
+FINAL_ERROR_KEY = "kvmesh-final-error"
+
+
+async def abort_final(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
+    """Ends the call with an error the caller must take as the answer (see FINAL_ERROR_KEY)."""
+    await context.abort(code, details, trailing_metadata=((FINAL_ERROR_KEY, "1"),))
+    raise AssertionError("abort raises")
+
+
+def is_final(exc: grpc.aio.AioRpcError) -> bool:
+    return any(key == FINAL_ERROR_KEY for key, _ in (exc.trailing_metadata() or ()))

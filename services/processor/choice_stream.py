@@ -97,9 +97,23 @@ class ChoiceStream:
     def __post_init__(self) -> None:
         self.deadline = time.monotonic() + self.limits.request_timeout_s
 
-    async def run(self, first_route: RouteChoice) -> AsyncIterator[object]:
+    async def run(self, first_route: RouteChoice, resumed: Sequence[int] = ()) -> AsyncIterator[object]:
+        """The choice's items: `Started` once, its deltas, then `Finished`.
+
+        `resumed`: tokens the client already received from a processor that failed. They go
+        through the detokenizer and stop strings unseen (that text was sent already), then the
+        choice continues after them as after a migration."""
         detok = IncrementalDetokenizer(self.tokenizer.decode)
         stopper = StopStrings(list(self.stops))
+        if resumed:
+            self.generated = list(resumed)
+            stopper.push(detok.push(list(resumed)))
+            if len(self.generated) >= self.sampling.max_tokens:
+                # Every token was out already; only the last delta never arrived.
+                tail, _ = stopper.push(detok.flush())
+                yield processor_pb2.ChoiceDelta(index=self.index, text=tail + stopper.flush(), finish_reason="length")
+                yield Finished(len(self.generated), 0)
+                return
         route: RouteChoice | None = first_route
         retries = migrations = 0
         announced = False
@@ -186,7 +200,9 @@ class ChoiceStream:
 
     def _delta(self, msg: worker_pb2.WorkerGenerateResponse, detok: IncrementalDetokenizer, stopper: StopStrings,
                want_logprobs: bool) -> processor_pb2.ChoiceDelta | None:
-        """The client-facing delta of one worker message; None when it adds nothing to show."""
+        """The delta of one worker message; None when it carries nothing. A delta with tokens but
+        no text yet (a character split across tokens) still goes out: the gateway keeps every
+        token it was sent, to hand the stream to another processor should this one fail."""
         ids = list(msg.token_ids)
         self.generated.extend(ids)
         text = detok.push(ids) if ids else ""
@@ -204,6 +220,6 @@ class ChoiceStream:
                 for top in lp.top:
                     top.text = self.tokenizer.token_text(top.token_id)
             delta.token_texts.extend(self.tokenizer.token_text(t) for t in ids)
-        if out or finish or want_logprobs:
+        if ids or out or finish or want_logprobs:
             return delta
         return None

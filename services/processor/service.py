@@ -15,15 +15,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gen.kvmesh.v1 import common_pb2, processor_pb2, processor_pb2_grpc
 from services.mesh.channels import ChannelPool
 from services.mesh.flags import ConfigError
+from services.mesh.grpc_server import abort_final
+from services.mesh.recent_failures import RecentFailures
 from services.mesh.router_client import NoWorkerError, RouteChoice, RouterClient, RoutingError
 from services.mesh.streams import merge
 from services.processor.choice_stream import ChoiceFailure, ChoiceLimits, ChoiceStream, Finished, Started
-from services.processor.failed_workers import FailedWorkers
 from services.processor.tokenizer import LARGE_TEXT_CHARS, ChatTurn, ContextLengthError, ModelTokenizer, PromptError
 from services.processor.validation import check_request, context_error
 
@@ -58,6 +59,8 @@ class ProcessorMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.migrations = Counter("kvmesh_processor_migrations",
                                   "choices moved to another decode worker after their first token", registry=registry)
+        self.inflight = Gauge("kvmesh_processor_inflight_requests", "requests this processor is serving",
+                              registry=registry)
         self.worker_failures = Counter("kvmesh_processor_worker_failures",
                                        "decode worker calls that failed (before or after the first token)",
                                        registry=registry)
@@ -71,9 +74,10 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         self._routers = routers
         self._channels = channels
         self._metrics = metrics
-        self._failed = FailedWorkers()
+        self._failed = RecentFailures()
         self._limits = ChoiceLimits(config.request_timeout_s, config.max_attempts, config.migration_limit)
         self.inflight = 0
+        metrics.inflight.set_function(lambda: self.inflight)
 
     async def Generate(  # noqa: N802
         self, request: processor_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -87,11 +91,11 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         try:
             check_request(request, self._tok.max_model_len)
         except PromptError as exc:
-            await context.abort(_status_of(exc), _one_line(exc))
+            await abort_final(context, _status_of(exc), _one_line(exc))
         if request.model != self._config.served_model_name:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model[:200]!r} is not served here")
+            await abort_final(context, grpc.StatusCode.NOT_FOUND, f"model {request.model[:200]!r} is not served here")
         if self.inflight >= self._config.max_inflight:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "processor overloaded")
+            await abort_final(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "processor overloaded")
         # Counted from here: a large prompt's tokenizing (in a thread) is work in flight too.
         self.inflight += 1
         try:
@@ -99,12 +103,12 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
                 tokens = await self._tokenize(request)
                 sampling = self._checked_sampling(request.sampling, len(tokens))
             except PromptError as exc:
-                await context.abort(_status_of(exc), _one_line(exc))
+                await abort_final(context, _status_of(exc), _one_line(exc))
             async for msg in self._generate(rid, request, tokens, sampling):
                 yield msg
         except ChoiceFailure as exc:
             log.warning("request %s failed: %s", rid, exc.message)
-            await context.abort(exc.code, exc.message)
+            await abort_final(context, exc.code, exc.message)
         finally:
             self.inflight -= 1
 
@@ -173,11 +177,14 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
                         sampling: common_pb2.SamplingParams) -> AsyncIterator[processor_pb2.GenerateResponse]:
         route = await self._route(rid, tokens, [])
         n = max(request.n, 1)
+        # A takeover from a failed processor runs only the choices the client has not finished.
+        resumed = {r.index: list(r.token_ids) for r in request.resume}
         choices = [
             ChoiceStream(f"{rid}-{i}" if n > 1 else rid, request.choice_offset + i, tokens, _choice_sampling(sampling, i),
                          list(request.stop), self._tok, self._channels, self._limits, self._route, self._worker_failed,
-                         self._metrics.migrations.inc).run(route)
+                         self._metrics.migrations.inc).run(route, resumed.get(request.choice_offset + i, []))
             for i in range(n)
+            if not resumed or request.choice_offset + i in resumed
         ]
         completion_tokens = 0
         cached_tokens = 0

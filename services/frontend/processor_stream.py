@@ -1,0 +1,143 @@
+"""One prompt's stream of choices from a processor, carried over when that processor fails.
+
+The processor holds a stream's state (tokens so far, detokenizer, stop strings), so a processor
+that dies would take its streams with it. The gateway keeps what it needs to take a stream over
+instead:
+
+- before the first message (the route) arrives, a failure sends the same request to another
+  processor;
+- after it, the request goes to another processor with `resume`: for every choice not finished
+  yet, the token ids the client already received. The new processor runs only those choices,
+  continuing each after its tokens without sending their text again (decode workers continue a
+  sequence exactly), so the client sees one stream.
+
+"Failed" means the call broke (UNAVAILABLE, CANCELLED, UNKNOWN, INTERNAL) without the processor
+saying so itself: an error a processor chose to return (bad input, no worker for the model)
+carries the `FINAL_ERROR_KEY` trailer and is the answer. Failed processors are kept out of the
+gateway's choices for a while (RecentFailures), not only until their lease expires.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gen.kvmesh.v1 import processor_pb2
+from services.frontend.errors import ApiError, from_grpc
+from services.frontend.mesh import MeshView
+from services.mesh.grpc_server import is_final
+from services.mesh.recent_failures import RecentFailures
+
+log = logging.getLogger(__name__)
+
+PROCESSOR_FAILED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+                              grpc.StatusCode.INTERNAL})
+# Processors tried per stream, counting the first; each failure excludes the one that failed.
+MAX_PROCESSORS_PER_STREAM = 4
+
+
+class ProcessorStream:
+    def __init__(self, mesh: MeshView, request: processor_pb2.GenerateRequest, timeout_s: float,
+                 failures: RecentFailures) -> None:
+        self._mesh = mesh
+        self._request = request
+        self._deadline = time.monotonic() + timeout_s
+        self._timeout_s = timeout_s
+        self._failures = failures
+        self._tried: list[str] = []
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._processor = ""
+        first, n = request.choice_offset, max(request.n, 1)
+        # Per choice the client sees: token ids delivered so far, and whether it finished.
+        self._tokens: dict[int, list[int]] = {i: [] for i in range(first, first + n)}
+        self._finished: set[int] = set()
+        self.took_over = False
+
+    def cancel(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+
+    async def open(self) -> processor_pb2.RouteInfo:
+        """Sends the request to a processor and returns its routing; ApiError when none can take it."""
+        return await self._open(self._request)
+
+    async def messages(self) -> AsyncIterator[processor_pb2.GenerateResponse]:
+        """Deltas and the usage after `open`, across as many processors as it takes."""
+        while True:
+            assert self._call is not None
+            try:
+                async for msg in self._read(self._call):
+                    yield msg
+                return
+            except grpc.aio.AioRpcError as exc:
+                if not self._failed(exc) or len(self._tried) >= MAX_PROCESSORS_PER_STREAM:
+                    raise from_grpc(exc) from None
+                self._failures.add(self._processor)
+                log.warning("request %s: processor %s failed mid-stream (%s); taking the stream over elsewhere",
+                            self._request.request_id, self._processor, exc.code().name)
+                self.took_over = True
+                await self._open(self._takeover_request())
+
+    async def _read(self, call: grpc.aio.UnaryStreamCall) -> AsyncIterator[processor_pb2.GenerateResponse]:
+        while (msg := await call.read()) is not grpc.aio.EOF:
+            which = msg.WhichOneof("kind")
+            if which == "delta":
+                self._tokens[msg.delta.index].extend(msg.delta.token_ids)
+                if msg.delta.finish_reason:
+                    self._finished.add(msg.delta.index)
+                yield msg
+            elif which == "usage":
+                yield self._usage(msg) if self.took_over else msg
+
+    def _usage(self, msg: processor_pb2.GenerateResponse) -> processor_pb2.GenerateResponse:
+        """After a takeover the last processor counts only the choices it ran: count them all here."""
+        out = processor_pb2.GenerateResponse()
+        out.CopyFrom(msg)
+        out.usage.completion_tokens = sum(len(t) for t in self._tokens.values())
+        return out
+
+    def _takeover_request(self) -> processor_pb2.GenerateRequest:
+        request = processor_pb2.GenerateRequest()
+        request.CopyFrom(self._request)
+        # A fresh id: the failed processor's own calls may still be winding down under the old one.
+        request.request_id = f"{self._request.request_id}~{len(self._tried)}"
+        request.resume.extend(processor_pb2.ResumedChoice(index=i, token_ids=t)
+                              for i, t in self._tokens.items() if i not in self._finished)
+        return request
+
+    async def _open(self, request: processor_pb2.GenerateRequest) -> processor_pb2.RouteInfo:
+        last: grpc.aio.AioRpcError | None = None
+        while len(self._tried) < MAX_PROCESSORS_PER_STREAM:
+            chosen = self._mesh.processor_for(request.model, exclude=self._tried + self._failures.current())
+            if chosen is None:
+                break
+            self._processor, stub = chosen
+            self._tried.append(self._processor)
+            remaining = self._deadline - time.monotonic()
+            if remaining <= 0:
+                raise ApiError(503, f"the request took longer than {self._timeout_s:.0f}s", code="timeout")
+            self._call = stub.Generate(request, timeout=remaining)
+            try:
+                msg = await self._call.read()
+            except grpc.aio.AioRpcError as exc:
+                if not self._failed(exc):
+                    raise from_grpc(exc) from None
+                last = exc
+                self._failures.add(self._processor)
+                log.warning("request %s: processor %s failed before answering (%s); trying another",
+                            request.request_id, self._processor, exc.code().name)
+                continue
+            if msg is grpc.aio.EOF or msg.WhichOneof("kind") != "route":
+                raise ApiError(503, "the processor closed the stream before routing", code="unavailable")
+            return msg.route
+        if last is not None:
+            raise ApiError(503, f"no processor could take the request: {last.details() or last.code().name}",
+                           code="unavailable")
+        raise ApiError(503, f"no processor serves {request.model[:200]!r} right now", code="unavailable")
+
+    @staticmethod
+    def _failed(exc: grpc.aio.AioRpcError) -> bool:
+        return exc.code() in PROCESSOR_FAILED and not is_final(exc)

@@ -1,0 +1,42 @@
+"""Instances a client saw fail, kept out of its choices before their lease runs out.
+
+A SIGKILLed instance stays registered until its etcd lease expires (up to the lease TTL);
+without this list every request sent to it in the meantime would fail once first. An entry
+expires after `hold_s` (longer than a lease TTL): by then a dead instance has left the mesh, and
+one that only lost one stream is chosen again. A restarted instance registers under a new
+instance id, so it is never held back by its predecessor's entry. The processor keeps one for
+decode workers, the gateway one for processors.
+"""
+
+from __future__ import annotations
+
+import time
+
+# Longer than the lease TTL (10 s), so the entry outlives a dead instance's registration.
+HOLD_S = 15.0
+MAX_ENTRIES = 1024
+
+
+class RecentFailures:
+    def __init__(self, hold_s: float = HOLD_S, max_entries: int = MAX_ENTRIES) -> None:
+        self._hold_s = hold_s
+        self._max_entries = max_entries
+        self._until: dict[str, float] = {}
+
+    def add(self, instance_id: str) -> None:
+        now = time.monotonic()
+        self._prune(now)
+        if len(self._until) >= self._max_entries:
+            self._until.pop(next(iter(self._until)))
+        self._until[instance_id] = now + self._hold_s
+
+    def current(self) -> list[str]:
+        """The instances to keep out of choices right now."""
+        if not self._until:
+            return []
+        self._prune(time.monotonic())
+        return list(self._until)
+
+    def _prune(self, now: float) -> None:
+        for instance_id in [i for i, until in self._until.items() if until <= now]:
+            del self._until[instance_id]
