@@ -31,28 +31,18 @@ def test_the_mesh_serves_through_an_etcd_outage_and_re_registers_after_it(own_et
     try:
         mesh.worker()
         assert wait_until(lambda: mesh.complete("before", 2).status_code == 200, 30)
-        before = {c: {i.instance_id for i in registered(own_etcd.endpoint, mesh.namespace, c)} for c in COMPONENTS}
+        before = members(mesh)
         assert all(before.values()), before
 
         own_etcd.halt()
-        end = time.monotonic() + OUTAGE_S
-        during = []
-        while time.monotonic() < end:
-            during.append(mesh.complete("during", 2).status_code)
-            time.sleep(0.5)
+        during = statuses(mesh, "during", OUTAGE_S, 0.5)
         assert set(during) == {200}, during
 
         own_etcd.resume()
-        after = []
-        end = time.monotonic() + 15
-        while time.monotonic() < end:
-            after.append(mesh.complete("after", 2).status_code)
-            time.sleep(0.25)
+        after = statuses(mesh, "after", 15, 0.25)
         assert set(after) == {200}, after
         # Every instance is registered again, under the id it had: nothing restarted.
-        assert wait_until(lambda: all(
-            {i.instance_id for i in registered(own_etcd.endpoint, mesh.namespace, c)} == before[c]
-            for c in COMPONENTS), 30)
+        assert wait_until(lambda: members(mesh) == before, 30)
         assert all(p.popen.poll() is None for p in mesh.procs)
     finally:
         mesh.stop()
@@ -65,20 +55,29 @@ def test_every_lease_lost_at_once_turns_no_request_away(own_etcd: Etcd) -> None:
     try:
         mesh.worker()
         assert wait_until(lambda: mesh.complete("before", 2).status_code == 200, 30)
-        before = {c: {i.instance_id for i in registered(own_etcd.endpoint, mesh.namespace, c)} for c in COMPONENTS}
+        before = members(mesh)
         revoked = revoke_every_lease(own_etcd.endpoint)
         assert revoked >= len(COMPONENTS)
-        statuses = []
-        end = time.monotonic() + 8
-        while time.monotonic() < end:
-            statuses.append(mesh.complete("meanwhile", 2).status_code)
-            time.sleep(0.2)
-        assert set(statuses) == {200}, statuses
-        assert wait_until(lambda: all(
-            {i.instance_id for i in registered(own_etcd.endpoint, mesh.namespace, c)} == before[c]
-            for c in COMPONENTS), 15)
+        meanwhile = statuses(mesh, "meanwhile", 8, 0.2)
+        assert set(meanwhile) == {200}, meanwhile
+        assert wait_until(lambda: members(mesh) == before, 15)
     finally:
         mesh.stop()
+
+
+def members(mesh: ServiceMesh) -> dict[str, set[str]]:
+    """The instance ids registered now, per component."""
+    return {c: {i.instance_id for i in registered(mesh.etcd, mesh.namespace, c)} for c in COMPONENTS}
+
+
+def statuses(mesh: ServiceMesh, prompt: str, seconds: float, every_s: float) -> list[int]:
+    """The status of a small completion sent every `every_s` for `seconds`."""
+    out = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        out.append(mesh.complete(prompt, 2).status_code)
+        time.sleep(every_s)
+    return out
 
 
 def revoke_every_lease(endpoint: str) -> int:

@@ -51,6 +51,11 @@ def test_a_child_dying_at_start_up_fails_the_launch_with_its_reason(tmp_path: Pa
     out = launcher.tail(200)
     assert "exited with code 2 during start-up" in out
     assert "no config.json" in out
+    # Nothing it started is left running: the start-up failure tore everything down.
+    pids = [int(line.split("pid=")[1]) for line in launcher.lines if line.startswith("CHILD ")]
+    assert "etcd" in {line.split()[1] for line in launcher.lines if line.startswith("CHILD ")}
+    assert all(not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+               for pid in pids)
 
 
 def test_launch_starts_embedded_etcd_and_stops_every_child_on_sigterm() -> None:

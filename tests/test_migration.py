@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.procs import MODEL, Etcd, Proc, ServiceMesh, wait_until
+from tests.procs import MODEL, Etcd, Proc, ServiceMesh, registered, wait_until
 
 # 48 ms per decode step: a 120-token answer streams for about 6 s, long enough to act mid-stream.
 SLOW = ("--speedup", "0.25")
@@ -138,3 +138,39 @@ def test_a_drain_deadline_moves_what_is_still_running(mesh: ServiceMesh) -> None
     assert counter(mesh.metrics("processor"), "kvmesh_processor_migrations_total") == 1
     assert workers[moved.worker].popen.wait(30) == 0
     assert "".join(moved.text) == "".join(stream(mesh, "move me at the deadline").text)
+
+
+def test_a_rolling_restart_of_every_decode_worker_under_load_loses_nothing(mesh: ServiceMesh) -> None:
+    old = two_workers(mesh, "--drain-timeout", "5")
+    results: list[tuple[str, Streamed]] = []
+    stop = threading.Event()
+
+    def load(client: int) -> None:
+        for i in range(200):
+            if stop.is_set():
+                return
+            prompt = f"rolling {client}-{i % 3}"
+            results.append((prompt, stream(mesh, prompt)))
+
+    clients = [threading.Thread(target=load, args=(c,)) for c in range(3)]
+    for c in clients:
+        c.start()
+    try:
+        for worker_id, proc in old.items():
+            mesh.worker(*SLOW, "--drain-timeout", "5")
+            proc.popen.send_signal(signal.SIGTERM)
+            assert proc.popen.wait(60) == 0, proc.tail()
+            assert wait_until(lambda w=worker_id: w not in {i.instance_id for i in registered(
+                mesh.etcd, mesh.namespace, "decode-worker")}, 15)
+    finally:
+        stop.set()
+        for c in clients:
+            c.join(120)
+    assert len(results) >= 6
+    assert [s.error for _, s in results if s.error] == []
+    assert all(s.completion_tokens == MAX_TOKENS and s.finish == "length" for _, s in results)
+    # A prompt answered several times, by whichever workers, got the same text every time.
+    texts: dict[str, set[str]] = {}
+    for prompt, s in results:
+        texts.setdefault(prompt, set()).add("".join(s.text))
+    assert all(len(t) == 1 for t in texts.values()), texts

@@ -105,6 +105,24 @@ async def test_output_is_a_pure_function_of_prompt_params_and_position() -> None
         await b.stop()
 
 
+async def test_a_request_resumed_on_another_worker_continues_exactly() -> None:
+    a, b = engine(), engine()
+    await a.start()
+    await b.start()
+    try:
+        prompt = list(range(20, 60))
+        whole, _, _ = await run(a, "r1", prompt, 12, seed=3)
+        # Worker a died after 5 tokens: b gets the prompt plus those 5, and 7 more to make.
+        rest: list[int] = []
+        request = EngineRequest("r1~1", prompt + whole[:5], Sampling(max_tokens=7, seed=3), resumed_tokens=5)
+        async for o in b.generate(request):
+            rest += o.token_ids
+        assert whole[:5] + rest == whole
+    finally:
+        await a.stop()
+        await b.stop()
+
+
 async def test_second_request_with_the_same_prefix_hits_the_cache() -> None:
     e = engine()
     await e.start()

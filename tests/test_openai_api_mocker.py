@@ -194,3 +194,11 @@ def test_health_is_ok_when_router_and_worker_serve(mocker_mesh: Mesh) -> None:
     r = httpx.get(mocker_mesh.base_url.removesuffix("/v1") + "/health", timeout=10)
     assert r.status_code == 200
     assert r.json() == {"status": "ok", "reason": "serving kvmesh-demo"}
+
+
+def test_a_request_without_max_tokens_is_bounded_by_the_default(mocker_client: openai.OpenAI) -> None:
+    # The demo model's context (4096) would allow ~4090 tokens; an unbounded request gets 2048.
+    reply = mocker_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "go on"}],
+                                                  extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 2048
+    assert reply.choices[0].finish_reason == "length"

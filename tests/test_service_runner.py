@@ -137,3 +137,15 @@ async def test_sigterm_stops_the_service_with_status_0() -> None:
 
     assert await asyncio.wait_for(ServiceRunner("t").serve(assemble), 5) == 0
     assert done == ["store"]
+
+
+async def test_watched_tasks_ended_by_a_failed_start_up_keep_its_exit_status() -> None:
+    done, step = recorder()
+
+    async def assemble(runner: ServiceRunner) -> None:
+        runner.watch(asyncio.create_task(asyncio.Event().wait()), "a background loop")
+        runner.on_teardown("store", step("store"))
+        die("etcd unreachable", code=3)
+
+    assert await ServiceRunner("t").serve(assemble) == 3
+    assert done == ["store"]

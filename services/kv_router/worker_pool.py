@@ -142,6 +142,8 @@ class WorkerPool:
                     state.observe_load(load)
             except grpc.aio.AioRpcError as exc:
                 log.debug("metrics stream of %s broke: %s", instance_id, exc.code())
+            except Exception:  # noqa: BLE001 - a bug here must not silently freeze this worker's load
+                log.exception("following the load of %s failed; subscribing again", instance_id)
             await asyncio.sleep(RESUBSCRIBE_BACKOFF_S)
 
     async def _follow_events(self, instance_id: str) -> None:
@@ -161,6 +163,9 @@ class WorkerPool:
                         self._synced_changed.set()
             except grpc.aio.AioRpcError as exc:
                 log.debug("KV event stream of %s broke at id %d: %s", instance_id, state.last_event_id, exc.code())
+            except Exception:  # noqa: BLE001 - a bug here must not silently freeze this worker's blocks
+                log.exception("following the KV events of %s failed at id %d; subscribing again", instance_id,
+                              state.last_event_id)
             await asyncio.sleep(RESUBSCRIBE_BACKOFF_S)
 
     def _apply(self, worker: str, event: worker_pb2.KvEvent) -> None:

@@ -103,9 +103,12 @@ class ComponentView:
         for instance_id, info in list(self.instances.items()):
             listener(instance_id, info)
 
-    async def start(self, sync_timeout_s: float = 10.0) -> None:
+    async def start(self, sync_timeout_s: float = 10.0) -> asyncio.Task[None]:
+        """Lists and starts watching; returns the watch task (its owner watches it: it only ends
+        by a bug, and a view that silently stopped following etcd would route to the dead)."""
         self._task = asyncio.create_task(self._run(), name=f"watch-{self.component}")
         await asyncio.wait_for(self._synced.wait(), sync_timeout_s)
+        return self._task
 
     async def stop(self) -> None:
         for timer in self._leaving.values():

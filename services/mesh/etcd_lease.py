@@ -47,6 +47,11 @@ class LeasedRegistration:
         assert self._lease_id is not None
         return self._lease_id
 
+    @property
+    def keep_alive_task(self) -> asyncio.Task[None] | None:
+        """Runs for the registration's life; it ends only by a bug, which its owner must hear of."""
+        return self._task
+
     async def put(self, key: str, value: bytes) -> None:
         """Adds or replaces a key under the lease; it is re-put after a lease loss too."""
         self._keys[key] = value

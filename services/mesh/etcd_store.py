@@ -16,6 +16,13 @@ import aetcd
 import aetcd.exceptions
 
 CALL_TIMEOUT_S = 5
+# gRPC backs off up to two minutes between reconnects by default: after an etcd outage the mesh
+# would wait that long to register again. Retry within a second or two instead. (Not the
+# "min" backoff: gRPC also uses it as the connect timeout, and etcd answers slowly at start-up.)
+CHANNEL_OPTIONS = {
+    "grpc.initial_reconnect_backoff_ms": 250,
+    "grpc.max_reconnect_backoff_ms": 2000,
+}
 
 
 class StoreUnavailable(Exception):
@@ -54,19 +61,35 @@ def _host_port(endpoint: str) -> tuple[str, int]:
 
 
 class EtcdStore:
-    """`KeyValueStore` over aetcd. Tries the endpoints in order until one answers."""
+    """`KeyValueStore` over aetcd, failing over between the endpoints of a cluster.
+
+    It talks to one endpoint at a time. A call that fails marks that connection broken (and
+    raises StoreUnavailable, which callers retry); the next call connects to the next endpoint
+    that answers, round the list, so a dead cluster member costs one failed call.
+
+    aetcd speaks plaintext gRPC only: an `https://` endpoint is refused, never downgraded.
+    """
 
     def __init__(self, endpoints: tuple[str, ...], timeout_s: int = CALL_TIMEOUT_S) -> None:
         self._endpoints = endpoints
         self._timeout_s = timeout_s
         self._client: aetcd.Client | None = None
+        self._current = 0
+        self._broken = False
+        self._reconnecting = asyncio.Lock()
 
     async def connect(self) -> None:
         """Connects and proves etcd answers, or raises StoreUnavailable naming the endpoints."""
+        insecure = [e for e in self._endpoints if e.startswith("https://")]
+        if insecure:
+            raise StoreUnavailable(f"{insecure[0]}: TLS to etcd is not supported by this client; refusing to "
+                                   "speak plaintext to an https:// endpoint")
         errors = []
-        for endpoint in self._endpoints:
+        for step in range(len(self._endpoints)):
+            index = (self._current + step) % len(self._endpoints)
+            endpoint = self._endpoints[index]
             host, port = _host_port(endpoint)
-            client = aetcd.Client(host=host, port=port, timeout=self._timeout_s)
+            client = aetcd.Client(host=host, port=port, timeout=self._timeout_s, options=CHANNEL_OPTIONS)
             try:
                 await asyncio.wait_for(client.connect(), self._timeout_s)
                 await asyncio.wait_for(client.status(), self._timeout_s)
@@ -74,7 +97,9 @@ class EtcdStore:
                 errors.append(f"{endpoint}: {type(exc).__name__} {exc}".strip())
                 await client.close()
                 continue
-            self._client = client
+            old, self._client, self._current, self._broken = self._client, client, index, False
+            if old is not None:
+                await old.close()
             return
         raise StoreUnavailable("etcd unreachable at " + "; ".join(errors))
 
@@ -83,49 +108,58 @@ class EtcdStore:
             await self._client.close()
             self._client = None
 
-    @property
-    def client(self) -> aetcd.Client:
+    async def _ready(self) -> aetcd.Client:
+        """The connected client, after moving to the next endpoint if the last call failed."""
         if self._client is None:
             raise StoreUnavailable("etcd store used before connect()")
+        if self._broken and len(self._endpoints) > 1:
+            async with self._reconnecting:
+                if self._broken:
+                    self._current = (self._current + 1) % len(self._endpoints)
+                    await self.connect()
         return self._client
+
+    def _failed(self, exc: Exception) -> StoreUnavailable:
+        self._broken = True
+        return StoreUnavailable(str(exc) or type(exc).__name__)
 
     async def put(self, key: str, value: bytes, lease_id: int | None = None) -> None:
         try:
-            await self.client.put(key.encode(), value, lease=lease_id)
+            await (await self._ready()).put(key.encode(), value, lease=lease_id)
         except aetcd.exceptions.ClientError as exc:
-            raise StoreUnavailable(str(exc)) from exc
+            raise self._failed(exc) from exc
 
     async def delete(self, key: str) -> None:
         try:
-            await self.client.delete(key.encode())
+            await (await self._ready()).delete(key.encode())
         except aetcd.exceptions.ClientError as exc:
-            raise StoreUnavailable(str(exc)) from exc
+            raise self._failed(exc) from exc
 
     async def get(self, key: str) -> bytes | None:
         try:
-            result = await self.client.get(key.encode())
+            result = await (await self._ready()).get(key.encode())
         except aetcd.exceptions.ClientError as exc:
-            raise StoreUnavailable(str(exc)) from exc
+            raise self._failed(exc) from exc
         return None if result is None else result.value
 
     async def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         try:
-            result = await self.client.get_prefix(prefix.encode())
+            result = await (await self._ready()).get_prefix(prefix.encode())
         except aetcd.exceptions.ClientError as exc:
-            raise StoreUnavailable(str(exc)) from exc
+            raise self._failed(exc) from exc
         items = [KeyValue(kv.key.decode(), kv.value) for kv in result]
         return items, result.header.revision
 
     async def watch_prefix(self, prefix: str, start_revision: int) -> AsyncIterator[WatchEvent]:
         try:
-            watch = await self.client.watch_prefix(prefix.encode(), start_revision=start_revision)
+            watch = await (await self._ready()).watch_prefix(prefix.encode(), start_revision=start_revision)
         except aetcd.exceptions.ClientError as exc:
-            raise StoreUnavailable(str(exc)) from exc
+            raise self._failed(exc) from exc
         try:
             async for event in watch:
                 yield WatchEvent(event.kv.key.decode(), event.kv.value, event.kind == "DELETE")
         except aetcd.exceptions.ClientError as exc:
-            raise StoreUnavailable(str(exc)) from exc
+            raise self._failed(exc) from exc
         finally:
             try:
                 await asyncio.wait_for(watch.cancel(), self._timeout_s)
@@ -134,21 +168,21 @@ class EtcdStore:
 
     async def grant_lease(self, ttl_s: int) -> int:
         try:
-            lease = await self.client.lease(ttl_s)
+            lease = await (await self._ready()).lease(ttl_s)
         except aetcd.exceptions.ClientError as exc:
-            raise StoreUnavailable(str(exc)) from exc
+            raise self._failed(exc) from exc
         return int(lease.id)
 
     async def keepalive(self, lease_id: int) -> int:
         """Refreshes a lease; returns its new TTL, <= 0 when etcd no longer knows it."""
         try:
-            reply = await self.client.refresh_lease(lease_id)
+            reply = await (await self._ready()).refresh_lease(lease_id)
         except aetcd.exceptions.ClientError as exc:
-            raise StoreUnavailable(str(exc)) from exc
+            raise self._failed(exc) from exc
         return int(reply.TTL) if reply is not None else 0
 
     async def revoke_lease(self, lease_id: int) -> None:
         try:
-            await self.client.revoke_lease(lease_id)
+            await (await self._ready()).revoke_lease(lease_id)
         except aetcd.exceptions.ClientError as exc:
-            raise StoreUnavailable(str(exc)) from exc
+            raise self._failed(exc) from exc

@@ -62,6 +62,7 @@ class ServiceRunner:
         self.component = component
         self.mesh = mesh
         self.exit_code = 0
+        self._tearing_down = False
         self._steps: list[_Step] = []
         self._stop = asyncio.Event()
         self._store: KeyValueStore | None = None
@@ -81,7 +82,9 @@ class ServiceRunner:
 
     @property
     def stopping(self) -> bool:
-        return self._stop.is_set()
+        """A stop was asked for, or the teardown began (after a failure): watched tasks that end
+        now are being ended, not failing."""
+        return self._stop.is_set() or self._tearing_down
 
     def watch(self, task: asyncio.Task[Any], label: str) -> asyncio.Task[Any]:
         """A background task the service cannot live without: when it ends, the service stops
@@ -143,6 +146,7 @@ class ServiceRunner:
             raise _Exit(exc.code if isinstance(exc.code, int) else 1) from None
 
     async def _teardown(self) -> None:
+        self._tearing_down = True
         while self._steps:
             step = self._steps.pop()
             try:
@@ -200,17 +204,20 @@ class ServiceRunner:
             die(f"etcd registration failed: {exc}", code=EXIT_UNREACHABLE)
         async def deregister() -> None:
             await registration.stop(farewell={key: replace(info, leaving=True).to_json()})
-            if self.stopping:  # a drain: let peers see we are gone before servers stop
+            if self._stop.is_set():  # a drain: let peers see we are gone before servers stop
                 await asyncio.sleep(min(PROPAGATION_DELAY_S, self.drain_timeout_s))
 
         self.on_teardown(f"deregister {info.component} {info.instance_id}", deregister)
+        if registration.keep_alive_task is not None:
+            self.watch(registration.keep_alive_task, f"the lease keep-alive of {info.instance_id}")
         return registration
 
     async def watch_component(self, component: str) -> ComponentView:
         """A live view of one component's instances, stopped at teardown."""
         view = ComponentView(self.store, self._mesh().namespace, component)
-        await view.start()
+        watching = await view.start()
         self.on_teardown(f"stop {component} view", view.stop)
+        self.watch(watching, f"the {component} watch")
         return view
 
     @property

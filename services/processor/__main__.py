@@ -45,7 +45,8 @@ def main() -> None:
     model = model_ref(args)
     config = validated(lambda: ProcessorConfig(served_model_name=model.served_model_name,
                                                request_timeout_s=args.request_timeout,
-                                               migration_limit=args.migration_limit))
+                                               migration_limit=args.migration_limit,
+                                               default_max_tokens=args.default_max_tokens))
 
     async def assemble(runner: ServiceRunner) -> None:
         tokenizer = ModelTokenizer(model.model_dir)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.mesh.flags import non_negative_int, positive_float
+from services.mesh.flags import non_negative_int, positive_float, positive_int
 from services.processor.service import ProcessorConfig
 
 
@@ -15,4 +15,6 @@ def add_processor_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
                    help="seconds one generation may take, however often it moves between workers")
     g.add_argument("--migration-limit", type=non_negative_int, default=ProcessorConfig.migration_limit,
                    help="times a request may move to another decode worker after its first token (0 = off)")
+    g.add_argument("--default-max-tokens", type=positive_int, default=ProcessorConfig.default_max_tokens,
+                   help="max_tokens of a request that sets none (the context's room left, if less)")
     return g

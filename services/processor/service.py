@@ -43,12 +43,16 @@ class ProcessorConfig:
     # Moves of a choice to another worker after its first token (0 = a mid-stream failure fails it).
     migration_limit: int = 3
     max_inflight: int = 4096
+    # max_tokens of a request that sets none.
+    default_max_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
             raise ConfigError("--served-model-name is empty")
         if not self.request_timeout_s > 0:
             raise ConfigError(f"--request-timeout must be > 0, got {self.request_timeout_s}")
+        if self.default_max_tokens < 1:
+            raise ConfigError(f"--default-max-tokens must be >= 1, got {self.default_max_tokens}")
         if self.migration_limit < 0:
             raise ConfigError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.max_attempts < 1 or self.max_inflight < 1:
@@ -138,7 +142,9 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         return tokens
 
     def _checked_sampling(self, sampling: common_pb2.SamplingParams, prompt_len: int) -> common_pb2.SamplingParams:
-        """The sampling to run with: max_tokens filled to the room left, or refused when it does not fit."""
+        """The sampling to run with, or refused when it does not fit. A request that sets no
+        max_tokens gets `default_max_tokens` (or the room left, if less): a generation nobody
+        bounded must not pin a worker for minutes."""
         context = self._tok.max_model_len
         if prompt_len >= context:
             raise context_error(prompt_len, context)
@@ -146,7 +152,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         out.CopyFrom(sampling)
         room = context - prompt_len
         if not out.max_tokens:
-            out.max_tokens = room
+            out.max_tokens = min(room, self._config.default_max_tokens)
         elif out.max_tokens > room:
             raise ContextLengthError(
                 f"max_tokens ({out.max_tokens}) plus the prompt ({prompt_len} tokens) exceed this model's "

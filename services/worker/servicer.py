@@ -96,6 +96,12 @@ async def request_from_proto(request: worker_pb2.WorkerGenerateRequest,
     """The engine's request, or INVALID_ARGUMENT for one no engine could serve."""
     if not request.token_ids:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+    if request.sampling.max_tokens < 1:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be at least 1")
+    if request.sampling.min_tokens > request.sampling.max_tokens:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"min_tokens ({request.sampling.min_tokens}) exceeds max_tokens "
+                            f"({request.sampling.max_tokens})")
     if request.resumed_tokens >= len(request.token_ids):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                             f"resumed_tokens ({request.resumed_tokens}) must be fewer than the tokens sent "
