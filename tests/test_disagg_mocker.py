@@ -4,7 +4,9 @@ and no request lost when the prefill pool fails."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
+import socket
 import threading
 from collections.abc import Iterator
 
@@ -182,6 +184,20 @@ def test_a_prefill_worker_killed_mid_prefill_loses_no_request(slow_prefill_disag
     for prompt, first in zip([caught, *later], [reply, *results]):
         again = complete(mesh, prompt)
         assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+
+
+def test_a_client_that_hangs_up_mid_prefill_aborts_the_prefill(slow_prefill_disagg: ServiceMesh) -> None:
+    """The decode side's cancelled call cancels the Prefill call, which aborts the prefill engine's
+    request and frees its blocks (the prompt would take ~28 s on this slow prefill worker)."""
+    mesh = slow_prefill_disagg
+    (prefill,) = registered(mesh.etcd, mesh.namespace, PREFILL_WORKER)
+    body = json.dumps({"model": MODEL, "prompt": tokens(300, 2000), "max_tokens": 8, "stream": True}).encode()
+    # No response starts before the prefill is done, so the client is a bare socket it can drop.
+    with socket.create_connection(("127.0.0.1", mesh.port), timeout=10) as client:
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                       b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert wait_until(lambda: prefill_blocks_in_use(prefill.metrics_port) > 0, 60, 0.05)
+    assert wait_until(lambda: prefill_blocks_in_use(prefill.metrics_port) == 0, 10, 0.1)
 
 
 async def test_a_corrupted_transfer_is_detected() -> None:

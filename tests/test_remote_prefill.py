@@ -226,3 +226,23 @@ async def test_release_swallows_an_rpc_error() -> None:
         await s.prefiller.release("r-orphan", RemotePrefill(PREFILL_ID, f"127.0.0.1:{free_port()}", KV_TRANSFER))
         assert s.worker.releases == ["r-abandoned"]
         assert s.counts() == counts()
+
+
+@pytest.mark.parametrize("failure", ["unreachable", "hangs"])
+async def test_a_prefill_worker_that_failed_is_kept_out_of_the_next_routes(failure: str) -> None:
+    config = DisaggConfig(prefill_timeout_s=DEADLINE_TIMEOUT_S)
+    worker = ScriptedPrefiller(prefill="hangs" if failure == "hangs" else "ok")
+    async with remote_prefill(config, worker=worker) as s:
+        if failure == "unreachable":
+            s.routers.address = f"127.0.0.1:{free_port()}"
+        assert await s.prefiller.plan("r-1", prompt(LONG), SAMPLING, 0.0) is None
+        await s.prefiller.plan("r-2", prompt(LONG), SAMPLING, 0.0)
+        assert [c["exclude"] for c in s.routers.calls] == [(), (PREFILL_ID,)]
+
+
+async def test_a_worker_that_refused_one_request_is_not_set_aside() -> None:
+    # INTERNAL: the worker answered (its engine failed this prefill); it is not gone.
+    async with remote_prefill(worker=ScriptedPrefiller(prefill="error")) as s:
+        await s.prefiller.plan("r-1", prompt(LONG), SAMPLING, 0.0)
+        await s.prefiller.plan("r-2", prompt(LONG), SAMPLING, 0.0)
+        assert [c["exclude"] for c in s.routers.calls] == [(), ()]

@@ -18,11 +18,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.decode_worker.disagg_decision import DisaggConfig, prefill_remote, worth_remote
 from services.mesh.channels import ChannelPool
+from services.mesh.recent_failures import RecentFailures
 from services.mesh.router_client import NoWorkerError, RouterClient, RoutingError
 
 log = logging.getLogger(__name__)
 
 RELEASE_TIMEOUT_S = 2.0
+# A prefill worker unreachable or too slow is set aside (RecentFailures) rather than chosen again
+# until its lease runs out; one that answered with an error is not gone.
+PREFILL_WORKER_FAILED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
 class DisaggMetrics:
@@ -59,6 +63,7 @@ class RemotePrefiller:
         self._routers = routers
         self._channels = channels
         self.metrics = metrics
+        self._failed = RecentFailures()
 
     async def plan(self, rid: str, tokens: list[int], sampling: common_pb2.SamplingParams,
                    prefix_hit_rate: float) -> RemotePrefill | None:
@@ -67,7 +72,8 @@ class RemotePrefiller:
             self.metrics.local.inc()
             return None
         try:
-            route = await self._routers.route(rid, self._model, tokens, common_pb2.WORKER_ROLE_PREFILL)
+            route = await self._routers.route(rid, self._model, tokens, common_pb2.WORKER_ROLE_PREFILL,
+                                              exclude=self._failed.current())
         except NoWorkerError as exc:
             self.fallback(rid, "no_prefill_worker", str(exc))
             return None
@@ -86,6 +92,8 @@ class RemotePrefiller:
                                        timeout=self.config.prefill_timeout_s)
         except grpc.aio.AioRpcError as exc:
             reason = "deadline" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "error"
+            if exc.code() in PREFILL_WORKER_FAILED:
+                self._failed.add(route.worker_id)
             self.fallback(rid, reason, f"prefill worker {route.worker_id}: {exc.code().name} {exc.details()}")
             return None
         self.metrics.remote.inc()

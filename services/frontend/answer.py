@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -32,6 +33,7 @@ from services.frontend.responses import (
 from services.mesh.streams import merge
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 async def first_route(streams: list[ProcessorStream]) -> processor_pb2.RouteInfo:
@@ -169,26 +171,42 @@ class SseResponse(StreamingResponse):
             await self._content.aclose()  # type: ignore[attr-defined]
 
 
+# nginx's "client closed request": what the metrics count for a client that left first.
+CLIENT_GONE = 499
+
+
+async def unless_gone(work: Awaitable[T], receive: Receive, on_gone: Callable[[], None] = lambda: None) -> T:
+    """`work`'s result, unless the client hangs up first: then `on_gone` runs, the work is
+    cancelled (nothing is generated for nobody: the cancellation reaches the processor, the
+    decode worker and the prefill worker) and ApiError(499) is raised."""
+    working = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({working, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not working.done():
+            on_gone()
+            working.cancel()
+            await asyncio.gather(working, return_exceptions=True)
+    if working.cancelled():
+        raise ApiError(CLIENT_GONE, "the client closed the connection", code="client_closed")
+    return working.result()
+
+
 async def collect_unless_gone(answer: Answer, receive: Receive) -> dict | ApiError | None:
     """The whole answer, an ApiError, or None when the client hung up first (the request is
     then cancelled rather than generated for nobody)."""
-    collecting = asyncio.ensure_future(answer.collect())
-    gone = asyncio.ensure_future(_disconnected(receive))
-    answered = False
+
+    def gone() -> None:
+        answer.status = str(CLIENT_GONE)
+
     try:
-        finished, _ = await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
-        answered = collecting in finished
-    finally:
-        gone.cancel()
-        if not answered:
-            answer.status = "499"  # nginx's "client closed request", for the metrics
-            collecting.cancel()
-            answer.close()
-    if not answered:
-        return None
-    try:
-        return collecting.result()
+        return await unless_gone(answer.collect(), receive, gone)
     except ApiError as exc:
+        if exc.status == CLIENT_GONE:
+            answer.close()
+            return None
         return exc
 
 

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from services.frontend import openapi
-from services.frontend.answer import Answer, SseResponse, collect_unless_gone, first_route
+from services.frontend.answer import Answer, SseResponse, collect_unless_gone, first_route, unless_gone
 from services.frontend.auth import check_api_key
 from services.frontend.body import read_json
 from services.frontend.endpoints import CHAT, COMPLETION, Kind, processor_requests
@@ -125,7 +125,9 @@ class _Gateway:
             lease = self.inflight.acquire(req.streams())
             streams = [ProcessorStream(self.mesh, msg, self.config.request_timeout_s, self.failed_processors)
                        for msg in processor_requests(rid, req)]
-            route = await first_route(streams)
+            # A client may leave while its prompt is prefilled, before any response: then the
+            # request is cancelled along the whole chain instead of computed for nobody.
+            route = await unless_gone(first_route(streams), request.receive)
         except BaseException as exc:
             # Nothing was handed to a stream yet: this is the only place to let go.
             for stream in streams:
