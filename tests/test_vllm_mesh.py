@@ -86,3 +86,30 @@ def test_vllm_kv_events_reach_the_router_and_steer_the_next_request(vllm_mesh: M
         again = httpx.post(url, json={"model": MODEL, "prompt": tokens + tail, "max_tokens": 1}, timeout=60)
         assert again.headers["x-kvmesh-worker"] == home
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 3 * 32
+
+
+def test_a_resumed_greedy_request_continues_the_unbroken_output_on_vllm(vllm_mesh: Mesh) -> None:
+    """What a migration sends a vLLM worker — the prompt plus the tokens already generated — gives
+    the rest of the greedy output the unbroken run gave, on the other worker."""
+    import grpc
+
+    from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+    from tests.procs import registered
+
+    first, second = registered(vllm_mesh.etcd, vllm_mesh.namespace, "decode-worker")[:2]
+    prompt = [(i * 37) % 900 + 20 for i in range(90)]
+
+    def generate(address: str, rid: str, tokens: list[int], max_tokens: int, resumed: int) -> list[int]:
+        sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        with grpc.insecure_channel(address) as channel:
+            replies = worker_pb2_grpc.WorkerStub(channel).Generate(worker_pb2.WorkerGenerateRequest(
+                request_id=rid, token_ids=tokens, sampling=sampling, resumed_tokens=resumed), timeout=120)
+            return [t for reply in replies for t in reply.token_ids]
+
+    with pytest.raises(grpc.RpcError) as refused:
+        generate(first.address, "out-of-vocabulary", [999_999], 4, 0)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    whole = generate(first.address, "unbroken", prompt, 40, 0)
+    assert len(whole) == 40
+    rest = generate(second.address, "unbroken~1", prompt + whole[:16], 24, 16)
+    assert whole[:16] + rest == whole

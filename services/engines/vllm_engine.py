@@ -214,11 +214,21 @@ class VllmEngine(Engine):
                         keep_params: bool = False) -> AsyncIterator[EngineOutput]:
         if self._llm is None:
             raise RuntimeError("vLLM engine is not started")
+        from vllm.exceptions import VLLMClientError
+
         params = self._sampling_params(request, extra_args)
         prompt = {"prompt_token_ids": list(request.token_ids)}
         # Closing this generator early (client gone) makes AsyncLLM abort the request.
         async with aclosing(self._llm.generate(prompt, params, request.request_id)) as stream:
-            async for out in stream:
+            try:
+                first = await anext(stream)
+            except VLLMClientError as exc:
+                # vLLM refused the request itself (a token out of vocabulary, ...): the Engine
+                # interface says ValueError, which workers answer with INVALID_ARGUMENT.
+                raise ValueError(str(exc)) from exc
+            except StopAsyncIteration:
+                return
+            async for out in _prepend(first, stream):
                 completion = out.outputs[0]
                 result = EngineOutput(
                     token_ids=list(completion.token_ids),
@@ -229,6 +239,12 @@ class VllmEngine(Engine):
                 if keep_params and out.kv_transfer_params:
                     result.kv_transfer = dict(out.kv_transfer_params)
                 yield result
+
+
+async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    yield first
+    async for item in rest:
+        yield item
 
 
 def _nixl_transfers(stats: Any) -> list[tuple[int, float]]:
