@@ -37,9 +37,16 @@ T = TypeVar("T")
 
 
 async def first_route(streams: list[ProcessorStream]) -> processor_pb2.RouteInfo:
-    """Opens every prompt's stream; the first one's routing answers for the request's headers.
-    Failures before routing are HTTP errors."""
-    routes = [await stream.open() for stream in streams]
+    """Opens every prompt's stream at once (their prefills run side by side); the first one's
+    routing answers for the request's headers. Failures before routing are HTTP errors."""
+    opening = [asyncio.ensure_future(stream.open()) for stream in streams]
+    try:
+        routes = await asyncio.gather(*opening)
+    except BaseException:
+        for task in opening:
+            task.cancel()
+        await asyncio.gather(*opening, return_exceptions=True)
+        raise
     return routes[0]
 
 

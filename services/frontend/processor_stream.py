@@ -49,6 +49,8 @@ class ProcessorStream:
         self._failures = failures
         self._tried: list[str] = []
         self._call: grpc.aio.UnaryStreamCall | None = None
+        self._route: processor_pb2.RouteInfo | None = None
+        self._cancelled = False
         self._processor = ""
         first, n = request.choice_offset, max(request.n, 1)
         # Per choice the client sees: token ids delivered so far, and whether it finished.
@@ -57,12 +59,15 @@ class ProcessorStream:
         self.took_over = False
 
     def cancel(self) -> None:
+        """Ends the stream for good: a call cancelled here is not a processor failure."""
+        self._cancelled = True
         if self._call is not None:
             self._call.cancel()
 
     async def open(self) -> processor_pb2.RouteInfo:
         """Sends the request to a processor and returns its routing; ApiError when none can take it."""
-        return await self._open(self._request)
+        self._route = await self._open(self._request)
+        return self._route
 
     async def messages(self) -> AsyncIterator[processor_pb2.GenerateResponse]:
         """Deltas and the usage after `open`, across as many processors as it takes."""
@@ -76,6 +81,11 @@ class ProcessorStream:
                 if not self._failed(exc) or len(self._tried) >= MAX_PROCESSORS_PER_STREAM:
                     raise from_grpc(exc) from None
                 self._failures.add(self._processor)
+                if len(self._finished) == len(self._tokens):
+                    # Every choice had finished; only the usage was lost with the processor.
+                    yield self._usage(processor_pb2.GenerateResponse(usage=processor_pb2.Usage(
+                        prompt_tokens=self._route.prompt_tokens if self._route else 0)))
+                    return
                 log.warning("request %s: processor %s failed mid-stream (%s); taking the stream over elsewhere",
                             self._request.request_id, self._processor, exc.code().name)
                 self.took_over = True
@@ -102,8 +112,9 @@ class ProcessorStream:
     def _takeover_request(self) -> processor_pb2.GenerateRequest:
         request = processor_pb2.GenerateRequest()
         request.CopyFrom(self._request)
-        # A fresh id: the failed processor's own calls may still be winding down under the old one.
-        request.request_id = f"{self._request.request_id}~{len(self._tried)}"
+        # A fresh id: the failed processor's own calls may still be winding down under the old
+        # one. "^" keeps it apart from the ids a processor gives a migrated choice ("~k").
+        request.request_id = f"{self._request.request_id}^{len(self._tried)}"
         request.resume.extend(processor_pb2.ResumedChoice(index=i, token_ids=t)
                               for i, t in self._tokens.items() if i not in self._finished)
         return request
@@ -138,6 +149,5 @@ class ProcessorStream:
                            code="unavailable")
         raise ApiError(503, f"no processor serves {request.model[:200]!r} right now", code="unavailable")
 
-    @staticmethod
-    def _failed(exc: grpc.aio.AioRpcError) -> bool:
-        return exc.code() in PROCESSOR_FAILED and not is_final(exc)
+    def _failed(self, exc: grpc.aio.AioRpcError) -> bool:
+        return not self._cancelled and exc.code() in PROCESSOR_FAILED and not is_final(exc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 
@@ -38,8 +39,9 @@ async def _sync_indexes(pools: dict[int, WorkerPool], timeout_s: float) -> None:
     """A router joins the mesh only once its index holds the workers' caches (resumed or from a
     snapshot): a fresh or restarted router that answered at once would route blind, sending
     prefix-sharing requests anywhere until the KV events caught up."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
     for role, pool in pools.items():
-        late = await pool.wait_synced(timeout_s)
+        late = await pool.wait_synced(max(0.0, deadline - asyncio.get_running_loop().time()))
         if late:
             log.warning("serving without the cached blocks of %d %s(s) after %.0fs: %s", len(late), POOLS[role],
                         timeout_s, ", ".join(late))

@@ -123,6 +123,7 @@ class WorkerPool:
 
     def _forget(self, instance_id: str) -> None:
         state = self.workers.pop(instance_id, None)
+        self._synced_changed.set()  # one fewer worker to wait for
         for task in self._tasks.pop(instance_id, []):
             task.cancel()
         self.index.remove_worker(instance_id)

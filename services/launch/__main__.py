@@ -107,8 +107,8 @@ async def assemble(runner: ServiceRunner, cfg: LaunchConfig) -> None:
         endpoint = cfg.etcd_endpoints
         if not endpoint:
             etcd = EtcdChild()
-            await etcd.start()
             runner.on_teardown("stop etcd", etcd.stop, CHILD_EXIT_MARGIN_S + 5)
+            await etcd.start()
             endpoint = etcd.endpoint
         children = plan_children(cfg, endpoint, model)
         for child in children:
@@ -136,6 +136,7 @@ async def _keep_running(child: Child, policy: str) -> None:
     while True:
         started = asyncio.get_running_loop().time()
         code = await child.wait()
+        child.kill_leftovers()  # what the dead child started must not outlive it
         pid = child.process.pid if child.process else "?"
         if policy != "restart":
             print(f"{child.component} pid={pid} exited with code {code}; stopping the mesh (--on-child-exit exit)",

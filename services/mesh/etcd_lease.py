@@ -98,6 +98,8 @@ class LeasedRegistration:
             try:
                 ttl = await asyncio.wait_for(self._store.keepalive(self._lease_id), period)
             except (StoreUnavailable, TimeoutError) as exc:
+                if isinstance(exc, TimeoutError):
+                    self._store.mark_broken()  # the next try goes to another etcd endpoint
                 log.warning("lease refresh failed (%s); retrying in %.1fs", exc or "timed out",
                             self._config.retry_backoff_s)
                 delay = self._config.retry_backoff_s

@@ -7,21 +7,26 @@ call has a deadline in one place.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import aetcd
 import aetcd.exceptions
 
 CALL_TIMEOUT_S = 5
+T = TypeVar("T")
 # gRPC backs off up to two minutes between reconnects by default: after an etcd outage the mesh
 # would wait that long to register again. Retry within a second or two instead. (Not the
 # "min" backoff: gRPC also uses it as the connect timeout, and etcd answers slowly at start-up.)
 CHANNEL_OPTIONS = {
     "grpc.initial_reconnect_backoff_ms": 250,
     "grpc.max_reconnect_backoff_ms": 2000,
+    # Pings on idle streams, so a watch on a member that vanished without a word breaks (etcd
+    # accepts pings every 5 s or more).
+    "grpc.keepalive_time_ms": 10_000,
+    "grpc.keepalive_timeout_ms": 5_000,
 }
 
 
@@ -53,6 +58,7 @@ class KeyValueStore(Protocol):
     async def grant_lease(self, ttl_s: int) -> int: ...
     async def keepalive(self, lease_id: int) -> int: ...
     async def revoke_lease(self, lease_id: int) -> None: ...
+    def mark_broken(self) -> None: ...
 
 
 def _host_port(endpoint: str) -> tuple[str, int]:
@@ -63,9 +69,10 @@ def _host_port(endpoint: str) -> tuple[str, int]:
 class EtcdStore:
     """`KeyValueStore` over aetcd, failing over between the endpoints of a cluster.
 
-    It talks to one endpoint at a time. A call that fails marks that connection broken (and
-    raises StoreUnavailable, which callers retry); the next call connects to the next endpoint
-    that answers, round the list, so a dead cluster member costs one failed call.
+    It talks to one endpoint at a time. A call that fails (or that a caller gave up on: see
+    `mark_broken`) marks that connection broken and raises StoreUnavailable, which callers retry;
+    the next call connects to the next endpoint that answers, round the list, so a dead cluster
+    member costs one failed call. Whatever aetcd raises comes out as StoreUnavailable.
 
     aetcd speaks plaintext gRPC only: an `https://` endpoint is refused, never downgraded.
     """
@@ -97,6 +104,9 @@ class EtcdStore:
                 errors.append(f"{endpoint}: {type(exc).__name__} {exc}".strip())
                 await client.close()
                 continue
+            except BaseException:  # cancelled mid-connect: the new channel must not leak
+                await client.close()
+                raise
             old, self._client, self._current, self._broken = self._client, client, index, False
             if old is not None:
                 await old.close()
@@ -119,47 +129,49 @@ class EtcdStore:
                     await self.connect()
         return self._client
 
-    def _failed(self, exc: Exception) -> StoreUnavailable:
+    def mark_broken(self) -> None:
+        """A caller's own deadline ran out on a call: treat the connection as failed."""
         self._broken = True
-        return StoreUnavailable(str(exc) or type(exc).__name__)
+
+    def _failed(self, exc: Exception, client: aetcd.Client) -> StoreUnavailable:
+        # A call that failed on a client already replaced says nothing of the current one.
+        if client is self._client:
+            self._broken = True
+        return StoreUnavailable(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+
+    async def _call(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
+        client = await self._ready()
+        try:
+            return await op(client)
+        except Exception as exc:  # noqa: BLE001 - aetcd raises more than ClientError (its watcher)
+            raise self._failed(exc, client) from exc
 
     async def put(self, key: str, value: bytes, lease_id: int | None = None) -> None:
-        try:
-            await (await self._ready()).put(key.encode(), value, lease=lease_id)
-        except aetcd.exceptions.ClientError as exc:
-            raise self._failed(exc) from exc
+        await self._call(lambda c: c.put(key.encode(), value, lease=lease_id))
 
     async def delete(self, key: str) -> None:
-        try:
-            await (await self._ready()).delete(key.encode())
-        except aetcd.exceptions.ClientError as exc:
-            raise self._failed(exc) from exc
+        await self._call(lambda c: c.delete(key.encode()))
 
     async def get(self, key: str) -> bytes | None:
-        try:
-            result = await (await self._ready()).get(key.encode())
-        except aetcd.exceptions.ClientError as exc:
-            raise self._failed(exc) from exc
+        result = await self._call(lambda c: c.get(key.encode()))
         return None if result is None else result.value
 
     async def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
-        try:
-            result = await (await self._ready()).get_prefix(prefix.encode())
-        except aetcd.exceptions.ClientError as exc:
-            raise self._failed(exc) from exc
+        result = await self._call(lambda c: c.get_prefix(prefix.encode()))
         items = [KeyValue(kv.key.decode(), kv.value) for kv in result]
         return items, result.header.revision
 
     async def watch_prefix(self, prefix: str, start_revision: int) -> AsyncIterator[WatchEvent]:
+        client = await self._ready()
         try:
-            watch = await (await self._ready()).watch_prefix(prefix.encode(), start_revision=start_revision)
-        except aetcd.exceptions.ClientError as exc:
-            raise self._failed(exc) from exc
+            watch = await client.watch_prefix(prefix.encode(), start_revision=start_revision)
+        except Exception as exc:  # noqa: BLE001 - see _call
+            raise self._failed(exc, client) from exc
         try:
             async for event in watch:
                 yield WatchEvent(event.kv.key.decode(), event.kv.value, event.kind == "DELETE")
-        except aetcd.exceptions.ClientError as exc:
-            raise self._failed(exc) from exc
+        except Exception as exc:  # noqa: BLE001 - see _call
+            raise self._failed(exc, client) from exc
         finally:
             try:
                 await asyncio.wait_for(watch.cancel(), self._timeout_s)
@@ -167,22 +179,13 @@ class EtcdStore:
                 pass
 
     async def grant_lease(self, ttl_s: int) -> int:
-        try:
-            lease = await (await self._ready()).lease(ttl_s)
-        except aetcd.exceptions.ClientError as exc:
-            raise self._failed(exc) from exc
+        lease = await self._call(lambda c: c.lease(ttl_s))
         return int(lease.id)
 
     async def keepalive(self, lease_id: int) -> int:
         """Refreshes a lease; returns its new TTL, <= 0 when etcd no longer knows it."""
-        try:
-            reply = await (await self._ready()).refresh_lease(lease_id)
-        except aetcd.exceptions.ClientError as exc:
-            raise self._failed(exc) from exc
+        reply = await self._call(lambda c: c.refresh_lease(lease_id))
         return int(reply.TTL) if reply is not None else 0
 
     async def revoke_lease(self, lease_id: int) -> None:
-        try:
-            await (await self._ready()).revoke_lease(lease_id)
-        except aetcd.exceptions.ClientError as exc:
-            raise self._failed(exc) from exc
+        await self._call(lambda c: c.revoke_lease(lease_id))

@@ -195,6 +195,20 @@ class ServiceRunner:
 
         Registered last during assembly, so it is the first thing torn down: peers stop
         choosing this instance before its servers close."""
+        (registration,) = await self.register_all([(info, extra_keys or {})])
+        return registration
+
+    async def register_all(self, entries: Sequence[tuple[InstanceInfo, dict[str, bytes]]]) -> list[LeasedRegistration]:
+        """`register` for several instances of one process (mocker workers): at a drain they all
+        leave etcd, then peers get one propagation delay, then their servers stop together."""
+        self.on_teardown("let peers notice the departure", self._propagation_delay)
+        return [await self._register_one(info, keys) for info, keys in entries]
+
+    async def _propagation_delay(self) -> None:
+        if self._stop.is_set():  # a drain: let peers see we are gone before servers stop
+            await asyncio.sleep(min(PROPAGATION_DELAY_S, self.drain_timeout_s))
+
+    async def _register_one(self, info: InstanceInfo, extra_keys: dict[str, bytes]) -> LeasedRegistration:
         registration = LeasedRegistration(self.store)
         key = instance_key(self._mesh().namespace, info)
         keys = {**(extra_keys or {}), key: info.to_json()}
@@ -204,8 +218,6 @@ class ServiceRunner:
             die(f"etcd registration failed: {exc}", code=EXIT_UNREACHABLE)
         async def deregister() -> None:
             await registration.stop(farewell={key: replace(info, leaving=True).to_json()})
-            if self._stop.is_set():  # a drain: let peers see we are gone before servers stop
-                await asyncio.sleep(min(PROPAGATION_DELAY_S, self.drain_timeout_s))
 
         self.on_teardown(f"deregister {info.component} {info.instance_id}", deregister)
         if registration.keep_alive_task is not None:

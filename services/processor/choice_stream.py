@@ -12,8 +12,9 @@ any one worker call, so when its worker fails it can move:
   is a function of the context. The client sees one stream, no token twice, none missing, and
   usage counts each token once.
 
-At most `max_attempts` retries before the first token and `migration_limit` migrations after
-it; each failed worker is reported to `on_worker_failed` so routing avoids it at once.
+At most `max_attempts` workers are tried before the first token (a choice resumed from another
+processor counts as before its first token here) and `migration_limit` migrations are made
+after it; each failed worker is reported to `on_worker_failed` so routing avoids it at once.
 """
 
 from __future__ import annotations
@@ -110,6 +111,7 @@ class ChoiceStream:
             stopper.push(detok.push(list(resumed)))
             if len(self.generated) >= self.sampling.max_tokens:
                 # Every token was out already; only the last delta never arrived.
+                yield Started(first_route.worker_id, common_pb2.PrefillLocation())
                 tail, _ = stopper.push(detok.flush())
                 yield processor_pb2.ChoiceDelta(index=self.index, text=tail + stopper.flush(), finish_reason="length")
                 yield Finished(len(self.generated), 0)
@@ -191,6 +193,9 @@ class ChoiceStream:
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise ChoiceFailure(grpc.StatusCode.INVALID_ARGUMENT, exc.details() or "invalid request") from exc
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise ChoiceFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"the request took longer than {self.limits.request_timeout_s:.0f}s") from exc
             if exc.code() not in WORKER_FAILED:
                 raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE,
                                     f"worker {route.worker_id} failed: {exc.code().name} {exc.details()}") from exc

@@ -94,6 +94,9 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         rid = request.request_id or uuid.uuid4().hex
         try:
             check_request(request, self._tok.max_model_len)
+            for resumed in request.resume:
+                # Resumed ids go to an engine as they are: the same checks as a prompt's.
+                self._tok.check_ids(list(resumed.token_ids))
         except PromptError as exc:
             await abort_final(context, _status_of(exc), _one_line(exc))
         if request.model != self._config.served_model_name:

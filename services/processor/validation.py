@@ -40,6 +40,21 @@ def check_request(request: processor_pb2.GenerateRequest, context: int) -> None:
     check_stops(list(request.stop))
     check_sampling(request.sampling, request.n)
     check_prompt_size(request, context)
+    check_resume(request)
+
+
+def check_resume(request: processor_pb2.GenerateRequest) -> None:
+    """A takeover names each unfinished choice once, within the request's choices, with no
+    more tokens than the choice may have."""
+    first, n = request.choice_offset, request.n
+    seen: set[int] = set()
+    for resumed in request.resume:
+        if not first <= resumed.index < first + n or resumed.index in seen:
+            raise PromptError(f"resume names choice {resumed.index} twice or outside this request's choices "
+                              f"{first}..{first + n - 1}")
+        seen.add(resumed.index)
+        if request.sampling.max_tokens and len(resumed.token_ids) > request.sampling.max_tokens:
+            raise PromptError(f"resume of choice {resumed.index} has more tokens than max_tokens")
 
 
 def check_stops(stops: list[str]) -> None:

@@ -4,10 +4,10 @@ One process can host several independent workers (`--num-workers`, mocker only),
 own server, lease and instance id, so scale tests do not need a process per worker. Roles differ
 only in what `Role.prepare` sets up once per process and the services its factory mounts.
 
-Start order per worker — engine, servicer, gRPC server, then the lease — makes the service
-runner's reverse teardown deregister first (peers stop choosing the worker), end the endless
-subscription streams, let generations in flight finish within the drain timeout, then stop the
-engine.
+Start order — each worker's engine, servicer and gRPC server, then the leases of all of them
+together — makes the service runner's reverse teardown deregister every worker first (peers
+stop choosing them), then, worker by worker, end the endless subscription streams, let
+generations in flight finish within the drain timeout, and stop the engine.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry
 
 from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
@@ -80,6 +81,9 @@ class Role:
 class _Running:
     instance_id: str
     engine: Engine
+    info: InstanceInfo
+    lease_keys: dict[str, bytes]
+    health: health.HealthServicer
 
 
 def worker_parser(role: Role) -> FlagParser:
@@ -105,8 +109,9 @@ async def start_worker(role: Role, ctx: WorkerContext, make_services: ServicesFa
     built = build_engine(spec, instance_id, runner.store, mesh.namespace)
     events = KvEventLog(capacity=ctx.args.kv_event_buffer)
     built.engine.set_kv_event_sink(events.append)
-    await built.engine.start()
+    # Registered before the (slow) start: a stop during a vLLM load still stops what it started.
     runner.on_teardown(f"stop engine of {instance_id}", built.engine.stop, ENGINE_STOP_S)
+    await built.engine.start()
     services = make_services(built.engine, instance_id, events)
     runner.on_teardown(f"stop servicer of {instance_id}", services.worker.stop)
     binding = ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, services.worker, WORKER_SERVICE)
@@ -123,12 +128,19 @@ async def start_worker(role: Role, ctx: WorkerContext, make_services: ServicesFa
         metrics_port=metrics_port,
         extra={"max_model_len": built.engine.info.max_model_len, "kv_transfer": spec.kv_transfer},
     )
-    await runner.register(info, built.lease_keys)
-    runner.watch(asyncio.create_task(watch_engine(built.engine, health_servicer, instance_id),
-                                     name=f"engine-health-{instance_id}"), f"the engine of {instance_id}")
-    log.info("%s %s serving %s (%s, block size %d, KV transfer %s) at %s", role.component, instance_id,
-             spec.served_model_name, spec.engine, spec.block_size, spec.kv_transfer, info.address)
-    return _Running(instance_id, built.engine)
+    return _Running(instance_id, built.engine, info, built.lease_keys, health_servicer)
+
+
+async def join_mesh(ctx: WorkerContext, workers: list[_Running]) -> None:
+    """Registers the process's workers together (so a drain deregisters them together) and
+    watches each one's engine."""
+    await ctx.runner.register_all([(w.info, w.lease_keys) for w in workers])
+    for w in workers:
+        ctx.runner.watch(asyncio.create_task(watch_engine(w.engine, w.health, w.instance_id),
+                                             name=f"engine-health-{w.instance_id}"), f"the engine of {w.instance_id}")
+        log.info("%s %s serving %s (%s, block size %d, KV transfer %s) at %s", w.info.component, w.instance_id,
+                 ctx.engine.served_model_name, ctx.engine.engine, ctx.engine.block_size, ctx.engine.kv_transfer,
+                 w.info.address)
 
 
 def start_reaper(runner: ServiceRunner) -> None:
@@ -168,6 +180,7 @@ def main(role: Role) -> None:
         for i in range(args.num_workers):
             port = args.port + i if args.port else 0
             workers.append(await start_worker(role, ctx, make_services, port, metrics_port))
+        await join_mesh(ctx, workers)
         # The launcher and the tests wait for this line.
         print(f"{role.component} ready: " + " ".join(w.instance_id for w in workers), flush=True)
 
