@@ -16,6 +16,7 @@ import grpc
 from gen.kvmesh.v1 import worker_pb2
 from services.decode_worker.remote_prefill import DisaggMetrics, RemotePrefill, RemotePrefiller
 from services.engines.base import Engine
+from services.mesh.tasks import cancel_and_wait
 from services.worker.kv_event_log import KvEventLog
 from services.worker.servicer import LOCAL_PREFILL, WorkerServicer, remote_prefill, request_from_proto
 
@@ -32,9 +33,7 @@ class DecodeServicer(WorkerServicer):
         self._releases: set[asyncio.Task[None]] = set()
 
     async def stop(self) -> None:
-        for task in list(self._releases):
-            task.cancel()
-        await asyncio.gather(*self._releases, return_exceptions=True)
+        await cancel_and_wait(*self._releases)
 
     def _release_later(self, rid: str, remote: RemotePrefill) -> None:
         assert self.prefiller is not None

@@ -31,6 +31,7 @@ from services.frontend.responses import (
     usage_body,
 )
 from services.mesh.streams import merge
+from services.mesh.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,9 +44,7 @@ async def first_route(streams: list[ProcessorStream]) -> processor_pb2.RouteInfo
     try:
         routes = await asyncio.gather(*opening)
     except BaseException:
-        for task in opening:
-            task.cancel()
-        await asyncio.gather(*opening, return_exceptions=True)
+        await cancel_and_wait(*opening)
         raise
     return routes[0]
 
@@ -194,8 +193,7 @@ async def unless_gone(work: Awaitable[T], receive: Receive, on_gone: Callable[[]
         gone.cancel()
         if not working.done():
             on_gone()
-            working.cancel()
-            await asyncio.gather(working, return_exceptions=True)
+            await cancel_and_wait(working)
     if working.cancelled():
         raise ApiError(CLIENT_GONE, "the client closed the connection", code="client_closed")
     return working.result()

@@ -20,6 +20,7 @@ import grpc
 from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.mesh.discovery import ComponentView, InstanceInfo
 from services.mesh.channels import ChannelPool
+from services.mesh.tasks import cancel_and_wait
 from services.mesh.hashing import SequenceHash
 from services.kv_router.kv_index import EventError, KvIndex, StoredBlock
 from services.kv_router.radix_tree import RadixTree
@@ -188,6 +189,4 @@ class WorkerPool:
     async def stop(self) -> None:
         tasks = [t for ts in self._tasks.values() for t in ts]
         self._tasks.clear()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(*tasks)

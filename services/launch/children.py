@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.mesh.process_tree import die_with_parent
+from services.mesh.tasks import cancel_and_wait
 
 TAIL_LINES = 30
 # How long a child's output is still read after it exited (see Child.wait).
@@ -74,8 +75,7 @@ class Child:
         if self._pump is not None:
             done, _ = await asyncio.wait([self._pump], timeout=OUTPUT_DRAIN_S)
             if not done:
-                self._pump.cancel()
-                await asyncio.gather(self._pump, return_exceptions=True)
+                await cancel_and_wait(self._pump)
         return code
 
     def kill_leftovers(self) -> None:

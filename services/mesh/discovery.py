@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from services.mesh.etcd_store import KeyValueStore, StoreUnavailable
+from services.mesh.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +116,7 @@ class ComponentView:
             timer.cancel()
         self._leaving.clear()
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
             self._task = None
 
     async def wait_for(self, predicate: Callable[[dict[str, InstanceInfo]], bool], timeout_s: float) -> bool:

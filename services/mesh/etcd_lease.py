@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from services.mesh.etcd_store import KeyValueStore, StoreUnavailable
+from services.mesh.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,7 @@ class LeasedRegistration:
         `farewell` values are put first (best effort): a record saying "leaving" tells watchers
         this is a deliberate exit, not a lease lost to an outage."""
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
             self._task = None
         if self._lease_id is not None:
             try:

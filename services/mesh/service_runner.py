@@ -36,6 +36,7 @@ from services.mesh.etcd_store import EtcdStore, KeyValueStore, StoreUnavailable
 from services.mesh.flags import EXIT_UNREACHABLE, MeshConfig, die
 from services.mesh.grpc_server import ServiceBinding, start_server
 from services.mesh.metrics_http import serve_metrics
+from services.mesh.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -258,12 +259,6 @@ class _Exit(Exception):
     def __init__(self, code: int) -> None:
         super().__init__(code)
         self.code = code
-
-
-async def cancel_and_wait(task: asyncio.Future[Any]) -> None:
-    """Cancels a task and waits until it has ended."""
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
 
 
 def run_service(component: str, mesh: MeshConfig | None,
