@@ -23,6 +23,7 @@ import httpx
 from services.mesh.discovery import InstanceInfo, component_prefix
 from services.mesh.etcd_store import EtcdStore
 from services.mesh.net import free_port
+from services.mesh.tls import TlsConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "kvmesh-demo"
@@ -179,11 +180,11 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:  #
     return False
 
 
-def registered(etcd: str, namespace: str, component: str) -> list[InstanceInfo]:
+def registered(etcd: str, namespace: str, component: str, tls: TlsConfig | None = None) -> list[InstanceInfo]:
     """The instances of a component registered in etcd right now."""
 
     async def fetch() -> list[InstanceInfo]:
-        store = EtcdStore((etcd,))
+        store = EtcdStore((etcd,), tls=tls)
         await store.connect()
         try:
             items, _ = await store.get_prefix(component_prefix(namespace, component))
@@ -198,17 +199,21 @@ class ServiceMesh:
     """Router, processor and frontend as separate processes; workers are added by the tests."""
 
     def __init__(self, etcd: str, router_mode: str = "kv", processor_flags: Sequence[str] = (),
-                 processors: int = 1) -> None:
+                 processors: int = 1, frontend_flags: Sequence[str] = (), env: dict[str, str] | None = None,
+                 router_flags: Sequence[str] = ()) -> None:
+        """`env` is added to every process's environment, the workers' included."""
         self.etcd = etcd
         self.namespace = f"mesh-{uuid.uuid4().hex[:8]}"
         self.port = free_port()
+        self.env = env
         common = ["--etcd-endpoints", etcd, "--namespace", self.namespace]
-        self.processors = [service("services.processor", *common, *processor_flags, name=f"processor-{i}")
+        self.processors = [service("services.processor", *common, *processor_flags, name=f"processor-{i}", env=env)
                            for i in range(processors)]
         self.procs = [
-            service("services.kv_router", *common, "--router-mode", router_mode, name="router"),
+            service("services.kv_router", *common, "--router-mode", router_mode, *router_flags, name="router", env=env),
             *self.processors,
-            service("services.frontend", *common, "--http-port", str(self.port), name="frontend"),
+            service("services.frontend", *common, "--http-port", str(self.port), *frontend_flags, name="frontend",
+                    env=env),
         ]
         self.procs[-1].wait_for("listening on", 60)
         for processor in self.processors:
@@ -223,7 +228,8 @@ class ServiceMesh:
 
     def _worker(self, component: str, *extra: str) -> tuple[Proc, list[str]]:
         proc = service(f"services.{component.replace('-', '_')}", "--etcd-endpoints", self.etcd,
-                       "--namespace", self.namespace, "--engine", "mocker", "--speedup", "20", *extra, name=component)
+                       "--namespace", self.namespace, "--engine", "mocker", "--speedup", "20", *extra, name=component,
+                       env=self.env)
         ids = proc.wait_for(rf"{component} ready: (.+)$", 60).group(1).split()
         self.procs.append(proc)
         return proc, ids
@@ -248,7 +254,7 @@ class ServiceMesh:
         old_ids = {i.instance_id for i in registered(self.etcd, self.namespace, "kv-router")}
         assert old.stop() == 0, old.tail()
         self.procs[0] = service("services.kv_router", "--etcd-endpoints", self.etcd, "--namespace", self.namespace,
-                                "--router-mode", router_mode, name="router")
+                                "--router-mode", router_mode, name="router", env=self.env)
         assert wait_until(lambda: {i.instance_id for i in registered(self.etcd, self.namespace, "kv-router")} - old_ids
                           and not old_ids & {i.instance_id for i in registered(self.etcd, self.namespace, "kv-router")},
                           30)

@@ -38,7 +38,7 @@ BAD: list[tuple[str, Callable[[], object], str]] = [
     ("unknown router mode", lambda: RouterConfig(mode="least-loaded"), "--router-mode"),
     ("negative temperature", lambda: RouterConfig(weights=CostWeights(temperature=-1)), "--router-temperature"),
     ("zero request timeout", lambda: ProcessorConfig("m", request_timeout_s=0), "--request-timeout"),
-    ("non-ASCII API key", lambda: FrontendConfig(api_key="schlüssel"), "--api-key"),
+    ("non-ASCII API key", lambda: FrontendConfig(api_keys=("schlüssel",)), "--api-key"),
     ("zero body limit", lambda: FrontendConfig(max_body_bytes=0), "--max-body-bytes"),
 ]
 

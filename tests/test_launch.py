@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -87,17 +88,22 @@ def _child_pids(launcher: Proc, component: str) -> list[int]:
     return [int(line.split("pid=")[1]) for line in launcher.lines if line.startswith(f"CHILD {component} ")]
 
 
-def test_a_child_that_dies_after_start_up_is_restarted_and_serves_again(etcd: Etcd) -> None:
+def test_a_child_that_dies_after_start_up_is_restarted_and_serves_again(etcd: Etcd, tmp_path: Path) -> None:
     port = free_port()
     launcher = service("services.launch", "--engine", "mocker", "--http-port", str(port), "--prefill-workers", "0",
-                       "--etcd-endpoints", etcd.endpoint, "--namespace", "launch-restart")
+                       "--etcd-endpoints", etcd.endpoint, "--namespace", "launch-restart", "--run-dir", str(tmp_path))
     try:
         launcher.wait_for(r"^READY ", 120)
         (first,) = _child_pids(launcher, "decode-worker")
         os.kill(first, signal.SIGKILL)
         launcher.wait_for(rf"decode-worker pid={first} exited with code -9; restarting it in 1s", 30)
-        launcher.wait_for(rf"^CHILD decode-worker pid=(?!{first}\b)\d+$", 30)
+        second = int(launcher.wait_for(rf"^CHILD decode-worker pid=(?!{first}\b)(\d+)$", 30).group(1))
+        launcher.wait_for(rf"^ready  decode-worker +pid={second} ", 30)
         assert wait_until(lambda: _completes(port), 60)
+        # The restarted worker appends to the same log file, after a header of its own.
+        log = (tmp_path / "decode-worker.log").read_text()
+        assert [int(pid) for pid in re.findall(r"^---- .* decode-worker started pid=(\d+):", log, re.M)] == [first, second]
+        assert log.count("decode-worker ready: ") == 2
     finally:
         assert launcher.stop() == 0, launcher.tail()
 

@@ -22,16 +22,18 @@ async def prepare(ctx: WorkerContext) -> ServicesFactory:
     prefiller = None
     if config.remote_prefill:
         routers = RouterClient(await ctx.runner.watch_component(ROUTER), ctx.runner.channels)
-        prefiller = RemotePrefiller(config, ctx.engine.served_model_name, routers, ctx.runner.channels, metrics)
+        prefiller = RemotePrefiller(config, ctx.engine.served_model_name, routers, ctx.runner.channels, metrics,
+                                    ctx.tracing)
 
     def services(engine: Engine, worker_id: str, events: KvEventLog) -> WorkerServices:
         engine.set_kv_transfer_sink(metrics.record_transfer)
-        return WorkerServices(DecodeServicer(engine, worker_id, events, prefiller, metrics))
+        return WorkerServices(DecodeServicer(engine, worker_id, events, prefiller, metrics, ctx.tracing))
 
     return services
 
 
-ROLE = Role(DECODE_WORKER, "decode", prepare, add_disagg_flags)
+ROLE = Role(DECODE_WORKER, "decode", prepare, add_disagg_flags,
+            check_flags=lambda args, spec: disagg_config(args, kv_transfer=spec.kv_transfer == "nixl"))
 
 if __name__ == "__main__":
     main(ROLE)

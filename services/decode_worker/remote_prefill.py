@@ -4,6 +4,9 @@ The decode worker asks the router for the best prefill worker (KV-aware over the
 which also reports the pool's queue), applies the disaggregation rule, and calls that worker's
 Prefill with a deadline. Whatever goes wrong on the way — no prefill worker, an error, the
 deadline — the answer is "prefill locally": logged at WARNING and counted as a fallback.
+
+A prompt worth prefilling remotely is traced as a `remote prefill` span: the router's `route`
+span and the prefill worker's `prefill` span sit under it, and a fallback is an error on it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import logging
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -20,6 +25,7 @@ from services.decode_worker.disagg_decision import DisaggConfig, prefill_remote,
 from services.mesh.channels import ChannelPool
 from services.mesh.recent_failures import RecentFailures
 from services.mesh.router_client import NoWorkerError, RouterClient, RoutingError
+from services.mesh.tracing import TRACING_OFF, Tracing, outgoing_metadata
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +50,14 @@ class DisaggMetrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
 
     def record_transfer(self, nbytes: int, seconds: float) -> None:
+        """The engine's report of one KV transfer (its KV transfer sink). Also put on the current
+        span: an engine that reports within the request (the mocker) does so inside the request's
+        `kv transfer` span; vLLM reports from its stats loop, where no span is current."""
         self.transfer_bytes.inc(nbytes)
         self.transfer_seconds.observe(seconds)
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes({"kvmesh.kv_transfer.bytes": nbytes, "kvmesh.kv_transfer.seconds": seconds})
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +69,9 @@ class RemotePrefill:
 
 class RemotePrefiller:
     def __init__(self, config: DisaggConfig, model: str, routers: RouterClient, channels: ChannelPool,
-                 metrics: DisaggMetrics) -> None:
+                 metrics: DisaggMetrics, tracing: Tracing = TRACING_OFF) -> None:
         self.config = config
+        self._tracing = tracing
         self._model = model
         self._routers = routers
         self._channels = channels
@@ -71,46 +84,62 @@ class RemotePrefiller:
         if not worth_remote(len(tokens), prefix_hit_rate, self.config):
             self.metrics.local.inc()
             return None
+        with self._tracing.span("remote prefill", SpanKind.CLIENT) as span:
+            return await self._remote(rid, tokens, sampling, prefix_hit_rate, span)
+
+    async def _remote(self, rid: str, tokens: list[int], sampling: common_pb2.SamplingParams,
+                      prefix_hit_rate: float, span: Span) -> RemotePrefill | None:
         try:
             route = await self._routers.route(rid, self._model, tokens, common_pb2.WORKER_ROLE_PREFILL,
                                               exclude=self._failed.current())
         except NoWorkerError as exc:
-            self.fallback(rid, "no_prefill_worker", str(exc))
+            self.fallback(rid, "no_prefill_worker", str(exc), span)
             return None
         except RoutingError as exc:
-            self.fallback(rid, "no_router", str(exc))
+            self.fallback(rid, "no_router", str(exc), span)
             return None
         self.metrics.queue.set(route.pool_waiting)
         if not prefill_remote(len(tokens), prefix_hit_rate, route.pool_waiting, self.config):
             log.info("request %s: prefill queue %d >= %d; prefilling locally", rid, route.pool_waiting,
                      self.config.max_prefill_queue_size)
             self.metrics.local.inc()
+            if span.is_recording():
+                span.set_attributes({"kvmesh.prefill.site": "local", "kvmesh.prefill.queue": route.pool_waiting})
             return None
+        if span.is_recording():
+            span.set_attributes({"kvmesh.request_id": rid, "kvmesh.prefill_worker_id": route.worker_id,
+                                 "kvmesh.prompt_tokens": len(tokens)})
         stub = worker_pb2_grpc.PrefillerStub(self._channels.get(route.address))
         try:
             reply = await stub.Prefill(worker_pb2.PrefillRequest(request_id=rid, token_ids=tokens, sampling=sampling),
-                                       timeout=self.config.prefill_timeout_s)
+                                       timeout=self.config.prefill_timeout_s, metadata=outgoing_metadata())
         except grpc.aio.AioRpcError as exc:
             reason = "deadline" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "error"
             if exc.code() in PREFILL_WORKER_FAILED:
                 self._failed.add(route.worker_id)
-            self.fallback(rid, reason, f"prefill worker {route.worker_id}: {exc.code().name} {exc.details()}")
+            self.fallback(rid, reason, f"prefill worker {route.worker_id}: {exc.code().name} {exc.details()}", span)
             return None
         self.metrics.remote.inc()
         log.info("request %s: %d tokens prefilled remotely on %s (%d cached there)", rid, len(tokens),
                  route.worker_id, reply.cached_tokens)
         return RemotePrefill(route.worker_id, route.address, json.loads(reply.kv_transfer_json))
 
-    def fallback(self, rid: str, reason: str, detail: str) -> None:
+    def fallback(self, rid: str, reason: str, detail: str, span: Span = trace.INVALID_SPAN) -> None:
+        """Counts and logs a remote prefill given up for a local one; `span`, the remote prefill's,
+        is marked failed (the request itself goes on)."""
         log.warning("request %s: remote prefill failed (%s); prefilling locally", rid, detail)
         self.metrics.fallback.labels(reason).inc()
         self.metrics.local.inc()
+        if span.is_recording():
+            span.set_attributes({"kvmesh.prefill.site": "local", "kvmesh.prefill.fallback": reason})
+            span.set_status(Status(StatusCode.ERROR, detail))
 
     async def release(self, rid: str, remote: RemotePrefill) -> None:
         """Best effort: tell the prefill worker to free KV this worker will not pull."""
         stub = worker_pb2_grpc.PrefillerStub(self._channels.get(remote.address))
         try:
-            await stub.ReleaseKv(worker_pb2.ReleaseKvRequest(request_id=rid), timeout=RELEASE_TIMEOUT_S)
+            await stub.ReleaseKv(worker_pb2.ReleaseKvRequest(request_id=rid), timeout=RELEASE_TIMEOUT_S,
+                                 metadata=outgoing_metadata())
         except grpc.aio.AioRpcError as exc:
             log.info("request %s: could not release KV on %s (%s); it expires there", rid, remote.worker_id,
                      exc.code().name)

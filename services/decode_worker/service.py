@@ -3,12 +3,19 @@
 A request whose remote prefill succeeded is generated from the pulled KV; if that fails before
 the first token (the KV cannot be pulled, the engine rejects it), the request is generated from
 scratch locally instead — counted as a fallback — so no request is lost to the prefill pool.
+
+Traced as a `decode` span with, under it, `remote prefill` (remote_prefill.py) and `kv transfer`:
+from handing the engine the prefill worker's KV parameters to the engine's first output. Both
+engines pull the KV before that output (the mocker within the request, vLLM's connector before
+it schedules the request), so the span bounds the pull; where the engine reports the transfer
+within the request (the mocker), its bytes and seconds are on the span too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import aclosing
 from dataclasses import replace
 
 import grpc
@@ -17,16 +24,25 @@ from gen.kvmesh.v1 import worker_pb2
 from services.decode_worker.remote_prefill import DisaggMetrics, RemotePrefill, RemotePrefiller
 from services.engines.base import Engine
 from services.mesh.tasks import cancel_and_wait
+from services.mesh.tracing import TRACING_OFF, Tracing
+from services.mesh.logs import REQUEST_ID
 from services.worker.kv_event_log import KvEventLog
-from services.worker.servicer import LOCAL_PREFILL, WorkerServicer, remote_prefill, request_from_proto
+from services.worker.servicer import (
+    GENERATE_RPC,
+    LOCAL_PREFILL,
+    WorkerServicer,
+    generate_attributes,
+    remote_prefill,
+    request_from_proto,
+)
 
 log = logging.getLogger(__name__)
 
 
 class DecodeServicer(WorkerServicer):
     def __init__(self, engine: Engine, worker_id: str, events: KvEventLog, prefiller: RemotePrefiller | None,
-                 metrics: DisaggMetrics) -> None:
-        super().__init__(engine, worker_id, events)
+                 metrics: DisaggMetrics, tracing: Tracing = TRACING_OFF) -> None:
+        super().__init__(engine, worker_id, events, tracing)
         self.prefiller = prefiller
         self.metrics = metrics
         # Releases of KV we abandoned, sent after our own request was cancelled: owned here.
@@ -42,6 +58,14 @@ class DecodeServicer(WorkerServicer):
         task.add_done_callback(self._releases.discard)
 
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        REQUEST_ID.set(request.request_id)  # this call's task: its log lines carry the id
+        with self.tracing.server_span("decode", context, GENERATE_RPC) as span:
+            if span.is_recording():
+                span.set_attributes(generate_attributes(request, self.worker_id))
+            async for msg in self._generate(request, context):
+                yield msg
+
+    async def _generate(self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
         local = await request_from_proto(request, context)
         remote: RemotePrefill | None = None
@@ -53,12 +77,21 @@ class DecodeServicer(WorkerServicer):
             if remote is not None:
                 started = False
                 try:
-                    async for msg in self.stream(replace(local, kv_transfer=remote.kv_transfer),
-                                                  remote_prefill(remote.worker_id)):
-                        if not started and msg.finish_reason == "abort":
-                            raise RuntimeError("the engine aborted the request it was to decode from remote KV")
+                    outputs = self.stream(replace(local, kv_transfer=remote.kv_transfer), remote_prefill(remote.worker_id))
+                    async with aclosing(outputs):
+                        # Current while the engine pulls, so what it reports of the transfer lands on it.
+                        with self.tracing.span("kv transfer") as transfer:
+                            if transfer.is_recording():
+                                transfer.set_attribute("kvmesh.prefill_worker_id", remote.worker_id)
+                            first = await anext(outputs, None)
+                            if first is None:
+                                return
+                            if first.finish_reason == "abort":
+                                raise RuntimeError("the engine aborted the request it was to decode from remote KV")
                         started = True
-                        yield msg
+                        yield first
+                        async for msg in outputs:
+                            yield msg
                     return
                 except asyncio.CancelledError:
                     if not started:  # the client left before the KV was pulled: free it now

@@ -10,14 +10,18 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from services.frontend.app import create_app
+from fastapi import FastAPI
+
+from services.frontend.app import create_admin_app, create_app
 from services.frontend.flags import add_frontend_flags, frontend_config
 from services.frontend.mesh import MeshView
 from services.frontend.metrics import FrontendMetrics
+from services.frontend.request_tracing import RequestTracing
 from services.mesh.discovery import DECODE_WORKER, FRONTEND, PROCESSOR, ROUTER, InstanceInfo, new_instance_id
-from services.mesh.flags import FlagParser, add_mesh_flags, die, mesh_config
+from services.mesh.flags import FlagParser, add_mesh_flags, die, exit_if_checking, mesh_config
 from services.mesh.logs import setup_logging
 from services.mesh.service_runner import ServiceRunner, run_service
+from services.mesh.tracing import start_tracing
 
 log = logging.getLogger("frontend")
 
@@ -40,13 +44,13 @@ class _Server(uvicorn.Server):
         yield
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, flag: str = "--http-port") -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
-        die(f"--http-port {port}: cannot listen on {host}:{port} ({exc.strerror})")
+        die(f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror})")
     sock.listen(LISTEN_BACKLOG)
     sock.set_inheritable(True)
     return sock
@@ -55,28 +59,40 @@ def bind(host: str, port: int) -> socket.socket:
 def main() -> None:
     args = parser().parse_args()
     mesh = mesh_config(args)
-    setup_logging(mesh.log_level, FRONTEND)
+    setup_logging(mesh.log_level, FRONTEND, mesh.log_format)
     config = frontend_config(args)
+    exit_if_checking(args)
     sock = bind(mesh.host, args.http_port)
+    admin_sock = None if config.metrics_port is None else bind(mesh.host, config.metrics_port, "--metrics-port")
 
     async def assemble(runner: ServiceRunner) -> None:
+        tracing = start_tracing(runner)  # first: torn down last, after the drain's last spans
         await runner.connect_store()
         view = MeshView(processors=await runner.watch_component(PROCESSOR),
                         routers=await runner.watch_component(ROUTER),
                         decoders=await runner.watch_component(DECODE_WORKER),
                         channels=runner.channels)
-        app = create_app(config, view, FrontendMetrics())
-        server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, http="httptools",
-                                        timeout_keep_alive=30, lifespan="off",
-                                        timeout_graceful_shutdown=max(1, round(mesh.drain_timeout_s))))
-        serving = runner.watch(asyncio.create_task(server.serve(sockets=[sock]), name="http"), "the HTTP server")
-        runner.on_teardown("stop the HTTP server", lambda: _shut_down(server, serving), mesh.drain_timeout_s + 10)
+        metrics = FrontendMetrics()
+        app = create_app(config, view, metrics)
+        if tracing.enabled:
+            app.add_middleware(RequestTracing, tracing=tracing)
+        _serve_http(runner, app, sock, "the HTTP server", mesh.drain_timeout_s)
+        if admin_sock is not None:
+            _serve_http(runner, create_admin_app(view, metrics), admin_sock, "the metrics port", 0)
         port = sock.getsockname()[1]
         info = InstanceInfo(component=FRONTEND, instance_id=new_instance_id(), address=f"{mesh.advertise_host}:{port}")
         await runner.register(info)
         log.info("frontend %s listening on http://%s:%d/v1", info.instance_id, mesh.host, port)
 
     run_service(FRONTEND, mesh, assemble)
+
+
+def _serve_http(runner: ServiceRunner, app: FastAPI, sock: socket.socket, label: str, drain_timeout_s: float) -> None:
+    server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, http="httptools",
+                                    timeout_keep_alive=30, lifespan="off",
+                                    timeout_graceful_shutdown=max(1, round(drain_timeout_s))))
+    serving = runner.watch(asyncio.create_task(server.serve(sockets=[sock]), name=label), label)
+    runner.on_teardown(f"stop {label}", lambda: _shut_down(server, serving), drain_timeout_s + 10)
 
 
 async def _shut_down(server: uvicorn.Server, serving: asyncio.Task[None]) -> None:

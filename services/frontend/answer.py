@@ -53,7 +53,8 @@ class Answer:
     """The rest of a request after routing: deltas to SSE chunks or one JSON body."""
 
     def __init__(self, metrics: FrontendMetrics, kind: Kind, req, rid: str,
-                 streams: list[ProcessorStream], started: float, lease: Lease) -> None:
+                 streams: list[ProcessorStream], started: float, lease: Lease, hide_cached: bool = False) -> None:
+        self.hide_cached = hide_cached
         self.metrics = metrics
         self.kind = kind
         self.req = req
@@ -131,7 +132,7 @@ class Answer:
                               "logprobs": completion_logprobs([d]) if d.logprobs else None}
                 yield sse(self._chunk([choice]))
             if self.req.include_usage:
-                yield sse(self._chunk([], usage_body(self.usage)))
+                yield sse(self._chunk([], usage_body(self.usage, self.hide_cached)))
         except ApiError as exc:
             yield sse({"error": {"message": exc.message, "type": "server_error", "param": None, "code": exc.code}})
         yield SSE_DONE
@@ -157,7 +158,7 @@ class Answer:
                 out.append({"index": index, "text": text, "finish_reason": acc.finish_reason,
                             "logprobs": completion_logprobs(acc.tokens) if self.req.logprobs is not None else None})
         return {"id": self.id, "object": self.kind.object_name, "created": self.created, "model": self.req.model,
-                "choices": out, "usage": usage_body(self.usage)}
+                "choices": out, "usage": usage_body(self.usage, self.hide_cached)}
 
 
 class SseResponse(StreamingResponse):

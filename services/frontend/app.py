@@ -22,9 +22,11 @@ from services.frontend.inflight import InflightLimit, Lease
 from services.frontend.mesh import MeshView
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.processor_stream import ProcessorStream
+from services.frontend.route_header import EXPLAIN_HEADER, ROUTE_HEADER, route_header, wants_explanation
 from services.frontend.responses import prefill_header
 from services.frontend.schemas import ChatCompletionRequest, CompletionRequest, parse
 from services.mesh.flags import ConfigError
+from services.mesh.logs import REQUEST_ID
 from services.mesh.recent_failures import RecentFailures
 
 log = logging.getLogger(__name__)
@@ -32,19 +34,31 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FrontendConfig:
-    api_key: str | None = None
+    # Any of these bearer tokens is accepted; none configured means no check.
+    api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 16 * 1024 * 1024
     max_inflight: int = 2048
     request_timeout_s: float = 600.0
+    # Leave out x-kvmesh-worker, x-kvmesh-prefill and cached_tokens: which worker holds which
+    # prefix (and that a prompt was cached, i.e. someone sent it before) is a side channel.
+    hide_routing_details: bool = False
+    # Serve /health, /live and /metrics on this port only (None: on the public port).
+    metrics_port: int | None = None
+    # Honour `x-kvmesh-explain: 1` with an `x-kvmesh-route` header (route_header.py).
+    allow_explain: bool = False
 
     def __post_init__(self) -> None:
-        if self.api_key is not None and (not self.api_key or not self.api_key.isascii() or " " in self.api_key):
-            raise ConfigError("--api-key must be non-empty printable ASCII without spaces")
+        for key in self.api_keys:
+            if not key or not key.isascii() or not key.isprintable() or " " in key:
+                raise ConfigError("--api-key: every key must be non-empty printable ASCII without spaces")
         for flag, value in (("--max-body-bytes", self.max_body_bytes), ("--max-inflight", self.max_inflight)):
             if value <= 0:
                 raise ConfigError(f"{flag} must be > 0, got {value}")
         if not self.request_timeout_s > 0:
             raise ConfigError(f"--request-timeout must be > 0, got {self.request_timeout_s}")
+        if self.allow_explain and self.hide_routing_details:
+            # Explaining a route tells which worker caches the prompt: the very detail hidden.
+            raise ConfigError("--allow-explain contradicts --hide-routing-details")
 
 
 def create_app(config: FrontendConfig, mesh: MeshView, metrics: FrontendMetrics) -> FastAPI:
@@ -64,19 +78,13 @@ def create_app(config: FrontendConfig, mesh: MeshView, metrics: FrontendMetrics)
         log.error("unhandled %s on %s %s: %s", type(exc).__name__, request.method, request.url.path, exc)
         return ApiError(500, "internal error", code="internal_error").response()
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        ok, reason = mesh.health()
-        return JSONResponse({"status": "ok" if ok else "unavailable", "reason": reason}, status_code=200 if ok else 503)
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    if config.metrics_port is None:
+        add_admin_routes(app, mesh, metrics)
 
     @app.get("/v1/models", responses={401: openapi.ERROR_RESPONSES[401]})
     async def models(request: Request) -> JSONResponse:
         try:
-            check_api_key(request.headers.get("authorization"), config.api_key)
+            check_api_key(request.headers.get("authorization"), config.api_keys)
         except ApiError as exc:
             return exc.response()
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvmesh"} for m in mesh.models()]
@@ -93,6 +101,31 @@ def create_app(config: FrontendConfig, mesh: MeshView, metrics: FrontendMetrics)
         return await gateway.handle(request, COMPLETION)
 
     return app
+
+
+def create_admin_app(mesh: MeshView, metrics: FrontendMetrics) -> FastAPI:
+    """/health, /live and /metrics alone, for a port that need not be public."""
+    app = FastAPI(title="kvmesh admin", docs_url=None, redoc_url=None, openapi_url=None)
+    add_admin_routes(app, mesh, metrics)
+    return app
+
+
+def add_admin_routes(app: FastAPI, mesh: MeshView, metrics: FrontendMetrics) -> None:
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 when a router and a decode worker serve the model: the readiness probe."""
+        ok, reason = mesh.health()
+        return JSONResponse({"status": "ok" if ok else "unavailable", "reason": reason}, status_code=200 if ok else 503)
+
+    @app.get("/live")
+    async def live() -> JSONResponse:
+        """200 while the gateway answers at all: the liveness probe (a mesh without workers is
+        not a reason to restart the gateway)."""
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 class _Gateway:
@@ -113,18 +146,20 @@ class _Gateway:
         # Our own id inside the mesh: a client's x-request-id is only echoed (two clients may
         # send the same one, and engines need unique ids).
         rid = uuid.uuid4().hex
+        REQUEST_ID.set(rid)  # this request's task: every line it logs carries the id
         headers = {"x-request-id": request.headers.get("x-request-id") or rid}
         streams: list[ProcessorStream] = []
         lease: Lease | None = None
         try:
-            check_api_key(request.headers.get("authorization"), self.config.api_key)
+            check_api_key(request.headers.get("authorization"), self.config.api_keys)
             req = parse(kind.schema, await read_json(request, self.config.max_body_bytes))
             if not self.mesh.knows_model(req.model):
                 raise ApiError(404, f"the model {req.model[:200]!r} does not exist", param="model",
                                code="model_not_found")
             lease = self.inflight.acquire(req.streams())
+            explain = self.config.allow_explain and wants_explanation(request.headers.get(EXPLAIN_HEADER))
             streams = [ProcessorStream(self.mesh, msg, self.config.request_timeout_s, self.failed_processors)
-                       for msg in processor_requests(rid, req)]
+                       for msg in processor_requests(rid, req, explain)]
             # A client may leave while its prompt is prefilled, before any response: then the
             # request is cancelled along the whole chain instead of computed for nobody.
             route = await unless_gone(first_route(streams), request.receive)
@@ -137,12 +172,17 @@ class _Gateway:
             if not isinstance(exc, ApiError):
                 raise
             return self._refuse(exc, rid, kind, headers)
-        headers["x-kvmesh-worker"] = route.worker_id
-        headers["x-kvmesh-prefill"] = prefill_header(route.prefill)
+        prefill = prefill_header(route.prefill)
+        if not self.config.hide_routing_details:
+            headers["x-kvmesh-worker"] = route.worker_id
+            headers["x-kvmesh-prefill"] = prefill
+        if explain and route.HasField("explanation"):
+            headers[ROUTE_HEADER] = route_header(route.explanation)
         log.info("request %s: %s %d prompt tokens x %d streams -> worker %s (%s prefill)%s", rid, kind.endpoint,
-                 route.prompt_tokens, req.streams(), route.worker_id, headers["x-kvmesh-prefill"],
+                 route.prompt_tokens, req.streams(), route.worker_id, prefill,
                  f" client id {headers['x-request-id'][:64]!r}" if headers["x-request-id"] != rid else "")
-        answer = Answer(self.metrics, kind, req, rid, streams, started, lease)
+        answer = Answer(self.metrics, kind, req, rid, streams, started, lease,
+                        hide_cached=self.config.hide_routing_details)
         if req.stream:
             return SseResponse(answer.sse(), answer.close, media_type="text/event-stream", headers=headers)
         body = await collect_unless_gone(answer, request.receive)

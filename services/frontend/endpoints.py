@@ -25,11 +25,12 @@ CHAT = Kind("chat", ChatCompletionRequest, "chat.completion", "chat.completion.c
 COMPLETION = Kind("completions", CompletionRequest, "text_completion", "text_completion", "cmpl-")
 
 
-def processor_requests(rid: str, req: GenerationRequest) -> list[processor_pb2.GenerateRequest]:
-    """One GenerateRequest per prompt (chat: one); each numbers its choices after the previous ones."""
+def processor_requests(rid: str, req: GenerationRequest, explain: bool = False) -> list[processor_pb2.GenerateRequest]:
+    """One GenerateRequest per prompt (chat: one); each numbers its choices after the previous ones.
+    `explain` asks each processor for the router's reasons (the x-kvmesh-route header)."""
     sampling = _sampling(req)
     if isinstance(req, ChatCompletionRequest):
-        msg = _request(rid, req, sampling, 0)
+        msg = _request(rid, req, sampling, 0, explain)
         msg.chat.add_generation_prompt = True
         msg.chat.messages.extend(processor_pb2.ChatMessage(role=m.role, content=m.text(), name=m.name or "")
                                  for m in req.messages)
@@ -37,7 +38,8 @@ def processor_requests(rid: str, req: GenerationRequest) -> list[processor_pb2.G
     assert isinstance(req, CompletionRequest)
     out = []
     for i, prompt in enumerate(req.prompts()):
-        msg = _request(rid if i == 0 else f"{rid}-p{i}", req, sampling, i * req.n)
+        # Only the first prompt's routing reaches the headers (as x-kvmesh-worker): only it is explained.
+        msg = _request(rid if i == 0 else f"{rid}-p{i}", req, sampling, i * req.n, explain and i == 0)
         if isinstance(prompt, str):
             msg.text = prompt
         else:
@@ -47,9 +49,9 @@ def processor_requests(rid: str, req: GenerationRequest) -> list[processor_pb2.G
 
 
 def _request(rid: str, req: GenerationRequest, sampling: common_pb2.SamplingParams,
-             choice_offset: int) -> processor_pb2.GenerateRequest:
+             choice_offset: int, explain: bool) -> processor_pb2.GenerateRequest:
     return processor_pb2.GenerateRequest(request_id=rid, model=req.model, sampling=sampling, n=req.n,
-                                         stop=req.stop_list(), choice_offset=choice_offset)
+                                         stop=req.stop_list(), choice_offset=choice_offset, explain=explain)
 
 
 def _sampling(req: GenerationRequest) -> common_pb2.SamplingParams:

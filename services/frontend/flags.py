@@ -6,11 +6,13 @@ import argparse
 import os
 
 from services.frontend.app import FrontendConfig
+from services.frontend.auth import load_api_keys
 from services.mesh.flags import port_number, positive_int, validated
 
 DEFAULT_HTTP_PORT = 8000
-# The API key travels by environment, not argv, so it never shows in `ps`.
+# API keys travel by environment or file, not argv, so they never show in `ps`.
 API_KEY_ENV = "KVMESH_API_KEY"
+API_KEY_FILE_ENV = "KVMESH_API_KEY_FILE"
 
 
 def add_frontend_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -18,7 +20,16 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     g = parser.add_argument_group("HTTP gateway")
     g.add_argument("--http-port", type=port_number, default=DEFAULT_HTTP_PORT)
     g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                   help=f"require this bearer token (env {API_KEY_ENV})")
+                   help=f"require one of these bearer tokens, comma-separated (env {API_KEY_ENV})")
+    g.add_argument("--api-key-file", default=os.environ.get(API_KEY_FILE_ENV) or None,
+                   help=f"file with accepted bearer tokens, one per line (env {API_KEY_FILE_ENV})")
+    g.add_argument("--metrics-port", type=port_number, default=None,
+                   help="serve /health, /live and /metrics on this port only, not on --http-port")
+    g.add_argument("--hide-routing-details", action="store_true",
+                   help="leave out x-kvmesh-worker, x-kvmesh-prefill and cached_tokens (a prefix-cache side channel)")
+    g.add_argument("--allow-explain", action="store_true",
+                   help="answer a request sent with `x-kvmesh-explain: 1` with an x-kvmesh-route header: "
+                        "the chosen worker and the runner-up with their routing terms")
     g.add_argument("--max-body-bytes", type=positive_int, default=FrontendConfig.max_body_bytes)
     g.add_argument("--max-inflight", type=positive_int, default=FrontendConfig.max_inflight,
                    help="concurrent requests before 429")
@@ -26,5 +37,7 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
 
 
 def frontend_config(args: argparse.Namespace) -> FrontendConfig:
-    return validated(lambda: FrontendConfig(api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                                            max_inflight=args.max_inflight))
+    return validated(lambda: FrontendConfig(api_keys=load_api_keys(args.api_key, args.api_key_file),
+                                            max_body_bytes=args.max_body_bytes, max_inflight=args.max_inflight,
+                                            hide_routing_details=args.hide_routing_details,
+                                            metrics_port=args.metrics_port, allow_explain=args.allow_explain))

@@ -30,6 +30,7 @@ from services.frontend.errors import ApiError, from_grpc
 from services.frontend.mesh import MeshView
 from services.mesh.grpc_server import is_final
 from services.mesh.recent_failures import RecentFailures
+from services.mesh.tracing import outgoing_metadata
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,8 @@ class ProcessorStream:
             remaining = self._deadline - time.monotonic()
             if remaining <= 0:
                 raise ApiError(503, f"the request took longer than {self._timeout_s:.0f}s", code="timeout")
-            self._call = stub.Generate(request, timeout=remaining)
+            # The request's span is current (request_tracing.py): the processor's joins its trace.
+            self._call = stub.Generate(request, timeout=remaining, metadata=outgoing_metadata())
             try:
                 msg = await self._call.read()
             except grpc.aio.AioRpcError as exc:

@@ -17,13 +17,16 @@ class ChoiceAccumulator:
     tokens: list[processor_pb2.ChoiceDelta] = field(default_factory=list)
 
 
-def usage_body(usage: processor_pb2.Usage) -> dict:
-    return {
+def usage_body(usage: processor_pb2.Usage, hide_cached: bool = False) -> dict:
+    """OpenAI's usage object; `hide_cached` leaves out the prefix-cache hit (an optional field)."""
+    body: dict = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+    if not hide_cached:
+        body["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
+    return body
 
 
 def _token_bytes(text: str) -> list[int]:

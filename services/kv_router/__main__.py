@@ -13,10 +13,18 @@ from services.kv_router.flags import add_router_flags, router_config
 from services.kv_router.service import RouterMetrics, RouterServicer
 from services.kv_router.worker_pool import WorkerPool
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, ROUTER, InstanceInfo, new_instance_id
-from services.mesh.flags import FlagParser, add_mesh_flags, mesh_config, non_negative_float, port_number
+from services.mesh.flags import (
+    FlagParser,
+    add_mesh_flags,
+    exit_if_checking,
+    mesh_config,
+    non_negative_float,
+    port_number,
+)
 from services.mesh.grpc_server import ServiceBinding
 from services.mesh.logs import setup_logging
 from services.mesh.service_runner import ServiceRunner, run_service
+from services.mesh.tracing import start_tracing
 
 log = logging.getLogger("kv_router")
 
@@ -55,10 +63,12 @@ def main() -> None:
         return
     args = parser().parse_args()
     mesh = mesh_config(args)
-    setup_logging(mesh.log_level, ROUTER)
+    setup_logging(mesh.log_level, ROUTER, mesh.log_format)
     config = router_config(args)
+    exit_if_checking(args)
 
     async def assemble(runner: ServiceRunner) -> None:
+        tracing = start_tracing(runner)  # first: torn down last, after the drain's last spans
         await runner.connect_store()
         pools: dict[int, WorkerPool] = {}
         for role, component in POOLS.items():
@@ -66,7 +76,7 @@ def main() -> None:
             runner.on_teardown(f"stop {component} subscriptions", pool.stop)
         await _sync_indexes(pools, args.sync_timeout)
         registry = CollectorRegistry()
-        servicer = RouterServicer(pools, config, RouterMetrics(registry))
+        servicer = RouterServicer(pools, config, RouterMetrics(registry), tracing)
         binding = ServiceBinding(router_pb2_grpc.add_RouterServicer_to_server, servicer,
                                  router_pb2.DESCRIPTOR.services_by_name["Router"].full_name)
         port, _ = await runner.serve_grpc([binding], args.port)

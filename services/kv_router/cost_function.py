@@ -60,6 +60,17 @@ class Decision:
     logit: float
 
 
+@dataclass(frozen=True, slots=True)
+class Terms:
+    """One candidate's terms in the rule, as the decision saw them: what `explain` reports."""
+
+    worker_id: str
+    overlap_blocks: int
+    cache_usage: float
+    waiting: int
+    logit: float
+
+
 def overlap_ratio(overlap_blocks: int, block_size: int, num_tokens: int) -> float:
     """The share of the prompt's tokens held in the matched blocks (the prefix hit rate)."""
     return min(1.0, overlap_blocks * block_size / num_tokens) if num_tokens else 0.0
@@ -73,6 +84,21 @@ def logits(candidates: Sequence[Candidate], block_size: int, num_tokens: int, w:
         cached = overlap_ratio(c.overlap_blocks, block_size, num_tokens)
         out.append(w.overlap * cached - w.cache_usage * c.cache_usage() - w.waiting * normalized_waiting)
     return out
+
+
+def terms(candidates: Sequence[Candidate], block_size: int, num_tokens: int, w: CostWeights) -> list[Terms]:
+    """Each candidate's terms and logit, in the candidates' order (the numbers `choose` weighs)."""
+    scores = logits(candidates, block_size, num_tokens, w)
+    return [Terms(c.worker_id, c.overlap_blocks, c.cache_usage(), c.waiting(), s) for c, s in zip(candidates, scores)]
+
+
+def ranked(all_terms: Sequence[Terms], chosen_id: str) -> list[Terms]:
+    """The chosen worker first, then the others by logit, best first (ties by worker id), so the
+    second is the runner-up. The chosen one leads even when it is not the best logit: with a
+    temperature the choice is sampled."""
+    chosen = [t for t in all_terms if t.worker_id == chosen_id]
+    others = sorted((t for t in all_terms if t.worker_id != chosen_id), key=lambda t: (-t.logit, t.worker_id))
+    return chosen + others
 
 
 def choose(candidates: Sequence[Candidate], block_size: int, num_tokens: int, w: CostWeights,

@@ -8,6 +8,9 @@ disaggregation decision uses (services/kv_router/pickers/ holds the modes).
 
 No eligible worker is NOT_FOUND, not UNAVAILABLE: every router sees the same pools, so another
 router would answer the same, and a caller must not retry the request elsewhere.
+
+Each decision can say why (explanation.py): in the `route` span when traced, in a DEBUG log line,
+and in the response when the caller set `explain`.
 """
 
 from __future__ import annotations
@@ -18,17 +21,23 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.kv_router.cost_function import CostWeights, overlap_ratio
+from services.kv_router.explanation import explain
 from services.kv_router.pickers import ROUTER_MODES as ROUTER_MODES
 from services.kv_router.pickers import PickContext, make_picker
 from services.kv_router.worker_pool import WorkerPool
 from services.mesh.flags import ConfigError
 from services.mesh.hashing import local_block_hashes
+from services.mesh.tracing import TRACING_OFF, Tracing
+from services.mesh.logs import REQUEST_ID
 
 log = logging.getLogger(__name__)
+
+ROUTE_RPC = "kvmesh.v1.Router/Route"
 
 
 @dataclass(frozen=True)
@@ -69,9 +78,12 @@ class RouterMetrics:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, pools: dict[int, WorkerPool], config: RouterConfig, metrics: RouterMetrics) -> None:
+    def __init__(self, pools: dict[int, WorkerPool], config: RouterConfig, metrics: RouterMetrics,
+                 tracing: Tracing = TRACING_OFF) -> None:
         self._pools = pools
         self._metrics = metrics
+        self._mode = config.mode
+        self._tracing = tracing
         # One generator for every random draw of the router, so a seed fixes all its choices.
         self._picker = make_picker(config.mode, random.Random(config.seed), config.weights)
 
@@ -83,6 +95,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return pool
 
     async def Route(self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext) -> router_pb2.RouteResponse:  # noqa: N802
+        REQUEST_ID.set(request.request_id)  # this call's task: its log lines carry the id
+        with self._tracing.server_span("route", context, ROUTE_RPC) as span:
+            return await self._route(request, context, span)
+
+    async def _route(self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext,
+                     span: Span) -> router_pb2.RouteResponse:
         started = time.perf_counter()
         pool = await self._pool(request.role, context)
         excluded = set(request.exclude_worker_ids)
@@ -94,7 +112,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         block_size = pool.block_size(request.model) or candidates[0].info.block_size
         tokens = request.token_ids
         overlaps = pool.index.find_matches(local_block_hashes(tokens, block_size))
-        chosen = self._picker.pick(candidates, PickContext(overlaps, block_size, len(tokens), pool.index.block_count))
+        pick_context = PickContext(overlaps, block_size, len(tokens), pool.index.block_count)
+        chosen = self._picker.pick(candidates, pick_context)
+        # Explained only when someone looks: the terms cost a second pass over the candidates. Taken
+        # before the pending work below is added, so they are the numbers the pick weighed.
+        explanation = None
+        if request.explain or span.is_recording() or log.isEnabledFor(logging.DEBUG):
+            explanation = explain(self._mode, chosen.info.instance_id, self._picker.terms(candidates, pick_context))
         # The pool's queue as this request finds it (the disaggregation rule's prefill queue size).
         pool_waiting = sum(w.load.num_requests_waiting + len(w.pending) for w in candidates)
         overlap = overlaps.get(chosen.info.instance_id, 0)
@@ -104,9 +128,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._metrics.routed.labels(chosen.info.instance_id, pool.view.component).inc()
         self._metrics.record(len(tokens), min(len(tokens), overlap * block_size))
         self._metrics.decision_seconds.observe(time.perf_counter() - started)
-        log.debug("request %s -> %s (overlap %d blocks)", request.request_id, chosen.info.instance_id, overlap)
-        return router_pb2.RouteResponse(worker_id=chosen.info.instance_id, address=chosen.info.address,
-                                        overlap_blocks=overlap, prefix_hit_rate=hit, pool_waiting=pool_waiting)
+        reply = router_pb2.RouteResponse(worker_id=chosen.info.instance_id, address=chosen.info.address,
+                                         overlap_blocks=overlap, prefix_hit_rate=hit, pool_waiting=pool_waiting)
+        if explanation is not None:
+            log.debug("request %s (%s): %s", request.request_id, pool.view.component, explanation.log_line())
+            if span.is_recording():
+                span.set_attributes({"kvmesh.request_id": request.request_id, "kvmesh.route.pool": pool.view.component,
+                                     "kvmesh.route.prefix_hit_rate": hit, **explanation.span_attributes()})
+            if request.explain:
+                reply.explanation.CopyFrom(explanation.to_proto())
+        return reply
 
     async def FindMatches(  # noqa: N802
         self, request: router_pb2.FindMatchesRequest, context: grpc.aio.ServicerContext

@@ -1,21 +1,31 @@
-"""Child processes of the launcher: started with prefixed output, stopped in order, never orphaned."""
+"""Child processes of the launcher: output to a log file (and the console when it matters),
+stopped in order, never orphaned."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
+import shlex
 import signal
 import sys
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
 
+from services.launch.console import Console
+from services.launch.output_filter import LineSplitter, OutputFilter, parse
 from services.mesh.process_tree import die_with_parent
 from services.mesh.tasks import cancel_and_wait
 
 TAIL_LINES = 30
 # How long a child's output is still read after it exited (see Child.wait).
 OUTPUT_DRAIN_S = 2.0
+# Output is read in chunks, not lines: a line has no length limit (see LineSplitter).
+READ_CHUNK = 64 * 1024
 
 
 def _prepare_child() -> None:
@@ -31,35 +41,67 @@ class Child:
     component: str
     argv: Sequence[str]
     env: dict[str, str] | None = None
-    # A line the child prints once it serves (workers: "<component> ready: <ids>").
-    ready_marker: str | None = None
+    # What the child prints or logs once it serves (see readiness.py), matched against each
+    # line's message.
+    ready_when: re.Pattern[str] | None = None
+    # The launcher waits for this child's ready line before it asks the frontend for /health.
+    ready_required: bool = False
+    # Every byte the child writes to stdout and stderr; appended to, so restarts keep history.
+    log_path: Path | None = None
+    console: Console = field(default_factory=Console)
     process: asyncio.subprocess.Process | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     ready: bool = False
+    _started_at: float = 0.0
     _pump: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self.process = await asyncio.create_subprocess_exec(
-            *self.argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=self.env,
-            preexec_fn=_prepare_child,
-        )
-        self._pump = asyncio.create_task(self._forward_output(), name=f"output-{self.component}")
-        print(f"CHILD {self.component} pid={self.process.pid}", flush=True)
+        log = _LogFile.open(self.log_path)
+        try:
+            self.process = await asyncio.create_subprocess_exec(
+                *self.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                env=self.env,
+                preexec_fn=_prepare_child,
+            )
+        except BaseException:
+            log.close()
+            raise
+        self.ready = False
+        self._started_at = time.monotonic()
+        log.write(f"---- {time.strftime('%Y-%m-%d %H:%M:%S')} {self.component} started pid={self.process.pid}: "
+                  f"{shlex.join(self.argv)}\n".encode())
+        self._pump = asyncio.create_task(self._read_output(self.process, log), name=f"output-{self.component}")
+        self.console.status(f"CHILD {self.component} pid={self.process.pid}")
 
-    async def _forward_output(self) -> None:
-        assert self.process is not None and self.process.stdout is not None
-        prefix = f"[{self.component} {self.process.pid}] "
-        while line := await self.process.stdout.readline():
-            text = line.decode(errors="replace").rstrip("\n")
-            self.tail.append(text)
-            if self.ready_marker is not None and text.startswith(self.ready_marker):
-                self.ready = True
-            sys.stderr.write(prefix + text + "\n")
-        sys.stderr.flush()
+    async def _read_output(self, process: asyncio.subprocess.Process, log: _LogFile) -> None:
+        assert process.stdout is not None
+        lines, console_filter = LineSplitter(), OutputFilter()
+        try:
+            while chunk := await process.stdout.read(READ_CHUNK):
+                log.write(chunk)
+                for line in lines.feed(chunk):
+                    self._on_line(process.pid, line, console_filter)
+            for line in lines.flush():
+                self._on_line(process.pid, line, console_filter)
+        finally:
+            log.close()
+
+    def _on_line(self, pid: int, text: str, console_filter: OutputFilter) -> None:
+        self.tail.append(text)
+        important = console_filter.shows(text)
+        self.console.child_line(self.component, pid, text, important=important)
+        if self.ready_when is not None and not self.ready and self.ready_when.search(parse(text).message):
+            self.mark_ready()
+
+    def mark_ready(self) -> None:
+        """Prints the child's ready line, once per start."""
+        if self.ready or self.process is None:
+            return
+        self.ready = True
+        self.console.ready(self.component, self.process.pid, time.monotonic() - self._started_at)
 
     @property
     def returncode(self) -> int | None:
@@ -78,7 +120,7 @@ class Child:
                 await cancel_and_wait(self._pump)
         return code
 
-    def kill_leftovers(self) -> None:
+    def kill_leftovers(self, report: bool = True) -> None:
         """SIGKILLs whatever is left of the child's process group (it has exited itself)."""
         if self.process is None:
             return
@@ -86,8 +128,8 @@ class Child:
             os.killpg(self.process.pid, signal.SIGKILL)
         except ProcessLookupError:
             return
-        print(f"{self.component} pid={self.process.pid} left processes behind; killed them",
-              file=sys.stderr, flush=True)
+        if report:
+            self.console.note(f"{self.component} pid={self.process.pid} left processes behind; killed them")
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM (the child drains), SIGKILL if it has not exited within the timeout, then
@@ -99,12 +141,47 @@ class Child:
             try:
                 await asyncio.wait_for(self.process.wait(), timeout_s)
             except TimeoutError:
-                print(f"{self.component} pid={self.process.pid} ignored SIGTERM for {timeout_s:.0f}s; killing it",
-                      file=sys.stderr, flush=True)
+                self.console.note(f"{self.component} pid={self.process.pid} ignored SIGTERM for {timeout_s:.0f}s; "
+                                  "killing it")
                 self.process.kill()
                 await self.process.wait()
-        self.kill_leftovers()
+        # Not reported: after a stop, vLLM's engine processes are often still on their way out
+        # (they end on their parent's death, a moment after it).
+        self.kill_leftovers(report=False)
         await self.wait()
+
+
+class _LogFile:
+    """A child's log file, flushed at every write (`tail -f` sees each line as it comes, a
+    launcher crash loses nothing). A file that cannot be opened or written (a full disk) ends
+    the logging, not the mesh."""
+
+    def __init__(self, file: BinaryIO | None) -> None:
+        self._file = file
+
+    @classmethod
+    def open(cls, path: Path | None) -> _LogFile:
+        try:
+            return cls(None if path is None else path.open("ab"))
+        except OSError:
+            return cls(None)
+
+    def write(self, data: bytes) -> None:
+        if self._file is None:
+            return
+        try:
+            self._file.write(data)
+            self._file.flush()
+        except OSError:
+            self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError:
+                pass  # what it could not flush is lost; the console still showed what mattered
 
 
 def python_module(module: str, *args: str) -> list[str]:

@@ -30,16 +30,20 @@ from services.decode_worker.flags import add_disagg_flags
 from services.frontend.flags import add_frontend_flags
 from services.kv_router.flags import add_router_flags
 from services.mesh.flags import (
+    DEFAULT_ETCD,
     ConfigError,
     FlagParser,
+    MeshConfig,
     add_mesh_flags,
     die,
     forward_flags,
+    mesh_config,
     non_negative_int,
     positive_float,
     positive_int,
     validated,
 )
+from services.mesh.net import free_port
 from services.processor.flags import add_processor_flags
 from services.worker.engine_flags import add_engine_flags
 
@@ -72,6 +76,16 @@ class LaunchConfig:
     ready_timeout_s: float
     # "restart" a child that exits after start-up, or "exit": stop the mesh.
     on_child_exit: str
+    # Where the frontend answers /health: --metrics-port when given, else --http-port.
+    health_port: int
+    # Every child's full output goes to a file in this directory (None: a new one under
+    # .cache/runs/); the console shows only what matters unless `verbose`.
+    run_dir: Path | None
+    verbose: bool
+    # --check-config: validate everything, every child's command line included; start nothing.
+    check_config: bool
+    # Given to every child: --log-format, the TLS files, --grpc-reflection.
+    mesh_argv: tuple[str, ...]
     # Each service's flags as given to the launcher, forwarded to its children.
     engine_argv: tuple[str, ...]
     disagg_argv: tuple[str, ...]
@@ -114,6 +128,10 @@ def parser() -> tuple[FlagParser, _Groups]:
     p.add_argument("--ready-timeout", type=positive_float, default=600.0, help="seconds to wait for /health")
     p.add_argument("--on-child-exit", choices=ON_CHILD_EXIT, default="restart",
                    help="a service that exits after start-up is restarted (with back-off) or stops the mesh")
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="write each process's output to DIR/<component>.log (default: a new .cache/runs/<time>-<pid>/)")
+    p.add_argument("--verbose", action="store_true",
+                   help="show every line of every process on the console, not only warnings and errors")
     groups = _Groups(engine=add_engine_flags(p), disagg=add_disagg_flags(p), router=add_router_flags(p),
                      processor=add_processor_flags(p), frontend=add_frontend_flags(p))
     return p, groups
@@ -151,6 +169,14 @@ def load(argv: list[str] | None = None) -> LaunchConfig:
         p.set_defaults(**_yaml_defaults(args.config, p))
         args = p.parse_args(argv)
 
+    # The launcher's etcd is checked by the same rules a service's is (and its TLS files read),
+    # with an embedded etcd standing in when none is given.
+    mesh = mesh_config(argparse.Namespace(**{**vars(args), "etcd_endpoints": args.etcd_endpoints or DEFAULT_ETCD}))
+    # Port 0 would let the frontend pick a port the launcher could not poll or print: pick it here.
+    for port_flag in ("http_port", "metrics_port"):
+        if getattr(args, port_flag, None) == 0:
+            setattr(args, port_flag, free_port())
+
     def forwarded(group: argparse._ArgumentGroup, skip: tuple[str, ...] = ()) -> tuple[str, ...]:
         return tuple(forward_flags(args, group._group_actions, skip))
 
@@ -163,6 +189,9 @@ def load(argv: list[str] | None = None) -> LaunchConfig:
         namespace=args.namespace, log_level=args.log_level,
         drain_timeout_s=args.drain_timeout, ready_timeout_s=args.ready_timeout,
         on_child_exit=args.on_child_exit,
+        health_port=getattr(args, "metrics_port", None) or args.http_port,
+        run_dir=args.run_dir, verbose=args.verbose, check_config=args.check_config,
+        mesh_argv=_mesh_argv(mesh),
         # The launcher resolves the model once (building the demo model if needed) and passes it.
         engine_argv=forwarded(groups.engine, ("model", "served_model_name")),
         # Whether prefill goes remote is the launcher's call (it knows the prefill pool's size).
@@ -172,3 +201,16 @@ def load(argv: list[str] | None = None) -> LaunchConfig:
         # The API key goes by environment so it never shows in `ps`.
         frontend_argv=forwarded(groups.frontend, ("api_key",)),
     ))
+
+
+def _mesh_argv(mesh: MeshConfig) -> tuple[str, ...]:
+    """What every child gets besides its etcd, namespace, log level and drain timeout.
+
+    `make run` is for development: gRPC server reflection is on, so `grpcurl` can list and call
+    every service."""
+    argv = ["--log-format", mesh.log_format, "--grpc-reflection"]
+    if mesh.tls is not None:
+        # Absolute, so a child's check or a restart does not depend on its working directory.
+        argv += ["--tls-cert", str(Path(mesh.tls.cert_file).resolve()), "--tls-key", str(Path(mesh.tls.key_file).resolve()),
+                 "--tls-ca", str(Path(mesh.tls.ca_file).resolve())]
+    return tuple(argv)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
+from pathlib import Path
 
-from services.mesh.net import free_port
 from services.launch.children import Child
+from services.launch.console import Console
+from services.mesh.net import free_port
 
 
 def etcd_binary() -> str:
@@ -18,7 +20,7 @@ def etcd_binary() -> str:
 
 
 class EtcdChild:
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", console: Console | None = None, log_path: Path | None = None) -> None:
         self.host = host
         self.client_port = free_port(host)
         self.peer_port = free_port(host)
@@ -33,16 +35,21 @@ class EtcdChild:
             "--listen-peer-urls", f"http://{host}:{self.peer_port}",
             "--initial-advertise-peer-urls", f"http://{host}:{self.peer_port}",
             "--initial-cluster", f"kvmesh=http://{host}:{self.peer_port}",
+            # zap: one JSON object per line with its level, which the console filter reads
+            # (etcd 3.4's default logger writes raft's INFO chatter whatever the level).
+            "--logger", "zap",
             "--log-level", "warn",
-        ])
+        ], log_path=log_path, console=console or Console())
 
     async def start(self, timeout_s: float = 20.0) -> None:
         await self.child.start()
         deadline = asyncio.get_running_loop().time() + timeout_s
         while asyncio.get_running_loop().time() < deadline:
             if self.child.returncode is not None:
-                raise RuntimeError("etcd exited at start-up:\n" + "\n".join(self.child.tail))
+                where = f" (its log: {self.child.log_path})" if self.child.log_path else ""
+                raise RuntimeError(f"etcd exited at start-up{where}:\n" + "\n".join(self.child.tail))
             if await _port_open(self.host, self.client_port):
+                self.child.mark_ready()
                 return
             await asyncio.sleep(0.1)
         raise TimeoutError(f"etcd did not listen on {self.endpoint} within {timeout_s:.0f}s")

@@ -14,6 +14,11 @@ from urllib.parse import urlsplit
 
 import aetcd
 import aetcd.exceptions
+import aetcd.rpc
+import aetcd.watcher
+import grpc
+
+from services.mesh.tls import TlsConfig
 
 CALL_TIMEOUT_S = 5
 T = TypeVar("T")
@@ -74,11 +79,14 @@ class EtcdStore:
     the next call connects to the next endpoint that answers, round the list, so a dead cluster
     member costs one failed call. Whatever aetcd raises comes out as StoreUnavailable.
 
-    aetcd speaks plaintext gRPC only: an `https://` endpoint is refused, never downgraded.
+    `https://` endpoints are reached over TLS with the mesh certificate as the client
+    certificate; one without a TLS setting is refused, never downgraded to plaintext.
     """
 
-    def __init__(self, endpoints: tuple[str, ...], timeout_s: int = CALL_TIMEOUT_S) -> None:
+    def __init__(self, endpoints: tuple[str, ...], timeout_s: int = CALL_TIMEOUT_S,
+                 tls: TlsConfig | None = None) -> None:
         self._endpoints = endpoints
+        self._tls = tls
         self._timeout_s = timeout_s
         self._client: aetcd.Client | None = None
         self._current = 0
@@ -87,16 +95,16 @@ class EtcdStore:
 
     async def connect(self) -> None:
         """Connects and proves etcd answers, or raises StoreUnavailable naming the endpoints."""
-        insecure = [e for e in self._endpoints if e.startswith("https://")]
-        if insecure:
-            raise StoreUnavailable(f"{insecure[0]}: TLS to etcd is not supported by this client; refusing to "
+        https = [e for e in self._endpoints if e.startswith("https://")]
+        if https and self._tls is None:
+            raise StoreUnavailable(f"{https[0]} needs TLS: pass --tls-cert, --tls-key and --tls-ca; refusing to "
                                    "speak plaintext to an https:// endpoint")
         errors = []
         for step in range(len(self._endpoints)):
             index = (self._current + step) % len(self._endpoints)
             endpoint = self._endpoints[index]
             host, port = _host_port(endpoint)
-            client = aetcd.Client(host=host, port=port, timeout=self._timeout_s, options=CHANNEL_OPTIONS)
+            client = self._client_for(endpoint, host, port)
             try:
                 await asyncio.wait_for(client.connect(), self._timeout_s)
                 await asyncio.wait_for(client.status(), self._timeout_s)
@@ -112,6 +120,13 @@ class EtcdStore:
                 await old.close()
             return
         raise StoreUnavailable("etcd unreachable at " + "; ".join(errors))
+
+    def _client_for(self, endpoint: str, host: str, port: int) -> aetcd.Client:
+        if endpoint.startswith("https://"):
+            assert self._tls is not None
+            return _TlsClient(self._tls.channel_credentials(), host=host, port=port, timeout=self._timeout_s,
+                              options=CHANNEL_OPTIONS)
+        return aetcd.Client(host=host, port=port, timeout=self._timeout_s, options=CHANNEL_OPTIONS)
 
     async def close(self) -> None:
         if self._client is not None:
@@ -189,3 +204,27 @@ class EtcdStore:
 
     async def revoke_lease(self, lease_id: int) -> None:
         await self._call(lambda c: c.revoke_lease(lease_id))
+
+
+class _TlsClient(aetcd.Client):
+    """aetcd's client on a TLS channel (aetcd 1.0 opens plaintext channels only).
+
+    It builds the same stubs aetcd's `connect` builds, on a secure channel. Opening a channel
+    does no I/O; the first call does the handshake and fails like any unreachable endpoint."""
+
+    def __init__(self, credentials: grpc.ChannelCredentials, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self._credentials = credentials
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        target = f"{self._host}:{self._port}"
+        self.channel = grpc.aio.secure_channel(target, self._credentials, options=list(self._options.items()))
+        self.kvstub = aetcd.rpc.KVStub(self.channel)
+        self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
+        self.leasestub = aetcd.rpc.LeaseStub(self.channel)
+        self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
+        self._watcher = aetcd.watcher.Watcher(aetcd.rpc.WatchStub(self.channel), timeout=self._timeout,
+                                              metadata=self.metadata)
+        self._connected.set()

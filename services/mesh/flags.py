@@ -16,21 +16,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
+from services.mesh.config_error import ConfigError
+from services.mesh.tls import TlsConfig, tls_config, tls_flag_defaults
+
 DEFAULT_ETCD = "http://127.0.0.1:2379"
 DEFAULT_NAMESPACE = "kvmesh"
 DEFAULT_LOG_LEVEL = "INFO"
 # Seconds a stopping service lets in-flight work finish (SIGTERM drains; then it exits 0).
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")
 # Exit status for bad flags (argparse's own), and for a mesh that cannot be reached at start-up.
 EXIT_BAD_FLAGS = 2
 EXIT_UNREACHABLE = 3
 
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work; the message is one line and names the flag."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,11 @@ class MeshConfig:
     # The address other instances use to reach this one (differs from `host` when binding 0.0.0.0).
     advertise_host: str = "127.0.0.1"
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    log_format: str = "text"
+    # None: plaintext gRPC and http:// etcd only.
+    tls: TlsConfig | None = None
+    # Server reflection lets anyone list and call the RPCs: a development aid, off by default.
+    grpc_reflection: bool = False
 
     def __post_init__(self) -> None:
         if not self.drain_timeout_s >= 0:
@@ -57,6 +62,11 @@ class MeshConfig:
             raise ConfigError(f"--namespace: {self.namespace!r} must be non-empty and contain no '/'")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"--log-level: {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"--log-format: {self.log_format!r} is not one of {', '.join(LOG_FORMATS)}")
+        https = [e for e in self.etcd_endpoints if e.startswith("https://")]
+        if https and self.tls is None:
+            raise ConfigError(f"--etcd-endpoints {https[0]} is https: it needs --tls-cert, --tls-key and --tls-ca")
 
 
 @dataclass(frozen=True)
@@ -95,8 +105,23 @@ def add_mesh_flags(parser: argparse.ArgumentParser, *, embedded_etcd: bool = Fal
                         help="etcd key namespace of this mesh (env KVMESH_NAMESPACE)")
     parser.add_argument("--log-level", default=os.environ.get("KVMESH_LOG_LEVEL", DEFAULT_LOG_LEVEL),
                         choices=LOG_LEVELS, type=str.upper)
+    parser.add_argument("--log-format", default=os.environ.get("KVMESH_LOG_FORMAT", "text"), choices=LOG_FORMATS,
+                        help="text, or json: one JSON object per line (env KVMESH_LOG_FORMAT)")
     parser.add_argument("--drain-timeout", type=non_negative_float, default=DEFAULT_DRAIN_TIMEOUT_S,
                         help="seconds in-flight work may take to finish after SIGTERM")
+    parser.add_argument("--check-config", action="store_true",
+                        help="validate every flag and exit: 0, or 2 with a one-line error; starts nothing")
+    tls = tls_flag_defaults()
+    parser.add_argument("--tls-cert", default=tls["cert"], help="PEM certificate of this process (env KVMESH_TLS_CERT)")
+    parser.add_argument("--tls-key", default=tls["key"], help="its PEM private key (env KVMESH_TLS_KEY)")
+    parser.add_argument("--tls-ca", default=tls["ca"],
+                        help="PEM CA that signs every mesh certificate; with the two above, internal gRPC is "
+                             "mutual TLS and https:// etcd is used with the same files (env KVMESH_TLS_CA)")
+    parser.add_argument("--tls-server-name", default=tls["server_name"],
+                        help="check every mesh peer's certificate against this name instead of the address it "
+                             "registered, so one certificate can serve the whole mesh (env KVMESH_TLS_SERVER_NAME)")
+    parser.add_argument("--grpc-reflection", action="store_true",
+                        help="serve gRPC server reflection (development; off by default)")
     if not embedded_etcd:
         parser.add_argument("--host", default="127.0.0.1", help="address to bind")
         parser.add_argument("--advertise-host", default=None,
@@ -112,7 +137,15 @@ def mesh_config(args: argparse.Namespace) -> MeshConfig:
     host = getattr(args, "host", "127.0.0.1")
     advertise = getattr(args, "advertise_host", None) or _advertised(host)
     return validated(lambda: MeshConfig(split_endpoints(args.etcd_endpoints), args.namespace, args.log_level,
-                                        host, advertise, args.drain_timeout))
+                                        host, advertise, args.drain_timeout, args.log_format,
+                                        tls_config(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name),
+                                        args.grpc_reflection))
+
+
+def exit_if_checking(args: argparse.Namespace) -> None:
+    """`--check-config`: every setting was validated by now and nothing was started; exit 0."""
+    if getattr(args, "check_config", False):
+        raise SystemExit(0)
 
 
 def _advertised(host: str) -> str:

@@ -1,4 +1,4 @@
-"""gRPC servers with the mesh's defaults: health, reflection, keepalive, message limits."""
+"""gRPC servers with the mesh's defaults: health, optional reflection, mTLS, keepalive, message limits."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import Any, NoReturn
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from services.mesh.tls import TlsConfig
 
 # Messages carry whole prompts as token ids (and KV dumps later); 64 MiB keeps a 1M-token dump in.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -36,9 +38,11 @@ class ServiceBinding:
 
 
 async def start_server(
-    bindings: Sequence[ServiceBinding], host: str, port: int = 0
+    bindings: Sequence[ServiceBinding], host: str, port: int = 0, *,
+    tls: TlsConfig | None = None, reflect: bool = False,
 ) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
-    """Starts a server with every binding plus grpc.health.v1 and reflection; returns the port."""
+    """Starts a server with every binding plus grpc.health.v1 (and reflection when asked);
+    with `tls` it accepts only clients whose certificate the mesh CA signed. Returns the port."""
     server = grpc.aio.server(options=SERVER_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -46,8 +50,11 @@ async def start_server(
     for binding in bindings:
         binding.add_to_server(binding.servicer, server)
         names.append(binding.full_name)
-    reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if reflect:
+        reflection.enable_server_reflection(names, server)
+    address = f"{host}:{port}"
+    bound = (server.add_secure_port(address, tls.server_credentials()) if tls is not None
+             else server.add_insecure_port(address))
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     await server.start()

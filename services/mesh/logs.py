@@ -1,19 +1,82 @@
-"""Logging for every process: one line per event, tagged with the component."""
+"""Logging for every process: one line per event, tagged with the component and the request.
+
+`--log-format text` writes `time LEVEL component logger: message [rid=...]`; `json` writes one
+JSON object per line (`ts`, `level`, `component`, `logger`, `msg`, and `request_id` when the
+line was logged while serving a request, `exc` with the traceback) for log collectors.
+The request id comes from a context variable set where a request enters the process, so every
+line logged on its behalf carries it without each call site passing it.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 # Third-party chatter at INFO drowns the one-line-per-event logs of our own services.
 QUIET_LOGGERS = ("httpx", "uvicorn.access", "aetcd", "hpack")
 
+# The request being served by the current task (asyncio copies the context into each task).
+REQUEST_ID: ContextVar[str | None] = ContextVar("kvmesh_request_id", default=None)
 
-def setup_logging(level: str, component: str) -> None:
-    logging.basicConfig(
-        level=level,
-        format=f"%(asctime)s %(levelname)s {component} %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+
+@contextmanager
+def request_scope(request_id: str) -> Iterator[None]:
+    """Tags every line logged inside with this request id."""
+    token = REQUEST_ID.set(request_id)
+    try:
+        yield
+    finally:
+        REQUEST_ID.reset(token)
+
+
+class _RequestIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = REQUEST_ID.get()
+        return True
+
+
+class TextFormatter(logging.Formatter):
+    def __init__(self, component: str) -> None:
+        super().__init__(f"%(asctime)s %(levelname)s {component} %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        rid = getattr(record, "request_id", None)
+        return f"{line} [rid={rid}]" if rid and rid not in record.getMessage() else line
+
+
+class JsonFormatter(logging.Formatter):
+    def __init__(self, component: str) -> None:
+        super().__init__()
+        self._component = component
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, object] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "component": self._component,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        rid = getattr(record, "request_id", None)
+        if rid:
+            entry["request_id"] = rid
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def setup_logging(level: str, component: str, log_format: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter(component) if log_format == "json" else TextFormatter(component))
+    handler.addFilter(_RequestIdFilter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
     for noisy in QUIET_LOGGERS:
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -24,6 +24,7 @@ import grpc
 from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.mesh.channels import ChannelPool
 from services.mesh.discovery import InstanceInfo
+from services.mesh.tracing import outgoing_metadata
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class RouteChoice:
     prefix_hit_rate: float
     # Requests waiting across the whole pool (the prefill queue size, for the prefill pool).
     pool_waiting: int
+    # Why this worker: set when the call asked to `explain`.
+    explanation: common_pb2.RouteExplanation | None = None
 
 
 class Members(Protocol):
@@ -70,19 +73,21 @@ class RouterClient:
         self._turn = count()
 
     async def route(self, request_id: str, model: str, token_ids: Sequence[int], role: common_pb2.WorkerRole,
-                    exclude: Sequence[str] = ()) -> RouteChoice:
+                    exclude: Sequence[str] = (), explain: bool = False) -> RouteChoice:
         routers = sorted(self._routers.instances.values(), key=lambda r: r.instance_id)
         if not routers:
             raise RoutingUnavailable("no router is available")
         request = router_pb2.RouteRequest(request_id=request_id, model=model, token_ids=token_ids, role=role,
-                                          exclude_worker_ids=exclude)
+                                          exclude_worker_ids=exclude, explain=explain)
+        # The router's span joins the caller's trace (None when the caller traces nothing).
+        metadata = outgoing_metadata()
         start = next(self._turn)
         failures = []
         for attempt in range(len(routers)):
             router = routers[(start + attempt) % len(routers)]
             stub = router_pb2_grpc.RouterStub(self._channels.get(router.address))
             try:
-                reply = await stub.Route(request, timeout=self._timeout_s)
+                reply = await stub.Route(request, timeout=self._timeout_s, metadata=metadata)
             except grpc.aio.AioRpcError as exc:
                 detail = exc.details() or exc.code().name
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
@@ -94,5 +99,5 @@ class RouterClient:
                           router.instance_id, exc.code().name)
                 continue
             return RouteChoice(reply.worker_id, reply.address, reply.overlap_blocks, reply.prefix_hit_rate,
-                               reply.pool_waiting)
+                               reply.pool_waiting, reply.explanation if reply.HasField("explanation") else None)
         raise RoutingUnavailable("routing failed: " + "; ".join(failures))

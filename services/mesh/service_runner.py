@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from http.server import ThreadingHTTPServer
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -66,6 +67,8 @@ class ServiceRunner:
         self._tearing_down = False
         self._steps: list[_Step] = []
         self._stop = asyncio.Event()
+        # Assembled and not stopping: what the side port's /health reports.
+        self._serving = False
         self._store: KeyValueStore | None = None
         self._channels: ChannelPool | None = None
 
@@ -76,6 +79,7 @@ class ServiceRunner:
         self._steps.append(_Step(label, action, timeout_s))
 
     def request_stop(self, reason: str, exit_code: int = 0) -> None:
+        self._serving = False
         if not self._stop.is_set():
             log.info("%s stopping: %s", self.component, reason)
             self.exit_code = exit_code
@@ -113,6 +117,7 @@ class ServiceRunner:
             loop.add_signal_handler(sig, self.request_stop, signal.Signals(sig).name)
         try:
             await self._assemble(assemble)
+            self._serving = not self._stop.is_set()
             await self._stop.wait()
         except _Exit as exc:
             self.exit_code = exc.code
@@ -171,7 +176,7 @@ class ServiceRunner:
     def channels(self) -> ChannelPool:
         """Client channels to other instances, one per address, closed at teardown."""
         if self._channels is None:
-            self._channels = pool = ChannelPool()
+            self._channels = pool = ChannelPool(self.mesh.tls if self.mesh is not None else None)
             self.on_teardown("close client channels", pool.close)
         return self._channels
 
@@ -182,7 +187,7 @@ class ServiceRunner:
 
     async def connect_store(self) -> KeyValueStore:
         """Connects to etcd or exits with status 3 and a one-line reason."""
-        store = EtcdStore(self._mesh().etcd_endpoints)
+        store = EtcdStore(self._mesh().etcd_endpoints, tls=self._mesh().tls)
         try:
             await store.connect()
         except StoreUnavailable as exc:
@@ -238,19 +243,37 @@ class ServiceRunner:
         return self.mesh.drain_timeout_s if self.mesh is not None else 0.0
 
     async def serve_grpc(self, bindings: Sequence[ServiceBinding], port: int = 0) -> tuple[int, health.HealthServicer]:
-        """Starts a gRPC server with health and reflection; returns its port and health servicer.
+        """Starts a gRPC server with health (reflection if asked, mTLS if configured); returns its
+        port and health servicer.
 
         At teardown it first reports NOT_SERVING, then stops: new calls are refused at once,
         calls in flight get the drain timeout to finish."""
-        server, bound, health_servicer = await start_server(bindings, self._mesh().host, port)
+        mesh = self._mesh()
+        server, bound, health_servicer = await start_server(bindings, mesh.host, port, tls=mesh.tls,
+                                                            reflect=mesh.grpc_reflection)
         grace = self.drain_timeout_s
         self.on_teardown("stop gRPC server", lambda: server.stop(grace=grace), grace + TEARDOWN_STEP_S)
         self.on_teardown("report NOT_SERVING", health_servicer.enter_graceful_shutdown)
         return bound, health_servicer
 
+    @property
+    def serving(self) -> bool:
+        return self._serving
+
     def serve_metrics(self, registry: CollectorRegistry, port: int = 0) -> int:
-        """Serves Prometheus /metrics on a daemon thread (it dies with the process); returns the port."""
-        return serve_metrics(registry, self._mesh().host, port)
+        """Serves /metrics, /health (200 while serving) and /live on a side port; returns the port."""
+        host = self._mesh().host
+        try:
+            server = serve_metrics(registry, host, port, ready=lambda: self._serving)
+        except OSError as exc:
+            die(f"--metrics-port {port}: cannot listen on {host}:{port} ({exc.strerror})")
+        self.on_teardown("close the metrics port", lambda: asyncio.to_thread(_close_http, server))
+        return int(server.server_port)
+
+
+def _close_http(server: ThreadingHTTPServer) -> None:
+    server.shutdown()  # ends serve_forever (within its 0.5 s poll)
+    server.server_close()
 
 
 class _Exit(Exception):

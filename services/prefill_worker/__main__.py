@@ -6,10 +6,13 @@ KV-aware choice over the prefill pool worthwhile), and serves the `Prefiller` se
 
 from __future__ import annotations
 
+from functools import partial
+
 from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.engines.base import Engine
 from services.mesh.discovery import PREFILL_WORKER
 from services.mesh.grpc_server import ServiceBinding
+from services.mesh.tracing import TRACING_OFF, Tracing
 from services.prefill_worker.servicer import PrefillServicer
 from services.worker.kv_event_log import KvEventLog
 from services.worker.runtime import Role, ServicesFactory, WorkerContext, WorkerServices, main
@@ -18,14 +21,14 @@ from services.worker.servicer import WorkerServicer
 PREFILLER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Prefiller"].full_name
 
 
-def services(engine: Engine, worker_id: str, events: KvEventLog) -> WorkerServices:
-    prefiller = ServiceBinding(worker_pb2_grpc.add_PrefillerServicer_to_server, PrefillServicer(engine),
+def services(engine: Engine, worker_id: str, events: KvEventLog, tracing: Tracing = TRACING_OFF) -> WorkerServices:
+    prefiller = ServiceBinding(worker_pb2_grpc.add_PrefillerServicer_to_server, PrefillServicer(engine, tracing),
                                PREFILLER_SERVICE)
-    return WorkerServices(WorkerServicer(engine, worker_id, events), (prefiller,))
+    return WorkerServices(WorkerServicer(engine, worker_id, events, tracing), (prefiller,))
 
 
 async def prepare(ctx: WorkerContext) -> ServicesFactory:
-    return services
+    return partial(services, tracing=ctx.tracing)
 
 
 # A prefill worker without KV transfer could hand nothing over: NIXL is its default.

@@ -2,6 +2,7 @@
 
 `Prefill` computes the prompt's KV and keeps it until the decode worker that pulls it over NIXL
 is done, or until `ReleaseKv` says the decode side gave up (a hold also expires on its own).
+Each call is a span (`prefill`, `release kv`) in the trace of the decode worker that asked.
 """
 
 from __future__ import annotations
@@ -13,17 +14,34 @@ import grpc
 
 from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.engines.base import Engine, EngineRequest
+from services.mesh.tracing import TRACING_OFF, Tracing
+from services.mesh.logs import REQUEST_ID
 from services.worker.servicer import sampling_from_proto
 
 log = logging.getLogger(__name__)
 
+PREFILL_RPC = "kvmesh.v1.Prefiller/Prefill"
+RELEASE_RPC = "kvmesh.v1.Prefiller/ReleaseKv"
+
 
 class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, tracing: Tracing = TRACING_OFF) -> None:
         self.engine = engine
+        self.tracing = tracing
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,  # noqa: N802
                       context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
+        REQUEST_ID.set(request.request_id)  # this call's task: its log lines carry the id
+        with self.tracing.server_span("prefill", context, PREFILL_RPC) as span:
+            reply = await self._prefill(request, context)
+            if span.is_recording():
+                span.set_attributes({"kvmesh.request_id": request.request_id,
+                                     "kvmesh.prompt_tokens": len(request.token_ids),
+                                     "kvmesh.cached_tokens": reply.cached_tokens})
+            return reply
+
+    async def _prefill(self, request: worker_pb2.PrefillRequest,
+                       context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
         engine_request = EngineRequest(request.request_id, list(request.token_ids), sampling_from_proto(request.sampling))
         try:
             result = await self.engine.prefill(engine_request)
@@ -38,7 +56,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
 
     async def ReleaseKv(self, request: worker_pb2.ReleaseKvRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseKvResponse:
-        released = await self.engine.release_kv(request.request_id)
+        with self.tracing.server_span("release kv", context, RELEASE_RPC) as span:
+            released = await self.engine.release_kv(request.request_id)
+            if span.is_recording():
+                span.set_attributes({"kvmesh.request_id": request.request_id, "kvmesh.released": released})
         if released:
             log.info("request %s: KV released, its decode side gave up", request.request_id)
         return worker_pb2.ReleaseKvResponse(released=released)

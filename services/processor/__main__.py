@@ -12,6 +12,7 @@ from services.mesh.flags import (
     FlagParser,
     add_mesh_flags,
     add_model_flags,
+    exit_if_checking,
     mesh_config,
     model_ref,
     port_number,
@@ -21,6 +22,7 @@ from services.mesh.grpc_server import ServiceBinding
 from services.mesh.logs import setup_logging
 from services.mesh.router_client import RouterClient
 from services.mesh.service_runner import ServiceRunner, run_service
+from services.mesh.tracing import start_tracing
 from services.processor.flags import add_processor_flags
 from services.processor.service import ProcessorConfig, ProcessorMetrics, ProcessorServicer
 from services.processor.tokenizer import ModelTokenizer
@@ -41,19 +43,21 @@ def parser() -> FlagParser:
 def main() -> None:
     args = parser().parse_args()
     mesh = mesh_config(args)
-    setup_logging(mesh.log_level, PROCESSOR)
+    setup_logging(mesh.log_level, PROCESSOR, mesh.log_format)
     model = model_ref(args)
     config = validated(lambda: ProcessorConfig(served_model_name=model.served_model_name,
                                                request_timeout_s=args.request_timeout,
                                                migration_limit=args.migration_limit,
                                                default_max_tokens=args.default_max_tokens))
+    exit_if_checking(args)
 
     async def assemble(runner: ServiceRunner) -> None:
+        tracing = start_tracing(runner)  # first: torn down last, after the drain's last spans
         tokenizer = ModelTokenizer(model.model_dir)
         await runner.connect_store()
         routers = RouterClient(await runner.watch_component(ROUTER), runner.channels)
         registry = CollectorRegistry()
-        servicer = ProcessorServicer(config, tokenizer, routers, runner.channels, ProcessorMetrics(registry))
+        servicer = ProcessorServicer(config, tokenizer, routers, runner.channels, ProcessorMetrics(registry), tracing)
         binding = ServiceBinding(processor_pb2_grpc.add_ProcessorServicer_to_server, servicer,
                                  processor_pb2.DESCRIPTOR.services_by_name["Processor"].full_name)
         port, _ = await runner.serve_grpc([binding], args.port)

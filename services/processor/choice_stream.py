@@ -29,6 +29,7 @@ import grpc
 from gen.kvmesh.v1 import common_pb2, processor_pb2, worker_pb2, worker_pb2_grpc
 from services.mesh.channels import ChannelPool
 from services.mesh.router_client import RouteChoice
+from services.mesh.tracing import outgoing_metadata
 from services.processor.detokenizer import IncrementalDetokenizer, StopStrings
 from services.processor.tokenizer import ModelTokenizer
 
@@ -58,6 +59,8 @@ class Started:
 
     worker_id: str
     prefill: common_pb2.PrefillLocation
+    # The router's explanation of this worker, when the request asked for one.
+    explanation: common_pb2.RouteExplanation | None = None
 
 
 @dataclass(slots=True)
@@ -111,7 +114,7 @@ class ChoiceStream:
             stopper.push(detok.push(list(resumed)))
             if len(self.generated) >= self.sampling.max_tokens:
                 # Every token was out already; only the last delta never arrived.
-                yield Started(first_route.worker_id, common_pb2.PrefillLocation())
+                yield Started(first_route.worker_id, common_pb2.PrefillLocation(), first_route.explanation)
                 tail, _ = stopper.push(detok.flush())
                 yield processor_pb2.ChoiceDelta(index=self.index, text=tail + stopper.flush(), finish_reason="length")
                 yield Finished(len(self.generated), 0)
@@ -172,7 +175,8 @@ class ChoiceStream:
         if remaining <= 0:
             raise ChoiceFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"the request took longer than {self.limits.request_timeout_s:.0f}s")
-        call = stub.Generate(self._request(route), timeout=remaining)
+        # The worker's span joins the request's trace (the processor's span is current here).
+        call = stub.Generate(self._request(route), timeout=remaining, metadata=outgoing_metadata())
         want_logprobs = self.sampling.HasField("logprobs")
         first = True
         try:
@@ -183,7 +187,7 @@ class ChoiceStream:
                     first = False
                     if not self.generated:
                         self.cached_tokens = msg.cached_tokens
-                    yield Started(route.worker_id, msg.prefill)
+                    yield Started(route.worker_id, msg.prefill, route.explanation)
                 delta = self._delta(msg, detok, stopper, want_logprobs)
                 if delta is not None:
                     yield delta

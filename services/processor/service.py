@@ -4,6 +4,10 @@ Per request it tokenizes (chat template or plain text, or takes token ids), chec
 length, asks a router for a worker, streams each of the `n` choices (choice_stream.py: tokens to
 text, retry and migration when a worker fails) and reports usage. The choices run concurrently
 on the worker the router chose.
+
+Traced as a `generate` span (under the gateway's) with a `tokenize` child; the router's `route`
+and the workers' `decode` spans join it through the calls' metadata. A request that asks to
+`explain` gets the router's reasons for the announced worker in its first message.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
+from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gen.kvmesh.v1 import common_pb2, processor_pb2, processor_pb2_grpc
@@ -24,6 +30,8 @@ from services.mesh.grpc_server import abort_final
 from services.mesh.recent_failures import RecentFailures
 from services.mesh.router_client import NoWorkerError, RouteChoice, RouterClient, RoutingError
 from services.mesh.streams import merge
+from services.mesh.tracing import TRACING_OFF, Tracing
+from services.mesh.logs import REQUEST_ID
 from services.processor.choice_stream import ChoiceFailure, ChoiceLimits, ChoiceStream, Finished, Started
 from services.processor.tokenizer import LARGE_TEXT_CHARS, ChatTurn, ContextLengthError, ModelTokenizer, PromptError
 from services.processor.validation import check_request, context_error
@@ -32,6 +40,7 @@ log = logging.getLogger(__name__)
 
 # Chats with more messages than this render their template in a worker thread (see _tokenize).
 LARGE_CHAT_MESSAGES = 64
+GENERATE_RPC = "kvmesh.v1.Processor/Generate"
 
 
 @dataclass(frozen=True)
@@ -72,8 +81,9 @@ class ProcessorMetrics:
 
 class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
     def __init__(self, config: ProcessorConfig, tokenizer: ModelTokenizer, routers: RouterClient,
-                 channels: ChannelPool, metrics: ProcessorMetrics) -> None:
+                 channels: ChannelPool, metrics: ProcessorMetrics, tracing: Tracing = TRACING_OFF) -> None:
         self._config = config
+        self._tracing = tracing
         self._tok = tokenizer
         self._routers = routers
         self._channels = channels
@@ -91,7 +101,16 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         Bad input is INVALID_ARGUMENT (a prompt that cannot fit the context: OUT_OF_RANGE) with a
         one-line message, another model NOT_FOUND, too much work RESOURCE_EXHAUSTED; the
         gateway maps them to 400, 404 and 429."""
+        REQUEST_ID.set(request.request_id)  # this call's task: its log lines carry the id
+        with self._tracing.server_span("generate", context, GENERATE_RPC) as span:
+            async for msg in self._serve(request, context, span):
+                yield msg
+
+    async def _serve(self, request: processor_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+                     span: Span) -> AsyncIterator[processor_pb2.GenerateResponse]:
         rid = request.request_id or uuid.uuid4().hex
+        if span.is_recording():
+            span.set_attributes({"kvmesh.request_id": rid, "kvmesh.n": max(request.n, 1)})
         try:
             check_request(request, self._tok.max_model_len)
             for resumed in request.resume:
@@ -107,11 +126,15 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         self.inflight += 1
         try:
             try:
-                tokens = await self._tokenize(request)
+                with self._tracing.span("tokenize") as tokenizing:
+                    tokens = await self._tokenize(request)
+                    if tokenizing.is_recording():
+                        tokenizing.set_attributes({"kvmesh.prompt_tokens": len(tokens),
+                                                   "kvmesh.prompt_kind": request.WhichOneof("input") or ""})
                 sampling = self._checked_sampling(request.sampling, len(tokens))
             except PromptError as exc:
                 await abort_final(context, _status_of(exc), _one_line(exc))
-            async for msg in self._generate(rid, request, tokens, sampling):
+            async for msg in self._generate(rid, request, tokens, sampling, span):
                 yield msg
         except ChoiceFailure as exc:
             log.warning("request %s failed: %s", rid, exc.message)
@@ -167,12 +190,12 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
 
     # -- routing and generation --------------------------------------------------------------
 
-    async def _route(self, rid: str, tokens: list[int], tried: list[str]) -> RouteChoice:
+    async def _route(self, rid: str, tokens: list[int], tried: list[str], explain: bool = False) -> RouteChoice:
         """A decode worker for the tokens, avoiding the ones tried and the ones seen failing."""
         exclude = tried + [w for w in self._failed.current() if w not in tried]
         try:
             return await self._routers.route(rid, self._config.served_model_name, tokens,
-                                             common_pb2.WORKER_ROLE_DECODE, exclude)
+                                             common_pb2.WORKER_ROLE_DECODE, exclude, explain=explain)
         except NoWorkerError as exc:
             raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE, f"no decode worker can take the request: {exc}") from exc
         except RoutingError as exc:
@@ -183,14 +206,17 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         self._failed.add(worker_id)
 
     async def _generate(self, rid: str, request: processor_pb2.GenerateRequest, tokens: list[int],
-                        sampling: common_pb2.SamplingParams) -> AsyncIterator[processor_pb2.GenerateResponse]:
-        route = await self._route(rid, tokens, [])
+                        sampling: common_pb2.SamplingParams, span: Span) -> AsyncIterator[processor_pb2.GenerateResponse]:
+        # Every routing of the request (retries and migrations too) explains itself when asked, so
+        # the explanation announced is always that of the worker announced.
+        route_fn = partial(self._route, explain=request.explain)
+        route = await route_fn(rid, tokens, [])
         n = max(request.n, 1)
         # A takeover from a failed processor runs only the choices the client has not finished.
         resumed = {r.index: list(r.token_ids) for r in request.resume}
         choices = [
             ChoiceStream(f"{rid}-{i}" if n > 1 else rid, request.choice_offset + i, tokens, _choice_sampling(sampling, i),
-                         list(request.stop), self._tok, self._channels, self._limits, self._route, self._worker_failed,
+                         list(request.stop), self._tok, self._channels, self._limits, route_fn, self._worker_failed,
                          self._metrics.migrations.inc).run(route, resumed.get(request.choice_offset + i, []))
             for i in range(n)
             if not resumed or request.choice_offset + i in resumed
@@ -204,8 +230,11 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
             elif isinstance(item, Started):
                 if not announced:
                     announced = True
+                    if span.is_recording():
+                        span.set_attribute("kvmesh.worker_id", item.worker_id)
                     yield processor_pb2.GenerateResponse(route=processor_pb2.RouteInfo(
-                        worker_id=item.worker_id, prefill=item.prefill, prompt_tokens=len(tokens)))
+                        worker_id=item.worker_id, prefill=item.prefill, prompt_tokens=len(tokens),
+                        explanation=item.explanation))
             elif isinstance(item, Finished):
                 completion_tokens += item.completion_tokens
                 cached_tokens = max(cached_tokens, item.cached_tokens)

@@ -27,10 +27,20 @@ from prometheus_client import CollectorRegistry
 from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.engines.base import Engine
 from services.mesh.discovery import InstanceInfo, new_instance_id
-from services.mesh.flags import FlagParser, MeshConfig, add_mesh_flags, die, mesh_config, port_number, positive_int
+from services.mesh.flags import (
+    FlagParser,
+    MeshConfig,
+    add_mesh_flags,
+    die,
+    exit_if_checking,
+    mesh_config,
+    port_number,
+    positive_int,
+)
 from services.mesh.grpc_server import ServiceBinding
 from services.mesh.logs import setup_logging
 from services.mesh.service_runner import ServiceRunner, run_service
+from services.mesh.tracing import TRACING_OFF, Tracing, start_tracing
 from services.worker.engine_factory import build_engine
 from services.worker.engine_health import watch_engine
 from services.worker.engine_flags import EngineConfig, add_engine_flags, add_kv_transfer_flag, engine_config
@@ -54,6 +64,8 @@ class WorkerContext:
     runner: ServiceRunner
     registry: CollectorRegistry
     engine: EngineConfig
+    # The process's tracing, for the servicers a role builds (off unless OTEL_* asks).
+    tracing: Tracing = TRACING_OFF
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,9 @@ class Role:
     prepare: Callable[[WorkerContext], Awaitable[ServicesFactory]]
     add_flags: Callable[[argparse.ArgumentParser], object] | None = None
     default_kv_transfer: str = "none"
+    # Validates the role's own flags up front, so `--check-config` and a bad flag fail before
+    # anything starts (`prepare` builds them again from the same arguments).
+    check_flags: Callable[[argparse.Namespace, EngineConfig], object] | None = None
 
 
 @dataclass
@@ -162,12 +177,16 @@ def start_reaper(runner: ServiceRunner) -> None:
 def main(role: Role) -> None:
     args = worker_parser(role).parse_args()
     mesh = mesh_config(args)
-    setup_logging(mesh.log_level, role.component)
+    setup_logging(mesh.log_level, role.component, mesh.log_format)
     if args.num_workers > 1 and args.engine != "mocker":
         die("--num-workers > 1 needs --engine mocker (one vLLM engine per process)")
     spec = engine_config(args, mesh.advertise_host)
+    if role.check_flags is not None:
+        role.check_flags(args, spec)
+    exit_if_checking(args)
 
     async def assemble(runner: ServiceRunner) -> None:
+        tracing = start_tracing(runner)  # first: torn down last, after the drain's last spans
         if spec.engine == "vllm":
             start_reaper(runner)
         await runner.connect_store()
@@ -175,7 +194,7 @@ def main(role: Role) -> None:
         registry = CollectorRegistry()
         registry.register(WorkerLoadCollector(lambda: [(w.instance_id, role.name, w.engine.load()) for w in workers]))
         metrics_port = runner.serve_metrics(registry, args.metrics_port)
-        ctx = WorkerContext(args, mesh, runner, registry, spec)
+        ctx = WorkerContext(args, mesh, runner, registry, spec, tracing)
         make_services = await role.prepare(ctx)
         for i in range(args.num_workers):
             port = args.port + i if args.port else 0

@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 import grpc
 
 from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.mesh.tracing import TRACING_OFF, Tracing
+from services.mesh.logs import REQUEST_ID
 from services.worker.kv_event_log import KvEventLog, NumberedEvent
 from services.engines.base import (
     Engine,
@@ -32,6 +34,7 @@ log = logging.getLogger(__name__)
 
 METRICS_MAX_INTERVAL_S = 1.0
 METRICS_POLL_S = 0.05
+GENERATE_RPC = "kvmesh.v1.Worker/Generate"
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> Sampling:
@@ -110,6 +113,12 @@ async def request_from_proto(request: worker_pb2.WorkerGenerateRequest,
                          resumed_tokens=request.resumed_tokens)
 
 
+def generate_attributes(request: worker_pb2.WorkerGenerateRequest, worker_id: str) -> dict[str, str | int]:
+    """The `decode` span's attributes (built only for a span that records)."""
+    return {"kvmesh.request_id": request.request_id, "kvmesh.worker_id": worker_id,
+            "kvmesh.prompt_tokens": len(request.token_ids), "kvmesh.resumed_tokens": request.resumed_tokens}
+
+
 LOCAL_PREFILL = common_pb2.PrefillLocation(site=common_pb2.PrefillLocation.SITE_LOCAL)
 
 
@@ -118,10 +127,11 @@ def remote_prefill(prefill_worker_id: str) -> common_pb2.PrefillLocation:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, engine: Engine, worker_id: str, events: KvEventLog) -> None:
+    def __init__(self, engine: Engine, worker_id: str, events: KvEventLog, tracing: Tracing = TRACING_OFF) -> None:
         self.engine = engine
         self.worker_id = worker_id
         self.events = events
+        self.tracing = tracing
         # The handlers of the endless subscription streams, ended when the worker drains.
         self._subscriptions: set[asyncio.Task[object]] = set()
 
@@ -141,15 +151,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             task.add_done_callback(self._subscriptions.discard)
 
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        engine_request = await request_from_proto(request, context)
-        try:
-            async for msg in self.stream(engine_request, LOCAL_PREFILL):
-                yield msg
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        REQUEST_ID.set(request.request_id)  # this call's task: its log lines carry the id
+        with self.tracing.server_span("decode", context, GENERATE_RPC) as span:
+            if span.is_recording():
+                span.set_attributes(generate_attributes(request, self.worker_id))
+            engine_request = await request_from_proto(request, context)
+            try:
+                async for msg in self.stream(engine_request, LOCAL_PREFILL):
+                    yield msg
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def stream(self, engine_request: EngineRequest,
-                     prefill: common_pb2.PrefillLocation) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+                     prefill: common_pb2.PrefillLocation) -> AsyncGenerator[worker_pb2.WorkerGenerateResponse, None]:
         """The engine's outputs as response messages; the first says where the prefill ran."""
         log.debug("request %s: %d prompt tokens", engine_request.request_id, len(engine_request.token_ids))
         first = True

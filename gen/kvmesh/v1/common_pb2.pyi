@@ -73,3 +73,25 @@ class PrefillLocation(_message.Message):
     site: PrefillLocation.Site
     prefill_worker_id: str
     def __init__(self, site: _Optional[_Union[PrefillLocation.Site, str]] = ..., prefill_worker_id: _Optional[str] = ...) -> None: ...
+
+class RouteExplanation(_message.Message):
+    __slots__ = ("mode", "candidates")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    candidates: _containers.RepeatedCompositeFieldContainer[RouteCandidate]
+    def __init__(self, mode: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ...) -> None: ...
+
+class RouteCandidate(_message.Message):
+    __slots__ = ("worker_id", "overlap_blocks", "cache_usage", "waiting", "logit")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    overlap_blocks: int
+    cache_usage: float
+    waiting: int
+    logit: float
+    def __init__(self, worker_id: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., cache_usage: _Optional[float] = ..., waiting: _Optional[int] = ..., logit: _Optional[float] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from gen.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/processor.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"T\n\tChatInput\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa1\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12$\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x14.kvmesh.v1.ChatInputH\x00\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12%\n\x06tokens\x18\x05 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\t\n\x01n\x18\x07 \x01(\r\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x15\n\rchoice_offset\x18\t \x01(\r\x12(\n\x06resume\x18\n \x03(\x0b\x32\x18.kvmesh.v1.ResumedChoiceB\x07\n\x05input\"1\n\rResumedChoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"h\n\tRouteInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12+\n\x07prefill\x18\x04 \x01(\x0b\x32\x1a.kvmesh.v1.PrefillLocationJ\x04\x08\x02\x10\x03\"\x94\x01\n\x0b\x43hoiceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\x13\n\x0btoken_texts\x18\x06 \x03(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x8d\x01\n\x10GenerateResponse\x12%\n\x05route\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.RouteInfoH\x00\x12\'\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.kvmesh.v1.ChoiceDeltaH\x00\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x10.kvmesh.v1.UsageH\x00\x42\x06\n\x04kind2R\n\tProcessor\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/processor.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"T\n\tChatInput\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb2\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12$\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x14.kvmesh.v1.ChatInputH\x00\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12%\n\x06tokens\x18\x05 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\t\n\x01n\x18\x07 \x01(\r\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x15\n\rchoice_offset\x18\t \x01(\r\x12(\n\x06resume\x18\n \x03(\x0b\x32\x18.kvmesh.v1.ResumedChoice\x12\x0f\n\x07\x65xplain\x18\x0b \x01(\x08\x42\x07\n\x05input\"1\n\rResumedChoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\x9a\x01\n\tRouteInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12+\n\x07prefill\x18\x04 \x01(\x0b\x32\x1a.kvmesh.v1.PrefillLocation\x12\x30\n\x0b\x65xplanation\x18\x05 \x01(\x0b\x32\x1b.kvmesh.v1.RouteExplanationJ\x04\x08\x02\x10\x03\"\x94\x01\n\x0b\x43hoiceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\x13\n\x0btoken_texts\x18\x06 \x03(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x8d\x01\n\x10GenerateResponse\x12%\n\x05route\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.RouteInfoH\x00\x12\'\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.kvmesh.v1.ChoiceDeltaH\x00\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x10.kvmesh.v1.UsageH\x00\x42\x06\n\x04kind2R\n\tProcessor\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,17 +39,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=210
   _globals['_TOKENIDS']._serialized_end=233
   _globals['_GENERATEREQUEST']._serialized_start=236
-  _globals['_GENERATEREQUEST']._serialized_end=525
-  _globals['_RESUMEDCHOICE']._serialized_start=527
-  _globals['_RESUMEDCHOICE']._serialized_end=576
-  _globals['_ROUTEINFO']._serialized_start=578
-  _globals['_ROUTEINFO']._serialized_end=682
-  _globals['_CHOICEDELTA']._serialized_start=685
-  _globals['_CHOICEDELTA']._serialized_end=833
-  _globals['_USAGE']._serialized_start=835
-  _globals['_USAGE']._serialized_end=915
-  _globals['_GENERATERESPONSE']._serialized_start=918
-  _globals['_GENERATERESPONSE']._serialized_end=1059
-  _globals['_PROCESSOR']._serialized_start=1061
-  _globals['_PROCESSOR']._serialized_end=1143
+  _globals['_GENERATEREQUEST']._serialized_end=542
+  _globals['_RESUMEDCHOICE']._serialized_start=544
+  _globals['_RESUMEDCHOICE']._serialized_end=593
+  _globals['_ROUTEINFO']._serialized_start=596
+  _globals['_ROUTEINFO']._serialized_end=750
+  _globals['_CHOICEDELTA']._serialized_start=753
+  _globals['_CHOICEDELTA']._serialized_end=901
+  _globals['_USAGE']._serialized_start=903
+  _globals['_USAGE']._serialized_end=983
+  _globals['_GENERATERESPONSE']._serialized_start=986
+  _globals['_GENERATERESPONSE']._serialized_end=1127
+  _globals['_PROCESSOR']._serialized_start=1129
+  _globals['_PROCESSOR']._serialized_end=1211
 # @@protoc_insertion_point(module_scope)

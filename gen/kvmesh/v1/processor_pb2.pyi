@@ -32,7 +32,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "chat", "text", "tokens", "sampling", "n", "stop", "choice_offset", "resume")
+    __slots__ = ("request_id", "model", "chat", "text", "tokens", "sampling", "n", "stop", "choice_offset", "resume", "explain")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     CHOICE_OFFSET_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    EXPLAIN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     chat: ChatInput
@@ -53,7 +54,8 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     choice_offset: int
     resume: _containers.RepeatedCompositeFieldContainer[ResumedChoice]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., text: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., choice_offset: _Optional[int] = ..., resume: _Optional[_Iterable[_Union[ResumedChoice, _Mapping]]] = ...) -> None: ...
+    explain: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., text: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., choice_offset: _Optional[int] = ..., resume: _Optional[_Iterable[_Union[ResumedChoice, _Mapping]]] = ..., explain: _Optional[bool] = ...) -> None: ...
 
 class ResumedChoice(_message.Message):
     __slots__ = ("index", "token_ids")
@@ -64,14 +66,16 @@ class ResumedChoice(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RouteInfo(_message.Message):
-    __slots__ = ("worker_id", "prompt_tokens", "prefill")
+    __slots__ = ("worker_id", "prompt_tokens", "prefill", "explanation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
+    EXPLANATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     prompt_tokens: int
     prefill: _common_pb2.PrefillLocation
-    def __init__(self, worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prefill: _Optional[_Union[_common_pb2.PrefillLocation, _Mapping]] = ...) -> None: ...
+    explanation: _common_pb2.RouteExplanation
+    def __init__(self, worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prefill: _Optional[_Union[_common_pb2.PrefillLocation, _Mapping]] = ..., explanation: _Optional[_Union[_common_pb2.RouteExplanation, _Mapping]] = ...) -> None: ...
 
 class ChoiceDelta(_message.Message):
     __slots__ = ("index", "text", "token_ids", "finish_reason", "logprobs", "token_texts")

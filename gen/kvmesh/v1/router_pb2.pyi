@@ -8,32 +8,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "model", "token_ids", "role", "exclude_worker_ids")
+    __slots__ = ("request_id", "model", "token_ids", "role", "exclude_worker_ids", "explain")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXPLAIN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     role: _common_pb2.WorkerRole
     exclude_worker_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    explain: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., explain: _Optional[bool] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("worker_id", "address", "overlap_blocks", "prefix_hit_rate", "pool_waiting")
+    __slots__ = ("worker_id", "address", "overlap_blocks", "prefix_hit_rate", "pool_waiting", "explanation")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     POOL_WAITING_FIELD_NUMBER: _ClassVar[int]
+    EXPLANATION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     overlap_blocks: int
     prefix_hit_rate: float
     pool_waiting: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., pool_waiting: _Optional[int] = ...) -> None: ...
+    explanation: _common_pb2.RouteExplanation
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., pool_waiting: _Optional[int] = ..., explanation: _Optional[_Union[_common_pb2.RouteExplanation, _Mapping]] = ...) -> None: ...
 
 class FindMatchesRequest(_message.Message):
     __slots__ = ("model", "token_ids", "role")

@@ -12,6 +12,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from services.kv_router.cost_function import Terms
 from services.kv_router.worker_pool import WorkerState
 
 
@@ -31,4 +32,9 @@ class PickContext:
 class Picker(Protocol):
     def pick(self, candidates: Sequence[WorkerState], context: PickContext) -> WorkerState:
         """One of `candidates` (never empty) for the prompt described by `context`."""
+        ...
+
+    def terms(self, candidates: Sequence[WorkerState], context: PickContext) -> list[Terms]:
+        """What the mode weighed per candidate, for explaining a pick (asked for only when wanted,
+        so picking never pays for it); empty for a mode that weighs nothing."""
         ...

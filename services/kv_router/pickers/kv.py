@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from services.kv_router.cost_function import Candidate, CostWeights, choose
+from services.kv_router.cost_function import Candidate, CostWeights, Terms, choose, terms
 from services.kv_router.pickers.base import PickContext
 from services.kv_router.worker_pool import WorkerState
 
@@ -24,6 +24,11 @@ class KvPicker:
         scored = [candidate(w, context) for w in candidates]
         decision = choose(scored, context.block_size, context.num_tokens, self._weights, self._rng)
         return next(w for w in candidates if w.info.instance_id == decision.worker_id)
+
+    def terms(self, candidates: Sequence[WorkerState], context: PickContext) -> list[Terms]:
+        # The same inputs `pick` scores; asked before the pick's pending work is added.
+        return terms([candidate(w, context) for w in candidates], context.block_size, context.num_tokens,
+                     self._weights)
 
 
 def candidate(worker: WorkerState, context: PickContext) -> Candidate:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from services.kv_router.cost_function import Terms
 from services.kv_router.pickers.base import PickContext
 from services.kv_router.worker_pool import WorkerState
 
@@ -18,3 +19,6 @@ class RandomPicker:
 
     def pick(self, candidates: Sequence[WorkerState], context: PickContext) -> WorkerState:
         return self._rng.choice(list(candidates))
+
+    def terms(self, candidates: Sequence[WorkerState], context: PickContext) -> list[Terms]:
+        return []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from services.kv_router.cost_function import Terms
 from services.kv_router.pickers.base import PickContext
 from services.kv_router.worker_pool import WorkerState
 
@@ -21,3 +22,6 @@ class RoundRobinPicker:
         choice = ordered[self._next % len(ordered)]
         self._next += 1
         return choice
+
+    def terms(self, candidates: Sequence[WorkerState], context: PickContext) -> list[Terms]:
+        return []

@@ -1,0 +1,42 @@
+"""`x-kvmesh-route`: why the router chose the decode worker, for a client that asked.
+
+A request with `x-kvmesh-explain: 1` (or `true`) gets it when the gateway runs with
+`--allow-explain`; without the flag the request header is ignored (which worker caches which
+prefix is otherwise nobody's business). The value is `; `-separated sections of space-separated
+`key=value` pairs:
+
+    mode=kv; chosen=<id> overlap=3 usage=0.125 waiting=0 logit=1.375; runner-up=<id> overlap=0 usage=0.000 waiting=1 logit=-1.000
+
+`<id>` is a worker's instance id (as in `x-kvmesh-worker`), `overlap` the prompt blocks the
+worker already caches, `usage` its KV cache usage (0..1), `waiting` its queued requests as the
+router counted them, `logit` the cost function's score (services/kv_router/cost_function.py).
+There is no runner-up section when only one worker could take the request; `round-robin` and
+`random` weigh nothing and say only `mode=...; chosen=<id>`.
+"""
+
+from __future__ import annotations
+
+from gen.kvmesh.v1 import common_pb2
+
+EXPLAIN_HEADER = "x-kvmesh-explain"
+ROUTE_HEADER = "x-kvmesh-route"
+
+
+def wants_explanation(value: str | None) -> bool:
+    return value is not None and value.strip().lower() in ("1", "true")
+
+
+def route_header(explanation: common_pb2.RouteExplanation) -> str:
+    """The header's value (format in the module docstring)."""
+    sections = [f"mode={explanation.mode}"]
+    weighed = explanation.mode == "kv"
+    for role, candidate in zip(("chosen", "runner-up"), explanation.candidates):
+        sections.append(_terms(role, candidate) if weighed else f"{role}={candidate.worker_id}")
+        if not weighed:
+            break
+    return "; ".join(sections)
+
+
+def _terms(role: str, c: common_pb2.RouteCandidate) -> str:
+    return (f"{role}={c.worker_id} overlap={c.overlap_blocks} usage={c.cache_usage:.3f} waiting={c.waiting} "
+            f"logit={c.logit:.3f}")

@@ -1,0 +1,68 @@
+"""Why the router chose a worker: one decision's terms, told three ways.
+
+- a DEBUG log line per routing decision, with every candidate's overlap blocks, cache usage,
+  waiting requests and logit (`log_line`);
+- attributes of the router's `route` span, for the winner and the runner-up (`span_attributes`);
+- `RouteResponse.explanation` when the caller asked to `explain` (`to_proto`), which the gateway
+  renders as its `x-kvmesh-route` header.
+
+In `kv` mode the candidates are ranked as `cost_function.ranked` orders them: the chosen worker
+first, then the rest by logit, so the second is the runner-up. `round-robin` and `random` weigh
+nothing: they explain themselves by their mode and the chosen worker alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from opentelemetry.util.types import AttributeValue
+
+from gen.kvmesh.v1 import common_pb2
+from services.kv_router.cost_function import Terms, ranked
+
+
+@dataclass(frozen=True, slots=True)
+class Explanation:
+    mode: str
+    chosen: str
+    # Ranked terms, the chosen worker first; empty for a mode that weighs nothing.
+    ranked: Sequence[Terms] = ()
+
+    @property
+    def runner_up(self) -> Terms | None:
+        return self.ranked[1] if len(self.ranked) > 1 else None
+
+    def log_line(self) -> str:
+        if not self.ranked:
+            return f"{self.mode} mode chose {self.chosen}"
+        return (f"{self.mode} mode chose {self.chosen} among {len(self.ranked)}: "
+                + ", ".join(_describe(t) for t in self.ranked))
+
+    def span_attributes(self) -> dict[str, AttributeValue]:
+        out: dict[str, AttributeValue] = {"kvmesh.route.mode": self.mode, "kvmesh.route.worker_id": self.chosen,
+                                          "kvmesh.route.candidates": len(self.ranked)}
+        for prefix, t in (("kvmesh.route", self.ranked[0] if self.ranked else None),
+                          ("kvmesh.route.runner_up", self.runner_up)):
+            if t is not None:
+                out.update({f"{prefix}.worker_id": t.worker_id, f"{prefix}.overlap_blocks": t.overlap_blocks,
+                            f"{prefix}.cache_usage": t.cache_usage, f"{prefix}.waiting": t.waiting,
+                            f"{prefix}.logit": t.logit})
+        return out
+
+    def to_proto(self) -> common_pb2.RouteExplanation:
+        if not self.ranked:
+            return common_pb2.RouteExplanation(mode=self.mode, candidates=[common_pb2.RouteCandidate(worker_id=self.chosen)])
+        return common_pb2.RouteExplanation(mode=self.mode, candidates=[
+            common_pb2.RouteCandidate(worker_id=t.worker_id, overlap_blocks=t.overlap_blocks, cache_usage=t.cache_usage,
+                                      waiting=t.waiting, logit=t.logit)
+            for t in self.ranked])
+
+
+def explain(mode: str, chosen: str, terms: Sequence[Terms]) -> Explanation:
+    """The explanation of a pick from the mode's terms (in any order)."""
+    return Explanation(mode, chosen, ranked(terms, chosen) if terms else ())
+
+
+def _describe(t: Terms) -> str:
+    return f"{t.worker_id} overlap={t.overlap_blocks} usage={t.cache_usage:.3f} waiting={t.waiting} logit={t.logit:.3f}"

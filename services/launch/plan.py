@@ -1,0 +1,58 @@
+"""The mesh's processes: which children, in which order, with which command lines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.launch.children import Child, child_env, python_module
+from services.launch.config import LaunchConfig
+from services.launch.console import Console
+from services.launch.readiness import ready_pattern
+from services.launch.run_dir import log_names
+
+
+def plan_children(cfg: LaunchConfig, etcd: str, model: str, console: Console | None = None,
+                  run_dir: Path | None = None) -> list[Child]:
+    """The mesh's processes in start order (the frontend last, so /health means the rest is up).
+
+    With prefill workers, decode and prefill workers exchange KV over NIXL and the decode workers
+    apply the conditional disaggregation rule; with --prefill-workers 0 serving is aggregated.
+    With `run_dir` each child's output goes to its own file there (see run_dir.py).
+    """
+    common = ["--etcd-endpoints", etcd, "--namespace", cfg.namespace, "--log-level", cfg.log_level,
+              "--drain-timeout", str(cfg.drain_timeout_s), *cfg.mesh_argv]
+    named = ["--served-model-name", cfg.served_model_name] if cfg.served_model_name else []
+    env = child_env()
+    children = [_child("kv-router", python_module("services.kv_router", *common, *cfg.router_argv), env)
+                for _ in range(cfg.routers)]
+    children += [_child("processor", python_module("services.processor", *common, "--model", model, *named,
+                                                   *cfg.processor_argv), env)
+                 for _ in range(cfg.processors)]
+    engine = [*common, "--model", model, *named, *cfg.engine_argv]
+    decode = [*engine, *cfg.disagg_argv]
+    if cfg.disaggregated:
+        decode += ["--kv-transfer", "nixl", "--remote-prefill"]
+    children += _workers("decode-worker", "services.decode_worker", decode, cfg.decode_workers, cfg.engine, env)
+    if cfg.disaggregated:
+        children += _workers("prefill-worker", "services.prefill_worker", [*engine, "--kv-transfer", "nixl"],
+                             cfg.prefill_workers, cfg.engine, env)
+    frontend = python_module("services.frontend", *common, *cfg.frontend_argv)
+    children.append(_child("frontend", frontend,
+                           child_env({"KVMESH_API_KEY": cfg.api_key} if cfg.api_key else None)))
+    for child, name in zip(children, log_names([c.component for c in children]), strict=True):
+        child.console = console or Console()
+        child.log_path = None if run_dir is None else run_dir / name
+    return children
+
+
+def _child(component: str, argv: list[str], env: dict[str, str], required: bool = False) -> Child:
+    return Child(component, argv, env, ready_when=ready_pattern(component), ready_required=required)
+
+
+def _workers(component: str, module: str, flags: list[str], count: int, engine: str,
+             env: dict[str, str]) -> list[Child]:
+    # A worker's ready line is printed, whatever the log level: the launcher waits for it.
+    if engine == "mocker":
+        # Mocker workers are cheap: one process hosts them all, each registered on its own.
+        return [_child(component, python_module(module, *flags, "--num-workers", str(count)), env, required=True)]
+    return [_child(component, python_module(module, *flags), env, required=True) for _ in range(count)]

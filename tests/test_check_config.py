@@ -1,0 +1,50 @@
+"""`--check-config` on every service: exit 0 and print nothing for a good command line, exit 2 with
+one line naming the flag for a bad one; start nothing (an etcd that does not exist is fine)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from services.tools.make_demo_model import ensure_demo_model
+from tests.procs import ROOT
+
+NOWHERE = ["--etcd-endpoints", "http://127.0.0.1:1,http://127.0.0.1:2"]
+WORKER = ["--engine", "mocker"]
+SERVICES = {
+    "services.frontend": ["--http-port", "8000", "--metrics-port", "9090", "--log-format", "json"],
+    "services.processor": ["--port", "50051", "--metrics-port", "9090"],
+    "services.kv_router": ["--router-mode", "kv", "--port", "50051"],
+    "services.decode_worker": [*WORKER, "--max-local-prefill-length", "512"],
+    "services.prefill_worker": WORKER,
+}
+BAD = {
+    "services.frontend": (["--max-inflight", "0"], "--max-inflight"),
+    "services.processor": (["--migration-limit", "-1"], "--migration-limit"),
+    "services.kv_router": (["--router-mode", "psychic"], "--router-mode"),
+    "services.decode_worker": ([*WORKER, "--prefill-timeout", "0"], "--prefill-timeout"),
+    "services.prefill_worker": ([*WORKER, "--log-format", "xml"], "--log-format"),
+}
+
+
+def _check(module: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    model = str(ensure_demo_model())
+    model_flags = [] if module in ("services.frontend", "services.kv_router") else ["--model", model]
+    return subprocess.run([sys.executable, "-m", module, *NOWHERE, *model_flags, *argv, "--check-config"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("module", sorted(SERVICES))
+def test_a_good_command_line_passes_silently(module: str) -> None:
+    done = _check(module, *SERVICES[module])
+    assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
+
+
+@pytest.mark.parametrize("module", sorted(BAD))
+def test_a_bad_flag_is_named_in_one_line(module: str) -> None:
+    argv, flag = BAD[module]
+    done = _check(module, *argv)
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("error: ") and flag in done.stderr, done.stderr

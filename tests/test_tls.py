@@ -1,0 +1,183 @@
+"""Mutual TLS, for real: certificates made here, etcd serving https with client-certificate auth,
+and a mesh (router, processor, frontend, a mocker worker) whose every gRPC hop is mTLS.
+
+A request through the frontend proves the mesh's own channels present valid certificates; then
+strangers knock on the internal RPCs (`FindMatches`, the worker's KV-event stream): a plaintext
+client, a TLS client without a certificate and one with a certificate from another CA are all
+refused, while a client holding a mesh certificate gets its answer.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from gen.kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.mesh.etcd_store import StoreUnavailable
+from services.mesh.net import free_port
+from services.mesh.tls import TlsConfig
+from tests.certs import Authority, CertFiles
+from tests.procs import MODEL, Proc, registered, service
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@dataclass
+class Pki:
+    ca: Authority
+    rogue: Authority
+    etcd: CertFiles
+    mesh: CertFiles
+    stranger: CertFiles  # signed by the rogue CA
+
+
+@pytest.fixture(scope="module")
+def pki() -> Iterator[Pki]:
+    root = Path(tempfile.mkdtemp(prefix="kvmesh-test-pki-"))
+    ca, rogue = Authority(root / "ca"), Authority(root / "rogue", "rogue-ca")
+    yield Pki(ca, rogue, ca.issue("etcd"), ca.issue("mesh"), rogue.issue("stranger"))
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def tls_etcd(pki: Pki) -> Iterator[str]:
+    etcd = shutil.which("etcd")
+    assert etcd is not None, "etcd is not installed: run `make install`"
+    client, peer = free_port(), free_port()
+    data = tempfile.mkdtemp(prefix="kvmesh-test-etcd-tls-")
+    url = f"https://127.0.0.1:{client}"
+    proc = Proc([etcd, "--name", "t", "--data-dir", data, "--listen-client-urls", url, "--advertise-client-urls", url,
+                 "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls",
+                 f"http://127.0.0.1:{peer}", "--initial-cluster", f"t=http://127.0.0.1:{peer}",
+                 "--cert-file", str(pki.etcd.cert), "--key-file", str(pki.etcd.key),
+                 "--trusted-ca-file", str(pki.ca.ca_file), "--client-cert-auth"], "etcd-tls")
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", client), 0.5).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "etcd did not start:\n" + proc.tail()
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.stop()
+        shutil.rmtree(data, ignore_errors=True)
+
+
+@dataclass
+class TlsMesh:
+    etcd: str
+    namespace: str
+    http_port: int
+    tls: TlsConfig
+    procs: list[Proc]
+
+    def address(self, component: str) -> str:
+        (info, *_) = registered(self.etcd, self.namespace, component, self.tls)
+        return info.address
+
+
+@pytest.fixture(scope="module")
+def tls_mesh(tls_etcd: str, pki: Pki) -> Iterator[TlsMesh]:
+    namespace, port = "tls-mesh", free_port()
+    common = ["--etcd-endpoints", tls_etcd, "--namespace", namespace, *pki.mesh.flags()]
+    procs = [service("services.kv_router", *common, name="router")]
+    try:
+        procs.append(service("services.decode_worker", *common, "--engine", "mocker", "--speedup", "20",
+                             name="decode-worker"))
+        procs[-1].wait_for("decode-worker ready:", 60)
+        procs.append(service("services.processor", *common, name="processor"))
+        procs[-1].wait_for(r"processor \w+ for", 60)
+        procs.append(service("services.frontend", *common, "--http-port", str(port), name="frontend"))
+        procs[-1].wait_for("listening on", 60)
+        yield TlsMesh(tls_etcd, namespace, port, TlsConfig(str(pki.mesh.cert), str(pki.mesh.key), str(pki.ca.ca_file)),
+                      procs)
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def test_a_request_crosses_a_mesh_whose_every_hop_is_mutual_tls(tls_mesh: TlsMesh) -> None:
+    reply = httpx.post(f"http://127.0.0.1:{tls_mesh.http_port}/v1/completions",
+                       json={"model": MODEL, "prompt": "hello over tls", "max_tokens": 4}, timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 4
+    assert reply.headers["x-kvmesh-worker"]
+
+
+def _find_matches(channel: grpc.Channel) -> dict[str, int]:
+    reply = router_pb2_grpc.RouterStub(channel).FindMatches(
+        router_pb2.FindMatchesRequest(model=MODEL, token_ids=list(range(64))), timeout=5)
+    return dict(reply.scores)
+
+
+def _refused(call) -> grpc.StatusCode:  # noqa: ANN001
+    with pytest.raises(grpc.RpcError) as failure:
+        call()
+    return failure.value.code()
+
+
+def test_a_client_with_a_mesh_certificate_may_call_find_matches(tls_mesh: TlsMesh, pki: Pki) -> None:
+    creds = grpc.ssl_channel_credentials(pki.ca.ca_file.read_bytes(), pki.mesh.key.read_bytes(),
+                                         pki.mesh.cert.read_bytes())
+    with grpc.secure_channel(tls_mesh.address("kv-router"), creds) as channel:
+        scores = _find_matches(channel)
+    assert isinstance(scores, dict)
+
+
+def test_a_plaintext_client_cannot_connect(tls_mesh: TlsMesh) -> None:
+    with grpc.insecure_channel(tls_mesh.address("kv-router")) as channel:
+        assert _refused(lambda: _find_matches(channel)) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_client_without_a_certificate_is_refused(tls_mesh: TlsMesh, pki: Pki) -> None:
+    creds = grpc.ssl_channel_credentials(pki.ca.ca_file.read_bytes())
+    with grpc.secure_channel(tls_mesh.address("kv-router"), creds) as channel:
+        assert _refused(lambda: _find_matches(channel)) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_certificate_from_another_ca_is_refused_by_routers_and_workers(tls_mesh: TlsMesh, pki: Pki) -> None:
+    creds = grpc.ssl_channel_credentials(pki.ca.ca_file.read_bytes(), pki.stranger.key.read_bytes(),
+                                         pki.stranger.cert.read_bytes())
+    with grpc.secure_channel(tls_mesh.address("kv-router"), creds) as channel:
+        assert _refused(lambda: _find_matches(channel)) == grpc.StatusCode.UNAVAILABLE
+    with grpc.secure_channel(tls_mesh.address("decode-worker"), creds) as channel:
+        events = worker_pb2_grpc.WorkerStub(channel).SubscribeKvEvents(worker_pb2.SubscribeKvEventsRequest(),
+                                                                         timeout=5)
+        assert _refused(lambda: next(iter(events))) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_etcd_refuses_a_process_whose_certificate_another_ca_signed(tls_etcd: str, pki: Pki) -> None:
+    stranger = TlsConfig(str(pki.stranger.cert), str(pki.stranger.key), str(pki.ca.ca_file))
+    with pytest.raises(StoreUnavailable):
+        registered(tls_etcd, "tls-mesh", "kv-router", stranger)
+    router = service("services.kv_router", "--etcd-endpoints", tls_etcd, "--namespace", "tls-rogue",
+                     *pki.stranger.flags()[:4], "--tls-ca", str(pki.ca.ca_file), name="rogue-router")
+    try:
+        router.popen.wait(60)
+    finally:
+        router.stop()
+    assert router.popen.returncode == 3, router.tail()
+    assert "etcd unreachable" in router.tail()
+
+
+def test_an_https_etcd_is_never_spoken_to_in_plaintext(tls_etcd: str) -> None:
+    router = service("services.kv_router", "--etcd-endpoints", tls_etcd, name="plaintext-router")
+    router.popen.wait(30)
+    router.stop()
+    lines = [line for line in router.lines if line.strip()]
+    assert router.popen.returncode == 2 and len(lines) == 1, router.tail()
+    assert lines[0].startswith("error: --etcd-endpoints https://") and "--tls-cert" in lines[0]
