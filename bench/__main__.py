@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench import disagg_serving, indexer, mesh_overhead, nixl_transfer, routing_quality
+from bench import disagg_serving, hot_path, indexer, mesh_overhead, nixl_transfer, routing_quality
 
 BENCHMARKS = {
     "mesh": mesh_overhead.run,
@@ -12,6 +12,7 @@ BENCHMARKS = {
     "routing": routing_quality.run,
     "nixl": nixl_transfer.run,
     "disagg": disagg_serving.run,
+    "hot-path": hot_path.run,
 }
 
 

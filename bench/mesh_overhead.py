@@ -48,10 +48,11 @@ class Level:
         return percentile(self.latencies_ms, 99)
 
 
-async def _drive(concurrency: int, total: int, one) -> Level:
+async def drive(concurrency: int, total: int, one, time_limit_s: float = LEVEL_TIME_LIMIT_S) -> Level:
+    """`total` calls of `one` by `concurrency` clients (stopping at `time_limit_s`), timed."""
     latencies: list[float] = []
     remaining = total
-    deadline = time.perf_counter() + LEVEL_TIME_LIMIT_S
+    deadline = time.perf_counter() + time_limit_s
 
     async def worker() -> None:
         nonlocal remaining
@@ -76,7 +77,7 @@ async def direct_levels(prompt_ids: list[int]) -> tuple[list[Level], list[float]
             pass
 
     try:
-        levels = [await _drive(c, REQUESTS_PER_LEVEL[c], one) for c in CONCURRENCY]
+        levels = [await drive(c, REQUESTS_PER_LEVEL[c], one) for c in CONCURRENCY]
         gaps: list[float] = []
         for i in range(STREAM_REQUESTS):
             last = None
@@ -102,7 +103,7 @@ async def mesh_levels(base: str) -> tuple[list[Level], list[float]]:
 
         for _ in range(50):  # warm-up: connections, code paths
             await one()
-        levels = [await _drive(c, REQUESTS_PER_LEVEL[c], one) for c in CONCURRENCY]
+        levels = [await drive(c, REQUESTS_PER_LEVEL[c], one) for c in CONCURRENCY]
         gaps: list[float] = []
         stream_body = {**body, "max_tokens": STREAM_TOKENS, "stream": True}
         for _ in range(STREAM_REQUESTS):

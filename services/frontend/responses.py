@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
+
+import msgspec
 
 from gen.kvmesh.v1 import common_pb2, processor_pb2
 
@@ -56,8 +57,13 @@ def completion_logprobs(deltas: list[processor_pb2.ChoiceDelta], offset: int = 0
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}
 
 
+# One SSE event per chunk on the streaming hot path: msgspec encodes a chunk ~10x faster than
+# json.dumps (compact, UTF-8, the same JSON).
+_ENCODE = msgspec.json.Encoder().encode
+
+
 def sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + _ENCODE(obj) + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

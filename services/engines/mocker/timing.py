@@ -45,4 +45,8 @@ PRESETS: dict[str, TimingModel] = {
     # an 8 ms decode step. An 8k-token prompt prefills in ~250 ms.
     "large-gpu-8b": TimingModel(prefill_base_ms=5.0, prefill_per_token_us=20.0, prefill_quadratic_us_per_1k=1.2,
                                 decode_base_ms=8.0, decode_per_seq_us=50.0),
+    # A fixed 20 ms decode step whatever the batch, and near-free prefill: for measuring what the
+    # mesh adds to the time between tokens under many concurrent streams.
+    "fixed-step-20ms": TimingModel(prefill_base_ms=0.5, prefill_per_token_us=1.0, prefill_quadratic_us_per_1k=0.0,
+                                   decode_base_ms=20.0, decode_per_seq_us=0.0),
 }

@@ -1,0 +1,177 @@
+"""The hot path against NVIDIA Dynamo: streamed tokens/s and 1-token requests/s through one
+frontend, one processor (Dynamo: its frontend, which tokenizes itself) and one zero-compute mocker
+worker, both systems on this machine in the same run.
+
+Measures (the issue's table):
+- streamed output tokens/s, 64 concurrent streams of 128 tokens (rounds of 64, best of 3);
+- 1-token completions/s at concurrency 64 and 16, and p50 latency at concurrency 1;
+- 512 concurrent streams against a mocker stepping every 20 ms: the time between tokens the
+  client sees, against the engine's own step (mesh-added ITL p99, and max/median per stream).
+Dynamo is installed into its own venv on first use (bench/dynamo_baseline.py); where that is
+impossible its column says why and kvmesh's figures still print.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from bench import dynamo_baseline
+from bench.mesh_overhead import drive
+from bench.mesh_process import launched
+from bench.report import bar_plot, median, percentile, save_json, table
+from services.tools.make_demo_model import ensure_demo_model
+
+STREAMS, STREAM_TOKENS, STREAM_ROUNDS = 64, 128, 3
+RPS_LEVELS = {64: 3000, 16: 2000, 1: 300}
+LEVEL_TIME_LIMIT_S = 30.0
+SLOW_STREAMS, SLOW_TOKENS, STEP_MS = 512, 64, 20.0
+PROMPT = "The router keeps a tree of the cached blocks of every worker."
+
+
+@dataclass
+class Figures:
+    tokens_per_s: float = float("nan")
+    rps: dict[int, float] = field(default_factory=dict)
+    p50_ms: dict[int, float] = field(default_factory=dict)
+    itl_p50_ms: float = float("nan")
+    itl_p99_ms: float = float("nan")
+    worst_stream_ratio: float = float("nan")
+    note: str = ""
+
+
+async def _stream(session: aiohttp.ClientSession, model: str, max_tokens: int) -> tuple[int, list[float]]:
+    """One streamed completion: (completion tokens per usage, arrival times of content chunks)."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    arrivals: list[float] = []
+    tokens = 0
+    async with session.post("/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{r.status}: {(await r.text())[:200]}")
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                arrivals.append(time.perf_counter())
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return tokens, arrivals
+
+
+async def streamed_tokens_per_s(base: str, model: str) -> float:
+    best = 0.0
+    async with aiohttp.ClientSession(base, connector=aiohttp.TCPConnector(limit=STREAMS * 2)) as session:
+        await _stream(session, model, 8)  # warm-up
+        for _ in range(STREAM_ROUNDS):
+            started = time.perf_counter()
+            results = await asyncio.gather(*(_stream(session, model, STREAM_TOKENS) for _ in range(STREAMS)))
+            elapsed = time.perf_counter() - started
+            total = sum(tokens for tokens, _ in results)
+            if total != STREAMS * STREAM_TOKENS:
+                raise RuntimeError(f"expected {STREAMS * STREAM_TOKENS} tokens, usage says {total}")
+            best = max(best, total / elapsed)
+    return best
+
+
+async def one_token_rps(base: str, model: str) -> tuple[dict[int, float], dict[int, float]]:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 1}
+    rps: dict[int, float] = {}
+    p50: dict[int, float] = {}
+    async with aiohttp.ClientSession(base, connector=aiohttp.TCPConnector(limit=256)) as session:
+        async def one() -> None:
+            async with session.post("/v1/completions", json=body) as r:
+                await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"{r.status}: {(await r.text())[:200]}")
+
+        for _ in range(50):
+            await one()
+        for concurrency, total in RPS_LEVELS.items():
+            level = await drive(concurrency, total, one, LEVEL_TIME_LIMIT_S)
+            rps[concurrency], p50[concurrency] = level.rps, level.p50
+    return rps, p50
+
+
+async def slow_engine_itl(base: str, model: str) -> tuple[float, float, float]:
+    """(ITL p50 ms, ITL p99 ms, worst stream's max/median ITL) over SLOW_STREAMS streams."""
+    connector = aiohttp.TCPConnector(limit=SLOW_STREAMS + 16)
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(base, connector=connector, timeout=timeout) as session:
+        await _stream(session, model, 4)
+        results = await asyncio.gather(*(_stream(session, model, SLOW_TOKENS) for _ in range(SLOW_STREAMS)))
+    gaps_all: list[float] = []
+    worst = 0.0
+    for _, arrivals in results:
+        gaps = [(b - a) * 1000 for a, b in zip(arrivals, arrivals[1:])]
+        if len(gaps) < 2:
+            continue
+        gaps_all += gaps
+        worst = max(worst, max(gaps) / max(median(gaps), 1e-6))
+    return percentile(gaps_all, 50), percentile(gaps_all, 99), worst
+
+
+def measure(base: str, model: str, figures: Figures) -> None:
+    figures.tokens_per_s = asyncio.run(streamed_tokens_per_s(base, model))
+    figures.rps, figures.p50_ms = asyncio.run(one_token_rps(base, model))
+
+
+def measure_slow(base: str, model: str, figures: Figures) -> None:
+    figures.itl_p50_ms, figures.itl_p99_ms, figures.worst_stream_ratio = asyncio.run(slow_engine_itl(base, model))
+
+
+def _kvmesh(figures: Figures) -> None:
+    print("hot path: kvmesh, zero-compute mocker ...", flush=True)
+    with launched("--engine", "mocker", "--speedup", "inf", "--decode-workers", "1") as base:
+        measure(base, "kvmesh-demo", figures)
+    print(f"hot path: kvmesh, {SLOW_STREAMS} streams on a {STEP_MS:.0f} ms step ...", flush=True)
+    with launched("--engine", "mocker", "--timing", "fixed-step-20ms", "--decode-workers", "1",
+                  "--num-gpu-blocks", "65536") as base:
+        measure_slow(base, "kvmesh-demo", figures)
+
+
+def _dynamo(figures: Figures) -> None:
+    model_dir = ensure_demo_model()
+    try:
+        print("hot path: NVIDIA Dynamo, zero-compute mocker ...", flush=True)
+        with dynamo_baseline.served(model_dir, "kvmesh-demo", speedup=100000.0) as base:
+            measure(base, "kvmesh-demo", figures)
+    except dynamo_baseline.Unavailable as exc:
+        figures.note = str(exc)
+        print(f"hot path: Dynamo skipped: {exc}", flush=True)
+
+
+def _ratio(ours: float, theirs: float) -> str:
+    return f"{ours / theirs:.2f}x" if theirs == theirs and theirs > 0 else "-"
+
+
+def run() -> dict:
+    ours, theirs = Figures(), Figures()
+    _kvmesh(ours)
+    _dynamo(theirs)
+    rows = [["streamed output tokens/s, 64 x 128", theirs.tokens_per_s, ours.tokens_per_s,
+             _ratio(ours.tokens_per_s, theirs.tokens_per_s)]]
+    for c in (64, 16):
+        rows.append([f"1-token completions/s, concurrency {c}", theirs.rps.get(c, float("nan")), ours.rps[c],
+                     _ratio(ours.rps[c], theirs.rps.get(c, float("nan")))])
+    rows.append(["p50 ms, 1-token completion, concurrency 1", theirs.p50_ms.get(1, float("nan")), ours.p50_ms[1],
+                 _ratio(ours.p50_ms[1], theirs.p50_ms.get(1, float("nan")))])
+    table("Hot path: kvmesh against NVIDIA Dynamo 1.6.1 (same machine, same run; ratio = kvmesh / Dynamo)",
+          ["measure", "Dynamo", "kvmesh", "ratio"], rows)
+    if theirs.note:
+        print(f"(Dynamo: {theirs.note})")
+    table(f"{SLOW_STREAMS} streams, mocker stepping every {STEP_MS:.0f} ms (kvmesh)",
+          ["ITL p50 ms", "ITL p99 ms", "added p99 ms", "worst stream max/median"],
+          [[ours.itl_p50_ms, ours.itl_p99_ms, ours.itl_p99_ms - STEP_MS, ours.worst_stream_ratio]])
+    if not theirs.note:
+        bar_plot("hot_path", "kvmesh relative to NVIDIA Dynamo (1.0 = equal)", ["tokens/s", "req/s c64", "req/s c16"],
+                 {"kvmesh / Dynamo": [ours.tokens_per_s / theirs.tokens_per_s, ours.rps[64] / theirs.rps[64],
+                                      ours.rps[16] / theirs.rps[16]]}, "ratio")
+    result = {"kvmesh": ours.__dict__, "dynamo": theirs.__dict__}
+    save_json("hot_path", result)
+    return result
