@@ -4,6 +4,7 @@ commands and environment, and the Kubernetes schema check."""
 from __future__ import annotations
 
 import functools
+import os
 import re
 import shutil
 import subprocess
@@ -44,7 +45,10 @@ def dockerfile_entrypoint() -> list[str]:
 @functools.cache
 def rendered(directory: str) -> tuple[dict[str, Any], ...]:
     if shutil.which("kubectl") is None:
-        pytest.skip("kubectl is not on PATH: cannot render kustomizations (install kubectl >= 1.27 to run this)")
+        reason = "kubectl is not on PATH: cannot render kustomizations (install kubectl >= 1.27 to run this)"
+        if os.environ.get("CI"):  # CI's machines have kubectl: a render check must not vanish there
+            pytest.fail(reason)
+        pytest.skip(reason)
     out = subprocess.run(["kubectl", "kustomize", str(K8S / directory)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"kubectl kustomize {directory}: {out.stderr}"
     return tuple(d for d in yaml.safe_load_all(out.stdout) if d)

@@ -108,7 +108,7 @@ def test_ports_probes_and_termination_agree_with_the_flags_and_compose(directory
         assert template["metadata"]["annotations"]["prometheus.io/port"] == str(args.metrics_port)
         for flag in ("port", "http_port", "metrics_port"):
             assert getattr(args, flag, None) == getattr(composed[c.service], flag, None), (c.service, flag)
-        for probe, path in (("readinessProbe", "/health"), ("livenessProbe", "/live"), ("startupProbe", "/live")):
+        for probe, path in (("readinessProbe", "/health"), ("livenessProbe", "/live"), ("startupProbe", "/health")):
             if probe in spec or probe != "startupProbe":
                 get = spec[probe]["httpGet"]
                 assert (get["path"], _port(spec, get["port"])) == (path, args.metrics_port), (c.service, probe)

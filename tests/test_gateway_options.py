@@ -107,3 +107,14 @@ def test_every_service_has_a_side_port_with_health_and_metrics(mocker_mesh: Mesh
     assert httpx.get(f"{side}/live", timeout=5).status_code == 200
     assert "# TYPE" in httpx.get(f"{side}/metrics", timeout=5).text
     assert httpx.get(f"{side}/nothing", timeout=5).status_code == 404
+
+
+def test_hidden_details_leave_mesh_failures_without_their_internals() -> None:
+    from services.frontend.errors import ApiError, shown
+
+    failure = ApiError(503, "worker w-17 at 10.0.3.7:50051 failed: UNAVAILABLE", code="unavailable")
+    assert shown(failure, hide_internals=False) is failure
+    hidden = shown(failure, hide_internals=True)
+    assert (hidden.status, hidden.code) == (503, "unavailable") and "10.0.3.7" not in hidden.message
+    bad_input = ApiError(400, "max_tokens must be at least 1", param="max_tokens")
+    assert shown(bad_input, hide_internals=True) is bad_input

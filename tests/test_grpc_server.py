@@ -43,14 +43,17 @@ def test_reflection_is_off_unless_asked_for() -> None:
 
 
 def test_side_port_health_follows_the_serving_state() -> None:
-    state = {"serving": False}
-    server = serve_metrics(CollectorRegistry(), "127.0.0.1", 0, ready=lambda: state["serving"])
+    state = {"serving": False, "alive": True}
+    server = serve_metrics(CollectorRegistry(), "127.0.0.1", 0, ready=lambda: state["serving"],
+                           alive=lambda: state["alive"])
     base = f"http://127.0.0.1:{server.server_port}"
     try:
         assert httpx.get(f"{base}/health", timeout=5).status_code == 503
         assert httpx.get(f"{base}/live", timeout=5).status_code == 200
         state["serving"] = True
         assert httpx.get(f"{base}/health", timeout=5).status_code == 200
+        state["alive"] = False  # the event loop stopped beating
+        assert httpx.get(f"{base}/live", timeout=5).status_code == 503
     finally:
         server.shutdown()
         server.server_close()
@@ -96,3 +99,15 @@ def test_one_mesh_certificate_for_every_peer_with_a_server_name(tmp_path) -> Non
     named = TlsConfig(str(shared.cert), str(shared.key), str(shared.ca), server_name="kvmesh.internal")
     assert asyncio.run(_health_over_tls(shared, plain)) == grpc.StatusCode.UNAVAILABLE
     assert asyncio.run(_health_over_tls(shared, named)) == grpc.StatusCode.OK
+
+
+def test_a_certificate_with_another_certificates_key_is_refused(tmp_path) -> None:  # noqa: ANN001
+    from services.mesh.config_error import ConfigError
+    from services.mesh.tls import tls_config
+
+    ca = Authority(tmp_path)
+    one, other = ca.issue("one"), ca.issue("other")
+    with pytest.raises(ConfigError, match="not a certificate and its key"):
+        tls_config(str(one.cert), str(other.key), str(one.ca))
+    with pytest.raises(ConfigError, match="no CA certificate"):
+        tls_config(str(one.cert), str(one.key), str(one.key))

@@ -76,9 +76,10 @@ def main() -> None:
         app = create_app(config, view, metrics)
         if tracing.enabled:
             app.add_middleware(RequestTracing, tracing=tracing)
-        _serve_http(runner, app, sock, "the HTTP server", mesh.drain_timeout_s)
         if admin_sock is not None:
+            # Started first, so stopped last: metrics stay scrapable while the public port drains.
             _serve_http(runner, create_admin_app(view, metrics), admin_sock, "the metrics port", 0)
+        _serve_http(runner, app, sock, "the HTTP server", mesh.drain_timeout_s)
         port = sock.getsockname()[1]
         info = InstanceInfo(component=FRONTEND, instance_id=new_instance_id(), address=f"{mesh.advertise_host}:{port}")
         await runner.register(info)
@@ -88,7 +89,8 @@ def main() -> None:
 
 
 def _serve_http(runner: ServiceRunner, app: FastAPI, sock: socket.socket, label: str, drain_timeout_s: float) -> None:
-    server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, http="httptools",
+    # log_config=None: uvicorn's records go through the process's own handler (text or JSON).
+    server = _Server(uvicorn.Config(app, log_level="warning", log_config=None, access_log=False, http="httptools",
                                     timeout_keep_alive=30, lifespan="off",
                                     timeout_graceful_shutdown=max(1, round(drain_timeout_s))))
     serving = runner.watch(asyncio.create_task(server.serve(sockets=[sock]), name=label), label)

@@ -18,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from gen.kvmesh.v1 import processor_pb2
 from services.frontend.endpoints import CHAT, Kind
-from services.frontend.errors import ApiError
+from services.frontend.errors import ApiError, shown
 from services.frontend.inflight import Lease
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.processor_stream import ProcessorStream
@@ -53,8 +53,8 @@ class Answer:
     """The rest of a request after routing: deltas to SSE chunks or one JSON body."""
 
     def __init__(self, metrics: FrontendMetrics, kind: Kind, req, rid: str,
-                 streams: list[ProcessorStream], started: float, lease: Lease, hide_cached: bool = False) -> None:
-        self.hide_cached = hide_cached
+                 streams: list[ProcessorStream], started: float, lease: Lease, hide_details: bool = False) -> None:
+        self.hide_details = hide_details
         self.metrics = metrics
         self.kind = kind
         self.req = req
@@ -132,8 +132,9 @@ class Answer:
                               "logprobs": completion_logprobs([d]) if d.logprobs else None}
                 yield sse(self._chunk([choice]))
             if self.req.include_usage:
-                yield sse(self._chunk([], usage_body(self.usage, self.hide_cached)))
+                yield sse(self._chunk([], usage_body(self.usage, self.hide_details)))
         except ApiError as exc:
+            exc = shown(exc, self.hide_details)
             yield sse({"error": {"message": exc.message, "type": "server_error", "param": None, "code": exc.code}})
         yield SSE_DONE
 
@@ -158,7 +159,7 @@ class Answer:
                 out.append({"index": index, "text": text, "finish_reason": acc.finish_reason,
                             "logprobs": completion_logprobs(acc.tokens) if self.req.logprobs is not None else None})
         return {"id": self.id, "object": self.kind.object_name, "created": self.created, "model": self.req.model,
-                "choices": out, "usage": usage_body(self.usage, self.hide_cached)}
+                "choices": out, "usage": usage_body(self.usage, self.hide_details)}
 
 
 class SseResponse(StreamingResponse):

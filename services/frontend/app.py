@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -17,7 +17,7 @@ from services.frontend.answer import Answer, SseResponse, collect_unless_gone, f
 from services.frontend.auth import check_api_key
 from services.frontend.body import read_json
 from services.frontend.endpoints import CHAT, COMPLETION, Kind, processor_requests
-from services.frontend.errors import ApiError
+from services.frontend.errors import ApiError, shown
 from services.frontend.inflight import InflightLimit, Lease
 from services.frontend.mesh import MeshView
 from services.frontend.metrics import FrontendMetrics
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class FrontendConfig:
     # Any of these bearer tokens is accepted; none configured means no check.
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
     max_body_bytes: int = 16 * 1024 * 1024
     max_inflight: int = 2048
     request_timeout_s: float = 600.0
@@ -182,14 +182,14 @@ class _Gateway:
                  route.prompt_tokens, req.streams(), route.worker_id, prefill,
                  f" client id {headers['x-request-id'][:64]!r}" if headers["x-request-id"] != rid else "")
         answer = Answer(self.metrics, kind, req, rid, streams, started, lease,
-                        hide_cached=self.config.hide_routing_details)
+                        hide_details=self.config.hide_routing_details)
         if req.stream:
             return SseResponse(answer.sse(), answer.close, media_type="text/event-stream", headers=headers)
         body = await collect_unless_gone(answer, request.receive)
         if body is None:
             return Response(status_code=499)  # nobody is there to read it
         if isinstance(body, ApiError):
-            return body.response(headers)
+            return shown(body, self.config.hide_routing_details).response(headers)
         return JSONResponse(body, headers=headers)
 
     def _refuse(self, exc: ApiError, rid: str, kind: Kind, headers: dict[str, str]) -> Response:
@@ -198,4 +198,4 @@ class _Gateway:
             log.warning("request %s: %d %s", rid, exc.status, exc.message)
         else:
             log.info("request %s: %d %s", rid, exc.status, exc.code)
-        return exc.response(headers)
+        return shown(exc, self.config.hide_routing_details).response(headers)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from pathlib import Path
 
@@ -14,15 +15,17 @@ def check_api_key(header: str | None, api_keys: tuple[str, ...]) -> None:
 
     Any header at all is a 401 at worst, never an error: Starlette decodes header bytes as
     latin-1, so a non-ASCII byte arrives as a character above 127, and a str with one makes
-    `hmac.compare_digest` raise. The comparison is of UTF-8 bytes, in constant time, against
+    `hmac.compare_digest` raise. The comparison is of SHA-256 digests, in constant time, against
     every key (no early exit), so the time taken says neither whether nor which key matched."""
     if not api_keys:
         return
     scheme, _, token = (header or "").strip().partition(" ")
     sent = token.strip().encode("utf-8", errors="replace")
+    # Digests of equal length: compare_digest's time would otherwise depend on the key's length.
+    digest = hashlib.sha256(sent).digest()
     matches = 0
     for key in api_keys:
-        matches |= hmac.compare_digest(sent, key.encode("utf-8"))
+        matches |= hmac.compare_digest(digest, hashlib.sha256(key.encode("utf-8")).digest())
     # Compared even for a wrong scheme, for the same reason.
     if scheme.lower() != "bearer" or not sent or not matches:
         raise ApiError(401, "missing or invalid API key", code="invalid_api_key")

@@ -68,3 +68,12 @@ _GRPC_TO_HTTP = {
 def from_grpc(exc: grpc.aio.AioRpcError) -> ApiError:
     status, code = _GRPC_TO_HTTP.get(exc.code(), (500, "internal_error"))
     return ApiError(status, exc.details() or exc.code().name, code=code)
+
+
+def shown(exc: ApiError, hide_internals: bool) -> ApiError:
+    """The error as the client may see it. A mesh failure's message names workers, processors
+    and their addresses; with routing details hidden the client gets only what kind of failure
+    it was (the full message is logged)."""
+    if not hide_internals or exc.status < 500:
+        return exc
+    return ApiError(exc.status, f"the service could not complete the request ({exc.code})", code=exc.code)

@@ -21,7 +21,7 @@ Keys may also sit under a `VllmWorker:` / `Worker:` / `ServiceArgs:` section, as
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -67,7 +67,7 @@ class LaunchConfig:
     # Prefill workers get work (decode workers prefill long prompts on them).
     remote_prefill: bool
     http_port: int
-    api_key: str | None
+    api_key: str | None = field(repr=False)
     # None: start an embedded etcd.
     etcd_endpoints: str | None
     namespace: str
@@ -213,4 +213,6 @@ def _mesh_argv(mesh: MeshConfig) -> tuple[str, ...]:
         # Absolute, so a child's check or a restart does not depend on its working directory.
         argv += ["--tls-cert", str(Path(mesh.tls.cert_file).resolve()), "--tls-key", str(Path(mesh.tls.key_file).resolve()),
                  "--tls-ca", str(Path(mesh.tls.ca_file).resolve())]
+        if mesh.tls.server_name:
+            argv += ["--tls-server-name", mesh.tls.server_name]
     return tuple(argv)

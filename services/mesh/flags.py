@@ -65,6 +65,9 @@ class MeshConfig:
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"--log-format: {self.log_format!r} is not one of {', '.join(LOG_FORMATS)}")
         https = [e for e in self.etcd_endpoints if e.startswith("https://")]
+        if https and len(https) != len(self.etcd_endpoints):
+            # Failing over from an https member to an http one would downgrade to plaintext.
+            raise ConfigError("--etcd-endpoints mixes https:// and http://: use one scheme for every member")
         if https and self.tls is None:
             raise ConfigError(f"--etcd-endpoints {https[0]} is https: it needs --tls-cert, --tls-key and --tls-ca")
 
@@ -143,7 +146,11 @@ def mesh_config(args: argparse.Namespace) -> MeshConfig:
 
 
 def exit_if_checking(args: argparse.Namespace) -> None:
-    """`--check-config`: every setting was validated by now and nothing was started; exit 0."""
+    """Validates the settings read from the environment (OTEL_*), then for `--check-config`,
+    every setting having been validated and nothing started, exits 0."""
+    from services.mesh.tracing import settings_from_env  # tracing imports this module
+
+    validated(lambda: settings_from_env(os.environ))
     if getattr(args, "check_config", False):
         raise SystemExit(0)
 

@@ -13,8 +13,6 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from contextvars import ContextVar
 
 # Third-party chatter at INFO drowns the one-line-per-event logs of our own services.
@@ -22,16 +20,6 @@ QUIET_LOGGERS = ("httpx", "uvicorn.access", "aetcd", "hpack")
 
 # The request being served by the current task (asyncio copies the context into each task).
 REQUEST_ID: ContextVar[str | None] = ContextVar("kvmesh_request_id", default=None)
-
-
-@contextmanager
-def request_scope(request_id: str) -> Iterator[None]:
-    """Tags every line logged inside with this request id."""
-    token = REQUEST_ID.set(request_id)
-    try:
-        yield
-    finally:
-        REQUEST_ID.reset(token)
 
 
 class _RequestIdFilter(logging.Filter):

@@ -3,7 +3,8 @@
 Probes use this port rather than gRPC health because internal gRPC may require a client
 certificate (mTLS) that a kubelet or a load balancer does not have. `/health` is 200 only while
 the process serves (assembled, registered, not draining), 503 before and while it drains, so an
-orchestrator stops sending it traffic first; `/live` is 200 as long as the process answers.
+orchestrator stops sending it traffic first; `/live` is 200 while the process's event loop keeps
+beating (`alive`), so a wedged loop gets the process restarted.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int = 0,
-                  ready: Callable[[], bool] = lambda: True) -> ThreadingHTTPServer:
+                  ready: Callable[[], bool] = lambda: True,
+                  alive: Callable[[], bool] = lambda: True) -> ThreadingHTTPServer:
     """Serves the side port on a daemon thread (it dies with the process); returns the server."""
 
     class Handler(BaseHTTPRequestHandler):
@@ -32,7 +34,9 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int = 0,
                 self._reply(200 if ok else 503, b'{"status":"ok"}' if ok else b'{"status":"unavailable"}',
                             "application/json")
             elif path == "/live":
-                self._reply(200, b'{"status":"ok"}', "application/json")
+                ok = alive()
+                self._reply(200 if ok else 503, b'{"status":"ok"}' if ok else b'{"status":"stalled"}',
+                            "application/json")
             else:
                 self._reply(404, b'{"status":"not found"}', "application/json")
 

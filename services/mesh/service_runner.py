@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from http.server import ThreadingHTTPServer
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
@@ -46,6 +47,10 @@ TEARDOWN_STEP_S = 10.0
 # After deregistering, how long peers get to notice (an etcd watch delivers within milliseconds;
 # a request routed just before still reaches us and is served).
 PROPAGATION_DELAY_S = 1.0
+# The event loop proves it runs by a heartbeat; /live fails once the last one is this old (a
+# deadlocked or wedged loop, which a thread serving the side port would not notice).
+HEARTBEAT_S = 1.0
+LIVENESS_STALE_S = 15.0
 
 Teardown = Callable[[], Awaitable[object] | None]
 
@@ -69,6 +74,7 @@ class ServiceRunner:
         self._stop = asyncio.Event()
         # Assembled and not stopping: what the side port's /health reports.
         self._serving = False
+        self._heartbeat = time.monotonic()
         self._store: KeyValueStore | None = None
         self._channels: ChannelPool | None = None
 
@@ -115,6 +121,8 @@ class ServiceRunner:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, signal.Signals(sig).name)
+        beating = asyncio.create_task(self._beat(), name="heartbeat")
+        self.on_teardown("stop the heartbeat", lambda: cancel_and_wait(beating))
         try:
             await self._assemble(assemble)
             self._serving = not self._stop.is_set()
@@ -129,6 +137,14 @@ class ServiceRunner:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
         return self.exit_code
+
+    async def _beat(self) -> None:
+        while True:
+            self._heartbeat = time.monotonic()
+            await asyncio.sleep(HEARTBEAT_S)
+
+    def alive(self) -> bool:
+        return time.monotonic() - self._heartbeat < LIVENESS_STALE_S
 
     async def _assemble(self, assemble: Callable[[ServiceRunner], Awaitable[None]]) -> None:
         """Runs `assemble`, abandoning it if a stop signal comes first (a vLLM load takes a while)."""
@@ -261,10 +277,11 @@ class ServiceRunner:
         return self._serving
 
     def serve_metrics(self, registry: CollectorRegistry, port: int = 0) -> int:
-        """Serves /metrics, /health (200 while serving) and /live on a side port; returns the port."""
+        """Serves /metrics, /health (200 while serving) and /live (200 while the event loop runs)
+        on a side port; returns the port."""
         host = self._mesh().host
         try:
-            server = serve_metrics(registry, host, port, ready=lambda: self._serving)
+            server = serve_metrics(registry, host, port, ready=lambda: self._serving, alive=self.alive)
         except OSError as exc:
             die(f"--metrics-port {port}: cannot listen on {host}:{port} ({exc.strerror})")
         self.on_teardown("close the metrics port", lambda: asyncio.to_thread(_close_http, server))

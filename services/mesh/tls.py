@@ -11,6 +11,7 @@ network then.
 from __future__ import annotations
 
 import os
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +44,7 @@ class TlsConfig:
         for name, flag, path in (("cert", "--tls-cert", self.cert_file), ("key", "--tls-key", self.key_file),
                                  ("ca", "--tls-ca", self.ca_file)):
             object.__setattr__(self, name, _read_pem(flag, path))
+        _check_pair(self.cert_file, self.key_file, self.ca_file)
 
     def server_credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
@@ -74,6 +76,20 @@ def tls_config(cert: str | None, key: str | None, ca: str | None,
 def tls_flag_defaults() -> dict[str, str | None]:
     return {"cert": os.environ.get(CERT_ENV) or None, "key": os.environ.get(KEY_ENV) or None,
             "ca": os.environ.get(CA_ENV) or None, "server_name": os.environ.get(SERVER_NAME_ENV) or None}
+
+
+def _check_pair(cert: str, key: str, ca: str) -> None:
+    """The certificate matches the key and the CA file holds certificates: found at start-up
+    (and by --check-config), not as a failed bind after the process joined etcd."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_cert_chain(cert, key)
+    except (ssl.SSLError, ValueError) as exc:
+        raise ConfigError(f"--tls-cert {cert} / --tls-key {key}: not a certificate and its key ({exc})") from None
+    try:
+        context.load_verify_locations(ca)
+    except (ssl.SSLError, ValueError) as exc:
+        raise ConfigError(f"--tls-ca {ca}: no CA certificate in it ({exc})") from None
 
 
 def _read_pem(flag: str, path: str) -> bytes:
