@@ -6,7 +6,9 @@ Measures (the issue's table):
 - streamed output tokens/s, 64 concurrent streams of 128 tokens (rounds of 64, best of 3);
 - 1-token completions/s at concurrency 64 and 16, and p50 latency at concurrency 1;
 - 512 concurrent streams against a mocker stepping every 20 ms: the time between tokens the
-  client sees, against the engine's own step (mesh-added ITL p99, and max/median per stream).
+  client sees, against the engine's own step (mesh-added ITL p99, and max/median per stream);
+- what a token and a request cost in CPU across the mesh's processes (to size a cluster), and
+  how 2 frontends (one port, SO_REUSEPORT) and 2 processors share the load.
 Dynamo is installed into its own venv on first use (bench/dynamo_baseline.py); where that is
 impossible its column says why and kvmesh's figures still print.
 """
@@ -22,7 +24,7 @@ import aiohttp
 
 from bench import dynamo_baseline
 from bench.mesh_overhead import drive
-from bench.mesh_process import launched
+from bench.mesh_process import LaunchedMesh, cpu_seconds, launched, launched_mesh
 from bench.report import bar_plot, median, percentile, save_json, table
 from services.tools.make_demo_model import ensure_demo_model
 
@@ -41,7 +43,19 @@ class Figures:
     itl_p50_ms: float = float("nan")
     itl_p99_ms: float = float("nan")
     worst_stream_ratio: float = float("nan")
+    # CPU microseconds of the mesh's processes (etcd excluded) per streamed token / per request.
+    cpu_us_per_token: float = float("nan")
+    cpu_us_per_request: float = float("nan")
     note: str = ""
+
+
+@dataclass
+class Replicas:
+    tokens_per_s: float
+    rps: float
+    # max / mean CPU used over the replicas of each component.
+    frontend_spread: float
+    processor_spread: float
 
 
 async def _stream(session: aiohttp.ClientSession, model: str, max_tokens: int) -> tuple[int, list[float]]:
@@ -121,14 +135,59 @@ def measure(base: str, model: str, figures: Figures) -> None:
     figures.rps, figures.p50_ms = asyncio.run(one_token_rps(base, model))
 
 
+def _cpu_cost(mesh: LaunchedMesh, figures: Figures) -> None:
+    """CPU per token while streaming and per 1-token request at concurrency 64 (every round of
+    streams and requests counted, warm-up included)."""
+    pids = [pid for name, pid in mesh.children if name != "etcd"]
+
+    def used() -> float:
+        return sum(cpu_seconds(pid) for pid in pids)
+
+    before = used()
+    asyncio.run(streamed_tokens_per_s(mesh.base, "kvmesh-demo"))
+    figures.cpu_us_per_token = (used() - before) / (STREAM_ROUNDS * STREAMS * STREAM_TOKENS + 8) * 1e6
+    before = used()
+    _, requests = asyncio.run(_one_level(mesh.base, 64, RPS_LEVELS[64]))
+    figures.cpu_us_per_request = (used() - before) / requests * 1e6
+
+
+async def _one_level(base: str, concurrency: int, total: int) -> tuple[float, int]:
+    """(requests/s, requests) of 1-token completions at this concurrency."""
+    body = {"model": "kvmesh-demo", "prompt": PROMPT, "max_tokens": 1}
+    async with aiohttp.ClientSession(base, connector=aiohttp.TCPConnector(limit=256)) as session:
+        async def one() -> None:
+            async with session.post("/v1/completions", json=body) as r:
+                await r.read()
+
+        level = await drive(concurrency, total, one, LEVEL_TIME_LIMIT_S)
+    return level.rps, level.requests
+
+
+def _spread(used: list[float]) -> float:
+    return max(used) / (sum(used) / len(used)) if used and sum(used) > 0 else float("nan")
+
+
+def replicas() -> Replicas:
+    print("hot path: kvmesh, 2 frontends on one port and 2 processors ...", flush=True)
+    with launched_mesh("--engine", "mocker", "--speedup", "inf", "--decode-workers", "1", "--frontends", "2",
+                       "--processors", "2") as mesh:
+        watched = {name: mesh.pids(name) for name in ("frontend", "processor")}
+        before = {name: {pid: cpu_seconds(pid) for pid in pids} for name, pids in watched.items()}
+        tokens_per_s = asyncio.run(streamed_tokens_per_s(mesh.base, "kvmesh-demo"))
+        rps, _ = asyncio.run(_one_level(mesh.base, 64, RPS_LEVELS[64]))
+        used = {name: [cpu_seconds(pid) - before[name][pid] for pid in pids] for name, pids in watched.items()}
+    return Replicas(tokens_per_s, rps, _spread(used["frontend"]), _spread(used["processor"]))
+
+
 def measure_slow(base: str, model: str, figures: Figures) -> None:
     figures.itl_p50_ms, figures.itl_p99_ms, figures.worst_stream_ratio = asyncio.run(slow_engine_itl(base, model))
 
 
 def _kvmesh(figures: Figures) -> None:
     print("hot path: kvmesh, zero-compute mocker ...", flush=True)
-    with launched("--engine", "mocker", "--speedup", "inf", "--decode-workers", "1") as base:
-        measure(base, "kvmesh-demo", figures)
+    with launched_mesh("--engine", "mocker", "--speedup", "inf", "--decode-workers", "1") as mesh:
+        measure(mesh.base, "kvmesh-demo", figures)
+        _cpu_cost(mesh, figures)
     print(f"hot path: kvmesh, {SLOW_STREAMS} streams on a {STEP_MS:.0f} ms step ...", flush=True)
     with launched("--engine", "mocker", "--timing", "fixed-step-20ms", "--decode-workers", "1",
                   "--num-gpu-blocks", "65536") as base:
@@ -165,6 +224,15 @@ def run() -> dict:
           ["measure", "Dynamo", "kvmesh", "ratio"], rows)
     if theirs.note:
         print(f"(Dynamo: {theirs.note})")
+    table("What the mesh's processes spend (kvmesh; etcd excluded, the client not counted)",
+          ["CPU us per streamed token", "CPU us per 1-token request", "tokens/s per core", "requests/s per core"],
+          [[ours.cpu_us_per_token, ours.cpu_us_per_request, 1e6 / ours.cpu_us_per_token,
+            1e6 / ours.cpu_us_per_request]])
+    rep = replicas()
+    table("Replicas (kvmesh): 2 frontends sharing one port (SO_REUSEPORT), 2 processors",
+          ["streamed tokens/s", "vs 1+1", "req/s c64", "vs 1+1", "frontend CPU max/mean", "processor CPU max/mean"],
+          [[rep.tokens_per_s, _ratio(rep.tokens_per_s, ours.tokens_per_s), rep.rps, _ratio(rep.rps, ours.rps[64]),
+            rep.frontend_spread, rep.processor_spread]])
     table(f"{SLOW_STREAMS} streams, mocker stepping every {STEP_MS:.0f} ms (kvmesh)",
           ["ITL p50 ms", "ITL p99 ms", "added p99 ms", "worst stream max/median"],
           [[ours.itl_p50_ms, ours.itl_p99_ms, ours.itl_p99_ms - STEP_MS, ours.worst_stream_ratio]])
@@ -172,6 +240,6 @@ def run() -> dict:
         bar_plot("hot_path", "kvmesh relative to NVIDIA Dynamo (1.0 = equal)", ["tokens/s", "req/s c64", "req/s c16"],
                  {"kvmesh / Dynamo": [ours.tokens_per_s / theirs.tokens_per_s, ours.rps[64] / theirs.rps[64],
                                       ours.rps[16] / theirs.rps[16]]}, "ratio")
-    result = {"kvmesh": ours.__dict__, "dynamo": theirs.__dict__}
+    result = {"kvmesh": ours.__dict__, "dynamo": theirs.__dict__, "replicas": rep.__dict__}
     save_json("hot_path", result)
     return result

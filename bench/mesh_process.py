@@ -3,38 +3,67 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from services.mesh.net import free_port
 
 
+@dataclass
+class LaunchedMesh:
+    base: str
+    # (component, pid) of every child the launcher started, etcd included.
+    children: list[tuple[str, int]] = field(default_factory=list)
+
+    def pids(self, component: str) -> list[int]:
+        return [pid for name, pid in self.children if name == component]
+
+
 @contextmanager
-def launched(*flags: str, timeout_s: float = 180) -> Iterator[str]:
-    """Yields the mesh's base URL (http://127.0.0.1:PORT) once it is READY; stops it afterwards."""
+def launched_mesh(*flags: str, timeout_s: float = 180) -> Iterator[LaunchedMesh]:
+    """The mesh once it is READY, with its children's pids; stopped afterwards."""
     port = free_port()
     argv = [sys.executable, "-m", "services.launch", "--http-port", str(port), "--log-level", "WARNING",
             "--prefill-workers", "0", *flags]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert proc.stdout is not None
+    mesh = LaunchedMesh(f"http://127.0.0.1:{port}")
     deadline = time.monotonic() + timeout_s
     try:
         for line in proc.stdout:
+            if m := re.match(r"CHILD (\S+) pid=(\d+)", line):
+                mesh.children.append((m.group(1), int(m.group(2))))
             if line.startswith("READY"):
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError("the mesh did not become ready in time")
         else:
             raise RuntimeError(f"the mesh exited before READY (code {proc.wait()})")
-        yield f"http://127.0.0.1:{port}"
+        yield mesh
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@contextmanager
+def launched(*flags: str, timeout_s: float = 180) -> Iterator[str]:
+    """Yields the mesh's base URL (http://127.0.0.1:PORT) once it is READY; stops it afterwards."""
+    with launched_mesh(*flags, timeout_s=timeout_s) as mesh:
+        yield mesh.base
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

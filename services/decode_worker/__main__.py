@@ -27,7 +27,8 @@ async def prepare(ctx: WorkerContext) -> ServicesFactory:
 
     def services(engine: Engine, worker_id: str, events: KvEventLog) -> WorkerServices:
         engine.set_kv_transfer_sink(metrics.record_transfer)
-        return WorkerServices(DecodeServicer(engine, worker_id, events, prefiller, metrics, ctx.tracing))
+        return WorkerServices(DecodeServicer(engine, worker_id, events, prefiller, metrics, ctx.tracing,
+                                             ctx.args.stream_interval_ms / 1000))
 
     return services
 

@@ -27,6 +27,7 @@ from services.mesh.tasks import cancel_and_wait
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
 from services.worker.kv_event_log import KvEventLog
+from services.worker.pacing import DEFAULT_INTERVAL_S
 from services.worker.servicer import (
     GENERATE_RPC,
     LOCAL_PREFILL,
@@ -41,8 +42,9 @@ log = logging.getLogger(__name__)
 
 class DecodeServicer(WorkerServicer):
     def __init__(self, engine: Engine, worker_id: str, events: KvEventLog, prefiller: RemotePrefiller | None,
-                 metrics: DisaggMetrics, tracing: Tracing = TRACING_OFF) -> None:
-        super().__init__(engine, worker_id, events, tracing)
+                 metrics: DisaggMetrics, tracing: Tracing = TRACING_OFF,
+                 stream_interval_s: float = DEFAULT_INTERVAL_S) -> None:
+        super().__init__(engine, worker_id, events, tracing, stream_interval_s)
         self.prefiller = prefiller
         self.metrics = metrics
         # Releases of KV we abandoned, sent after our own request was cancelled: owned here.

@@ -44,9 +44,12 @@ class _Server(uvicorn.Server):
         yield
 
 
-def bind(host: str, port: int, flag: str = "--http-port") -> socket.socket:
+def bind(host: str, port: int, flag: str = "--http-port", reuse_port: bool = False) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        # Only when asked: otherwise a second mesh started on a busy port would silently share it.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -62,7 +65,7 @@ def main() -> None:
     setup_logging(mesh.log_level, FRONTEND, mesh.log_format)
     config = frontend_config(args)
     exit_if_checking(args)
-    sock = bind(mesh.host, args.http_port)
+    sock = bind(mesh.host, args.http_port, reuse_port=args.reuse_port)
     admin_sock = None if config.metrics_port is None else bind(mesh.host, config.metrics_port, "--metrics-port")
 
     async def assemble(runner: ServiceRunner) -> None:

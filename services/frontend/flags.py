@@ -23,6 +23,9 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
                    help=f"require one of these bearer tokens, comma-separated (env {API_KEY_ENV})")
     g.add_argument("--api-key-file", default=os.environ.get(API_KEY_FILE_ENV) or None,
                    help=f"file with accepted bearer tokens, one per line (env {API_KEY_FILE_ENV})")
+    g.add_argument("--reuse-port", action="store_true",
+                   help="share --http-port with other frontends on this host (SO_REUSEPORT: the kernel spreads "
+                        "connections over them)")
     g.add_argument("--metrics-port", type=port_number, default=None,
                    help="serve /health, /live and /metrics on this port only, not on --http-port")
     g.add_argument("--hide-routing-details", action="store_true",

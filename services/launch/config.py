@@ -63,6 +63,8 @@ class LaunchConfig:
     # Replicas of the stateless services: the frontend spreads requests over the processors,
     # which use any live router.
     processors: int
+    # Frontends sharing --http-port (SO_REUSEPORT).
+    frontends: int
     routers: int
     # Prefill workers get work (decode workers prefill long prompts on them).
     remote_prefill: bool
@@ -96,8 +98,8 @@ class LaunchConfig:
     def __post_init__(self) -> None:
         if self.decode_workers < 1 or self.prefill_workers < 0:
             raise ConfigError("--decode-workers must be >= 1 and --prefill-workers >= 0")
-        if self.processors < 1 or self.routers < 1:
-            raise ConfigError("--processors and --routers must be >= 1")
+        if self.processors < 1 or self.routers < 1 or self.frontends < 1:
+            raise ConfigError("--processors, --routers and --frontends must be >= 1")
         if not self.drain_timeout_s >= 0:
             raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         if not self.ready_timeout_s > 0:
@@ -124,6 +126,7 @@ def parser() -> tuple[FlagParser, _Groups]:
     p.add_argument("--decode-workers", type=positive_int, default=1)
     p.add_argument("--prefill-workers", type=non_negative_int, default=1, help="0 = aggregated serving")
     p.add_argument("--processors", type=positive_int, default=1, help="processor replicas")
+    p.add_argument("--frontends", type=positive_int, default=1, help="frontend replicas, sharing --http-port")
     p.add_argument("--routers", type=positive_int, default=1, help="kv-router replicas")
     p.add_argument("--ready-timeout", type=positive_float, default=600.0, help="seconds to wait for /health")
     p.add_argument("--on-child-exit", choices=ON_CHILD_EXIT, default="restart",
@@ -180,10 +183,14 @@ def load(argv: list[str] | None = None) -> LaunchConfig:
     def forwarded(group: argparse._ArgumentGroup, skip: tuple[str, ...] = ()) -> tuple[str, ...]:
         return tuple(forward_flags(args, group._group_actions, skip))
 
+    if args.frontends > 1 and args.metrics_port:
+        die("--metrics-port with --frontends > 1: each frontend would need a port of its own; leave it out "
+            "(metrics are then on --http-port)")
     return validated(lambda: LaunchConfig(
         engine=args.engine, model=args.model, served_model_name=args.served_model_name,
         decode_workers=args.decode_workers,
-        prefill_workers=args.prefill_workers, processors=args.processors, routers=args.routers,
+        prefill_workers=args.prefill_workers, processors=args.processors, frontends=args.frontends,
+        routers=args.routers,
         remote_prefill=args.remote_prefill is not False,
         http_port=args.http_port, api_key=args.api_key, etcd_endpoints=args.etcd_endpoints,
         namespace=args.namespace, log_level=args.log_level,

@@ -36,9 +36,10 @@ def plan_children(cfg: LaunchConfig, etcd: str, model: str, console: Console | N
     if cfg.disaggregated:
         children += _workers("prefill-worker", "services.prefill_worker", [*engine, "--kv-transfer", "nixl"],
                              cfg.prefill_workers, cfg.engine, env)
-    frontend = python_module("services.frontend", *common, *cfg.frontend_argv)
-    children.append(_child("frontend", frontend,
-                           child_env({"KVMESH_API_KEY": cfg.api_key} if cfg.api_key else None)))
+    shared_port = ["--reuse-port"] if cfg.frontends > 1 and "--reuse-port" not in cfg.frontend_argv else []
+    frontend = python_module("services.frontend", *common, *cfg.frontend_argv, *shared_port)
+    children += [_child("frontend", frontend, child_env({"KVMESH_API_KEY": cfg.api_key} if cfg.api_key else None))
+                 for _ in range(cfg.frontends)]
     for child, name in zip(children, log_names([c.component for c in children]), strict=True):
         child.console = console or Console()
         child.log_path = None if run_dir is None else run_dir / name

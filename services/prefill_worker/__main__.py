@@ -16,19 +16,21 @@ from services.mesh.tracing import TRACING_OFF, Tracing
 from services.prefill_worker.servicer import PrefillServicer
 from services.worker.kv_event_log import KvEventLog
 from services.worker.runtime import Role, ServicesFactory, WorkerContext, WorkerServices, main
+from services.worker.pacing import DEFAULT_INTERVAL_S
 from services.worker.servicer import WorkerServicer
 
 PREFILLER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Prefiller"].full_name
 
 
-def services(engine: Engine, worker_id: str, events: KvEventLog, tracing: Tracing = TRACING_OFF) -> WorkerServices:
+def services(engine: Engine, worker_id: str, events: KvEventLog, tracing: Tracing = TRACING_OFF,
+             stream_interval_s: float = DEFAULT_INTERVAL_S) -> WorkerServices:
     prefiller = ServiceBinding(worker_pb2_grpc.add_PrefillerServicer_to_server, PrefillServicer(engine, tracing),
                                PREFILLER_SERVICE)
-    return WorkerServices(WorkerServicer(engine, worker_id, events, tracing), (prefiller,))
+    return WorkerServices(WorkerServicer(engine, worker_id, events, tracing, stream_interval_s), (prefiller,))
 
 
 async def prepare(ctx: WorkerContext) -> ServicesFactory:
-    return partial(services, tracing=ctx.tracing)
+    return partial(services, tracing=ctx.tracing, stream_interval_s=ctx.args.stream_interval_ms / 1000)
 
 
 # A prefill worker without KV transfer could hand nothing over: NIXL is its default.

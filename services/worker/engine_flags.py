@@ -12,7 +12,17 @@ from dataclasses import dataclass
 
 from services.engines.mocker.engine import MockerConfig
 from services.engines.mocker.timing import DEFAULT_PRESET, PRESETS
-from services.mesh.flags import ConfigError, ModelRef, add_model_flags, model_ref, positive_float, positive_int, validated
+from services.mesh.flags import (
+    ConfigError,
+    ModelRef,
+    add_model_flags,
+    model_ref,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    validated,
+)
+from services.worker.pacing import DEFAULT_INTERVAL_S
 
 ENGINES = ("vllm", "mocker")
 KV_TRANSFERS = ("none", "nixl")
@@ -77,6 +87,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     g.add_argument("--max-model-len", type=positive_int, default=None)
     g.add_argument("--kv-bytes-per-token", type=positive_int, default=DEFAULT_KV_BYTES_PER_TOKEN,
                    help="mocker: size of the synthetic KV moved per prompt token")
+    g.add_argument("--stream-interval-ms", type=non_negative_float, default=DEFAULT_INTERVAL_S * 1000,
+                   help="a stream sends at most one message per this many ms; faster tokens ride together "
+                        "(0: send each engine output at once)")
     return g
 
 

@@ -18,6 +18,7 @@ import grpc
 from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
+from services.worker.pacing import DEFAULT_INTERVAL_S, paced
 from services.worker.kv_event_log import KvEventLog, NumberedEvent
 from services.engines.base import (
     Engine,
@@ -127,8 +128,10 @@ def remote_prefill(prefill_worker_id: str) -> common_pb2.PrefillLocation:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, engine: Engine, worker_id: str, events: KvEventLog, tracing: Tracing = TRACING_OFF) -> None:
+    def __init__(self, engine: Engine, worker_id: str, events: KvEventLog, tracing: Tracing = TRACING_OFF,
+                 stream_interval_s: float = DEFAULT_INTERVAL_S) -> None:
         self.engine = engine
+        self.stream_interval_s = stream_interval_s
         self.worker_id = worker_id
         self.events = events
         self.tracing = tracing
@@ -167,7 +170,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """The engine's outputs as response messages; the first says where the prefill ran."""
         log.debug("request %s: %d prompt tokens", engine_request.request_id, len(engine_request.token_ids))
         first = True
-        async with aclosing(self.engine.generate(engine_request)) as outputs:
+        outputs = self.engine.generate(engine_request)
+        if engine_request.sampling.max_tokens > 1:  # one output only: nothing to pace
+            outputs = paced(outputs, self.stream_interval_s)
+        async with aclosing(outputs):
             async for out in outputs:
                 msg = output_to_proto(out)
                 if first:
