@@ -24,8 +24,19 @@ class IncrementalDetokenizer:
         self._read_offset = 0
 
     def push(self, new_ids: list[int]) -> str:
-        """Adds tokens; returns the text they complete (may be empty while a character is split)."""
-        self._ids.extend(new_ids)
+        """Adds tokens; returns the text they complete (may be empty while a character is split).
+
+        A batch is pushed token by token, so the text released after a token sequence, and what
+        is held back, never depend on how the sequence was split into pushes. A processor that
+        takes a stream over pushes the tokens the client already has in one batch: it must hold
+        back exactly what the failed one held (decoded as one window, a batch ending mid-character
+        would release nothing and hold it all, and the next push would send it all again)."""
+        if len(new_ids) == 1:
+            return self._push_one(new_ids[0])
+        return "".join([self._push_one(token) for token in new_ids])
+
+    def _push_one(self, token: int) -> str:
+        self._ids.append(token)
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(self._ids[self._prefix_offset :])
         if len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT):
