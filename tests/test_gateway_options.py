@@ -69,7 +69,12 @@ def test_health_and_metrics_live_only_on_the_metrics_port(gateway: Gateway) -> N
     for path in ("/health", "/live", "/metrics"):
         assert httpx.get(f"{gateway.public}{path}", timeout=5).status_code == 404, path
     assert httpx.get(f"{gateway.admin}/live", timeout=5).json() == {"status": "ok"}
-    assert "kvmesh_frontend_requests_total" in httpx.get(f"{gateway.admin}/metrics", timeout=5).text
+    assert _complete(gateway, ENV_KEY).json()["usage"]["completion_tokens"] == 3
+    text = httpx.get(f"{gateway.admin}/metrics", timeout=5).text
+    assert "kvmesh_frontend_requests_total" in text
+    (counted,) = [float(line.split()[-1]) for line in text.splitlines()
+                  if line.startswith("kvmesh_frontend_completion_tokens_total ")]
+    assert counted >= 3
     assert httpx.get(f"{gateway.admin}/v1/models", timeout=5).status_code == 404
 
 

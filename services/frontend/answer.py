@@ -78,6 +78,7 @@ class Answer:
         metrics = self.metrics
         metrics.duration.observe(time.perf_counter() - self.started)
         metrics.requests.labels(self.kind.endpoint, self.status).inc()
+        metrics.completion_tokens.inc(self.usage.completion_tokens)
 
     async def _items(self) -> AsyncIterator[processor_pb2.ChoiceDelta]:
         metrics = self.metrics

@@ -20,5 +20,8 @@ class FrontendMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("kvmesh_frontend_inter_token_latency_seconds", "time between streamed deltas",
                              buckets=ITL_BUCKETS, registry=r)
+        # Output tokens answered (counted when a request ends): throughput in tokens, whatever
+        # number of tokens each streamed delta carried.
+        self.completion_tokens = Counter("kvmesh_frontend_completion_tokens", "output tokens answered", registry=r)
         self.duration = Histogram("kvmesh_frontend_request_duration_seconds", "request duration",
                                   buckets=LATENCY_BUCKETS, registry=r)
