@@ -9,6 +9,10 @@ import pytest
 
 from tests.procs import Etcd, Mesh
 
+# The vLLM meshes' drain: a call still open when a test module ends is cut after this, so their
+# teardown fits Mesh.stop's wait (three vLLM children draining one after another).
+TEST_DRAIN_S = 8
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The vLLM tests run last: their engines start once, late, and load no other test's clock."""
@@ -32,7 +36,8 @@ def mocker_mesh(etcd: Etcd) -> Iterator[Mesh]:
 
 @pytest.fixture(scope="session")
 def vllm_mesh(etcd: Etcd) -> Iterator[Mesh]:
-    mesh = Mesh.launch(etcd.endpoint, "vllm", "vllm", "--decode-workers", "2", timeout_s=400)
+    mesh = Mesh.launch(etcd.endpoint, "vllm", "vllm", "--decode-workers", "2", "--drain-timeout", str(TEST_DRAIN_S),
+                       timeout_s=400)
     yield mesh
     assert mesh.stop() == 0, mesh.launcher.tail()
 
@@ -54,6 +59,6 @@ def vllm_disagg_mesh(etcd: Etcd) -> Iterator[Mesh]:
     Module-scoped: vLLM engines with the NIXL connector keep about half a core busy while idle,
     which would slow every test after them."""
     mesh = Mesh.launch(etcd.endpoint, "vllm-disagg", "vllm", "--prefill-workers", "1", "--decode-workers", "1",
-                       "--max-local-prefill-length", "128", timeout_s=400)
+                       "--max-local-prefill-length", "128", "--drain-timeout", str(TEST_DRAIN_S), timeout_s=400)
     yield mesh
     assert mesh.stop() == 0, mesh.launcher.tail()
