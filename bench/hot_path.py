@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from bench import dynamo_baseline
-from bench.mesh_overhead import drive
+from bench.mesh_overhead import Level, drive
 from bench.mesh_process import LaunchedMesh, cpu_seconds, launched, launched_mesh
 from bench.report import bar_plot, median, percentile, save_json, table
 from services.tools.make_demo_model import ensure_demo_model
@@ -93,10 +93,13 @@ async def streamed_tokens_per_s(base: str, model: str) -> float:
     return best
 
 
-async def one_token_rps(base: str, model: str) -> tuple[dict[int, float], dict[int, float]]:
+WARM_UP_REQUESTS = 50
+
+
+async def one_token_levels(base: str, model: str, levels: dict[int, int],
+                           warm_up: int = WARM_UP_REQUESTS) -> dict[int, Level]:
+    """1-token completions: `warm_up` one by one, then for each concurrency its count of requests."""
     body = {"model": model, "prompt": PROMPT, "max_tokens": 1}
-    rps: dict[int, float] = {}
-    p50: dict[int, float] = {}
     async with aiohttp.ClientSession(base, connector=aiohttp.TCPConnector(limit=256)) as session:
         async def one() -> None:
             async with session.post("/v1/completions", json=body) as r:
@@ -104,12 +107,9 @@ async def one_token_rps(base: str, model: str) -> tuple[dict[int, float], dict[i
                 if r.status != 200:
                     raise RuntimeError(f"{r.status}: {(await r.text())[:200]}")
 
-        for _ in range(50):
+        for _ in range(warm_up):
             await one()
-        for concurrency, total in RPS_LEVELS.items():
-            level = await drive(concurrency, total, one, LEVEL_TIME_LIMIT_S)
-            rps[concurrency], p50[concurrency] = level.rps, level.p50
-    return rps, p50
+        return {c: await drive(c, total, one, LEVEL_TIME_LIMIT_S) for c, total in levels.items()}
 
 
 async def slow_engine_itl(base: str, model: str) -> tuple[float, float, float]:
@@ -136,35 +136,31 @@ async def slow_engine_itl(base: str, model: str) -> tuple[float, float, float]:
 
 def measure(base: str, model: str, figures: Figures) -> None:
     figures.tokens_per_s = asyncio.run(streamed_tokens_per_s(base, model))
-    figures.rps, figures.p50_ms = asyncio.run(one_token_rps(base, model))
+    _record_levels(figures, asyncio.run(one_token_levels(base, model, RPS_LEVELS)))
 
 
-def _cpu_cost(mesh: LaunchedMesh, figures: Figures) -> None:
-    """CPU per token while streaming and per 1-token request at concurrency 64 (every round of
-    streams and requests counted, warm-up included)."""
+def _record_levels(figures: Figures, levels: dict[int, Level]) -> None:
+    for c, level in levels.items():
+        figures.rps[c], figures.p50_ms[c] = level.rps, level.p50
+
+
+def _measure_with_cpu(mesh: LaunchedMesh, figures: Figures) -> None:
+    """`measure`, with the CPU the mesh's processes spend per streamed token (every round, warm-up
+    included) and per 1-token request at concurrency 64 (its warm-up included)."""
     pids = [pid for name, pid in mesh.children if name != "etcd"]
 
     def used() -> float:
         return sum(cpu_seconds(pid) for pid in pids)
 
     before = used()
-    asyncio.run(streamed_tokens_per_s(mesh.base, "kvmesh-demo"))
+    figures.tokens_per_s = asyncio.run(streamed_tokens_per_s(mesh.base, "kvmesh-demo"))
     figures.cpu_us_per_token = (used() - before) / (STREAM_ROUNDS * STREAMS * STREAM_TOKENS + 8) * 1e6
     before = used()
-    _, requests = asyncio.run(_one_level(mesh.base, 64, RPS_LEVELS[64]))
-    figures.cpu_us_per_request = (used() - before) / requests * 1e6
-
-
-async def _one_level(base: str, concurrency: int, total: int) -> tuple[float, int]:
-    """(requests/s, requests) of 1-token completions at this concurrency."""
-    body = {"model": "kvmesh-demo", "prompt": PROMPT, "max_tokens": 1}
-    async with aiohttp.ClientSession(base, connector=aiohttp.TCPConnector(limit=256)) as session:
-        async def one() -> None:
-            async with session.post("/v1/completions", json=body) as r:
-                await r.read()
-
-        level = await drive(concurrency, total, one, LEVEL_TIME_LIMIT_S)
-    return level.rps, level.requests
+    first, *rest = RPS_LEVELS.items()
+    levels = asyncio.run(one_token_levels(mesh.base, "kvmesh-demo", dict([first])))
+    figures.cpu_us_per_request = (used() - before) / (levels[first[0]].requests + WARM_UP_REQUESTS) * 1e6
+    levels |= asyncio.run(one_token_levels(mesh.base, "kvmesh-demo", dict(rest), warm_up=0))
+    _record_levels(figures, levels)
 
 
 def _spread(used: list[float]) -> float:
@@ -178,7 +174,7 @@ def replicas() -> Replicas:
         watched = {name: mesh.pids(name) for name in ("frontend", "processor")}
         before = {name: {pid: cpu_seconds(pid) for pid in pids} for name, pids in watched.items()}
         tokens_per_s = asyncio.run(streamed_tokens_per_s(mesh.base, "kvmesh-demo"))
-        rps, _ = asyncio.run(_one_level(mesh.base, 64, RPS_LEVELS[64]))
+        rps = asyncio.run(one_token_levels(mesh.base, "kvmesh-demo", {64: RPS_LEVELS[64]}))[64].rps
         used = {name: [cpu_seconds(pid) - before[name][pid] for pid in pids] for name, pids in watched.items()}
     return Replicas(tokens_per_s, rps, _spread(used["frontend"]), _spread(used["processor"]))
 
@@ -190,8 +186,7 @@ def measure_slow(base: str, model: str, figures: Figures) -> None:
 def _kvmesh(figures: Figures) -> None:
     print("hot path: kvmesh, zero-compute mocker ...", flush=True)
     with launched_mesh("--engine", "mocker", "--speedup", "inf", "--decode-workers", "1") as mesh:
-        measure(mesh.base, "kvmesh-demo", figures)
-        _cpu_cost(mesh, figures)
+        _measure_with_cpu(mesh, figures)
     print(f"hot path: kvmesh, {SLOW_STREAMS} streams on a {STEP_MS:.0f} ms step ...", flush=True)
     with launched("--engine", "mocker", "--timing", "fixed-step-20ms", "--decode-workers", "1",
                   "--num-gpu-blocks", "65536") as base:

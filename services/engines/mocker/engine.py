@@ -173,7 +173,7 @@ class MockerEngine(Engine):
         self._wake.set()
         try:
             while True:
-                output = _take_ready(await seq.out.get(), seq.out)
+                output = await seq.out.get()
                 yield output
                 if output.finish_reason is not None:
                     return
@@ -308,18 +308,3 @@ class MockerEngine(Engine):
         h = xxhash.xxh3_64_intdigest(position.to_bytes(8, "little"), seq.digest)
         return self._token_low + h % self._token_span
 
-
-def _take_ready(first: EngineOutput, queue: asyncio.Queue[EngineOutput]) -> EngineOutput:
-    """The first output merged with every one already queued behind it.
-
-    A consumer slower than the engine (a busy processor, a slow client: every hop applies
-    backpressure) then gets all its ready tokens as one output, and every hop downstream carries
-    one message for them instead of one per token."""
-    if first.finish_reason is not None or queue.empty():
-        return first
-    tokens = list(first.token_ids)
-    last = first
-    while not queue.empty() and last.finish_reason is None:
-        last = queue.get_nowait()
-        tokens.extend(last.token_ids)
-    return EngineOutput(tokens, last.finish_reason, last.cached_tokens)
