@@ -226,12 +226,17 @@ class ServiceMesh:
     def prefill_worker(self, *extra: str) -> tuple[Proc, list[str]]:
         return self._worker("prefill-worker", *extra)
 
-    def _worker(self, component: str, *extra: str) -> tuple[Proc, list[str]]:
+    def switchable_worker(self, start_as: str, *extra: str) -> tuple[Proc, list[str]]:
+        """A mocker worker that can change role, registered first in `start_as`'s pool."""
+        return self._worker("decode-worker", "--switchable", "--kv-transfer", "nixl", "--start-as", start_as, *extra,
+                            ready_as=f"{start_as}-worker")
+
+    def _worker(self, component: str, *extra: str, ready_as: str | None = None) -> tuple[Proc, list[str]]:
         proc = service(f"services.{component.replace('-', '_')}", "--etcd-endpoints", self.etcd,
                        "--namespace", self.namespace, "--engine", "mocker", "--speedup", "20", *extra, name=component,
                        env=self.env)
-        ids = proc.wait_for(rf"{component} ready: (.+)$", 60).group(1).split()
-        self.procs.append(proc)
+        self.procs.append(proc)  # before the wait: a worker that never gets ready is still stopped
+        ids = proc.wait_for(rf"{ready_as or component} ready: (.+)$", 60).group(1).split()
         return proc, ids
 
     def url(self, path: str) -> str:

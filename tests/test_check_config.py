@@ -19,6 +19,7 @@ SERVICES = {
     "services.kv_router": ["--router-mode", "kv", "--port", "50051"],
     "services.decode_worker": [*WORKER, "--max-local-prefill-length", "512"],
     "services.prefill_worker": WORKER,
+    "services.planner": ["--connector", "none", "--ttft-slo-ms", "300", "--total-workers", "6"],
 }
 BAD = {
     "services.frontend": (["--max-inflight", "0"], "--max-inflight"),
@@ -26,12 +27,19 @@ BAD = {
     "services.kv_router": (["--router-mode", "psychic"], "--router-mode"),
     "services.decode_worker": ([*WORKER, "--prefill-timeout", "0"], "--prefill-timeout"),
     "services.prefill_worker": ([*WORKER, "--log-format", "xml"], "--log-format"),
+    "services.planner": (["--min-prefill-workers", "3", "--max-prefill-workers", "2"], "--min-prefill-workers"),
 }
+# More than one way a command line can be wrong, for the newer flags.
+MORE_BAD = [
+    ("services.planner", ["--connector", "local"], "--launcher"),
+    ("services.decode_worker", [*WORKER, "--start-as", "prefill"], "--switchable"),
+    ("services.decode_worker", [*WORKER, "--switchable"], "--kv-transfer nixl"),
+]
 
 
 def _check(module: str, *argv: str) -> subprocess.CompletedProcess[str]:
     model = str(ensure_demo_model())
-    model_flags = [] if module in ("services.frontend", "services.kv_router") else ["--model", model]
+    model_flags = [] if module in ("services.frontend", "services.kv_router", "services.planner") else ["--model", model]
     return subprocess.run([sys.executable, "-m", module, *NOWHERE, *model_flags, *argv, "--check-config"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
 
@@ -42,9 +50,8 @@ def test_a_good_command_line_passes_silently(module: str) -> None:
     assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
 
 
-@pytest.mark.parametrize("module", sorted(BAD))
-def test_a_bad_flag_is_named_in_one_line(module: str) -> None:
-    argv, flag = BAD[module]
+@pytest.mark.parametrize("module, argv, flag", [(m, *BAD[m]) for m in sorted(BAD)] + MORE_BAD)
+def test_a_bad_flag_is_named_in_one_line(module: str, argv: list[str], flag: str) -> None:
     done = _check(module, *argv)
     assert done.returncode == 2 and done.stdout == ""
     assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("error: ") and flag in done.stderr, done.stderr

@@ -10,7 +10,7 @@ import pytest
 
 from tests.procs import ROOT
 
-SERVICE_PACKAGES = ("frontend", "processor", "kv_router", "decode_worker", "prefill_worker", "launch")
+SERVICE_PACKAGES = ("frontend", "processor", "kv_router", "decode_worker", "prefill_worker", "launch", "planner")
 # Pure helpers of the mesh package that engines may use: the wire-level block hash and a free port.
 ENGINE_MAY_USE = ("services.mesh.hashing", "services.mesh.net")
 

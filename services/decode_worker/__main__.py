@@ -5,7 +5,12 @@ With `--kv-transfer nixl` it prefills long prompts on the prefill pool (see disa
 
 from __future__ import annotations
 
+import argparse
+
 from services.decode_worker.flags import add_disagg_flags, disagg_config
+from services.decode_worker.switchable import add_switch_flags, switchable_services
+from services.mesh.flags import die
+from services.worker.engine_flags import EngineConfig
 from services.decode_worker.remote_prefill import DisaggMetrics, RemotePrefiller
 from services.decode_worker.service import DecodeServicer
 from services.engines.base import Engine
@@ -27,14 +32,27 @@ async def prepare(ctx: WorkerContext) -> ServicesFactory:
 
     def services(engine: Engine, worker_id: str, events: KvEventLog) -> WorkerServices:
         engine.set_kv_transfer_sink(metrics.record_transfer)
-        return WorkerServices(DecodeServicer(engine, worker_id, events, prefiller, metrics, ctx.tracing,
-                                             ctx.args.stream_interval_ms / 1000))
+        decode = DecodeServicer(engine, worker_id, events, prefiller, metrics, ctx.tracing,
+                                ctx.args.stream_interval_ms / 1000)
+        return switchable_services(decode, engine, ctx) if ctx.args.switchable else WorkerServices(decode)
 
     return services
 
 
-ROLE = Role(DECODE_WORKER, "decode", prepare, add_disagg_flags,
-            check_flags=lambda args, spec: disagg_config(args, kv_transfer=spec.kv_transfer == "nixl"))
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    add_disagg_flags(parser)
+    add_switch_flags(parser)
+
+
+def check_flags(args: argparse.Namespace, spec: EngineConfig) -> None:
+    disagg_config(args, kv_transfer=spec.kv_transfer == "nixl")
+    if args.switchable and spec.kv_transfer != "nixl":
+        die("--switchable needs --kv-transfer nixl (the prefill role hands its KV over NIXL)")
+    if args.start_as != "decode" and not args.switchable:
+        die("--start-as needs --switchable")
+
+
+ROLE = Role(DECODE_WORKER, "decode", prepare, add_flags, check_flags=check_flags)
 
 if __name__ == "__main__":
     main(ROLE)

@@ -84,7 +84,10 @@ def main() -> None:
             _serve_http(runner, create_admin_app(view, metrics), admin_sock, "the metrics port", 0)
         _serve_http(runner, app, sock, "the HTTP server", mesh.drain_timeout_s)
         port = sock.getsockname()[1]
-        info = InstanceInfo(component=FRONTEND, instance_id=new_instance_id(), address=f"{mesh.advertise_host}:{port}")
+        # Where /metrics is scraped (the planner reads the traffic there).
+        metrics_port = port if admin_sock is None else admin_sock.getsockname()[1]
+        info = InstanceInfo(component=FRONTEND, instance_id=new_instance_id(), address=f"{mesh.advertise_host}:{port}",
+                            metrics_port=metrics_port)
         await runner.register(info)
         log.info("frontend %s listening on http://%s:%d/v1", info.instance_id, mesh.host, port)
 

@@ -79,6 +79,7 @@ class Answer:
         metrics.duration.observe(time.perf_counter() - self.started)
         metrics.requests.labels(self.kind.endpoint, self.status).inc()
         metrics.completion_tokens.inc(self.usage.completion_tokens)
+        metrics.prompt_tokens.inc(self.usage.prompt_tokens)
 
     async def _items(self) -> AsyncIterator[processor_pb2.ChoiceDelta]:
         metrics = self.metrics

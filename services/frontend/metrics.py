@@ -23,5 +23,7 @@ class FrontendMetrics:
         # Output tokens answered (counted when a request ends): throughput in tokens, whatever
         # number of tokens each streamed delta carried.
         self.completion_tokens = Counter("kvmesh_frontend_completion_tokens", "output tokens answered", registry=r)
+        # Prompt tokens of answered requests: with the two counters the planner knows the mix.
+        self.prompt_tokens = Counter("kvmesh_frontend_prompt_tokens", "prompt tokens of answered requests", registry=r)
         self.duration = Histogram("kvmesh_frontend_request_duration_seconds", "request duration",
                                   buckets=LATENCY_BUCKETS, registry=r)

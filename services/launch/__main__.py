@@ -8,34 +8,27 @@ child's full output goes to a file in the run directory (run_dir.py), whose path
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Callable
 from pathlib import Path
+
+from gen.kvmesh.v1 import launcher_pb2_grpc
 
 from services.launch.check_config import check_mesh
 from services.launch.children import Child
 from services.launch.config import LaunchConfig, load
 from services.launch.console import Console
 from services.launch.etcd_child import EtcdChild
-from services.launch.plan import plan_children
+from services.launch.plan import plan_children, worker_factory
 from services.launch.readiness import wait_ready
 from services.launch.run_dir import create_run_dir
+from services.launch.supervision import CHILD_EXIT_MARGIN_S, start_child, supervise
+from services.launch.worker_control import LAUNCHER_CONTROL_SERVICE, WorkerControl
+from services.mesh.grpc_server import ServiceBinding, start_server
 from services.mesh.flags import die
 from services.mesh.service_runner import ServiceRunner, run_service
 from services.tools.make_demo_model import ensure_demo_model
 
-# Beyond its drain timeout, what a child gets to exit after SIGTERM before it is killed.
-CHILD_EXIT_MARGIN_S = 10.0
 EXIT_FAILED = 1
-# A child that exits is started again after this, doubling up to the maximum while it keeps dying.
-RESTART_BACKOFF_S = 1.0
-RESTART_BACKOFF_MAX_S = 30.0
-
-
-async def start_child(runner: ServiceRunner, child: Child, drain_timeout_s: float) -> None:
-    """Starts a child; at teardown it gets SIGTERM, its drain timeout to finish, then SIGKILL."""
-    await child.start()
-    stop_s = drain_timeout_s + CHILD_EXIT_MARGIN_S
-    runner.on_teardown(f"stop {child.component}", lambda: child.stop(stop_s), stop_s + 5)
 
 
 async def assemble(runner: ServiceRunner, cfg: LaunchConfig, console: Console, run_dir: Path) -> None:
@@ -50,8 +43,15 @@ async def assemble(runner: ServiceRunner, cfg: LaunchConfig, console: Console, r
             await etcd.start()
             endpoint = etcd.endpoint
         children = plan_children(cfg, endpoint, model, console, run_dir)
+        # A local planner's workers are started, supervised and stopped by the worker control.
+        control = await start_worker_control(runner, cfg, worker_factory(cfg, endpoint, model, console, run_dir)) \
+            if cfg.planner_switches else None
         for child in children:
-            await start_child(runner, child, cfg.drain_timeout_s)
+            if control is not None and "--switchable" in child.argv:
+                await control.start(child.component.removesuffix("-worker"))
+            else:
+                await start_child(runner, child, cfg.drain_timeout_s)
+        children = [c for c in children if "--switchable" not in c.argv]
         await wait_ready(f"http://127.0.0.1:{cfg.health_port}/health", children, cfg.ready_timeout_s)
     except (RuntimeError, TimeoutError, FileNotFoundError) as exc:
         console.note(f"error: {exc}")
@@ -61,31 +61,17 @@ async def assemble(runner: ServiceRunner, cfg: LaunchConfig, console: Console, r
         supervise(runner, child, cfg.on_child_exit)
 
 
-def supervise(runner: ServiceRunner, child: Child, policy: str) -> None:
-    """Watches a child after start-up. When it exits: `restart` starts it again after a back-off
-    that doubles with each exit in quick succession (the rest of the mesh serves on meanwhile);
-    `exit` stops the whole mesh with exit status 1."""
-    task = asyncio.create_task(_keep_running(child, policy), name=f"supervise-{child.component}")
-    runner.watch(task, f"the {child.component} process")
-
-
-async def _keep_running(child: Child, policy: str) -> None:
-    backoff = RESTART_BACKOFF_S
-    while True:
-        started = asyncio.get_running_loop().time()
-        code = await child.wait()
-        child.kill_leftovers()  # what the dead child started must not outlive it
-        pid = child.process.pid if child.process else "?"
-        if policy != "restart":
-            child.console.note(f"{child.component} pid={pid} exited with code {code}; stopping the mesh "
-                               "(--on-child-exit exit)")
-            return
-        if asyncio.get_running_loop().time() - started > RESTART_BACKOFF_MAX_S:
-            backoff = RESTART_BACKOFF_S  # it ran a good while: a fresh failure, not a crash loop
-        child.console.note(f"{child.component} pid={pid} exited with code {code}; restarting it in {backoff:.0f}s")
-        await asyncio.sleep(backoff)
-        backoff = min(backoff * 2, RESTART_BACKOFF_MAX_S)
-        await child.start()
+async def start_worker_control(runner: ServiceRunner, cfg: LaunchConfig,
+                               make_child: Callable[[str], Child]) -> WorkerControl:
+    """The workers a local planner starts and stops, and the loopback server it asks through."""
+    control = WorkerControl(make_child, cfg.on_child_exit, cfg.drain_timeout_s, cfg.ready_timeout_s,
+                            on_lost=lambda label: runner.request_stop(f"{label} ended", 1))
+    runner.on_teardown("stop the workers", control.stop_all, cfg.drain_timeout_s + CHILD_EXIT_MARGIN_S + 5)
+    binding = ServiceBinding(launcher_pb2_grpc.add_LauncherControlServicer_to_server, control,
+                             LAUNCHER_CONTROL_SERVICE)
+    server, _, _ = await start_server([binding], "127.0.0.1", cfg.control_port, tls=cfg.tls)
+    runner.on_teardown("stop the launcher control server", lambda: server.stop(grace=1.0))
+    return control
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from services.launch import INHERITED_FORK_SUPPORT
 from services.launch.console import Console
 from services.launch.output_filter import LineSplitter, OutputFilter, parse
 from services.mesh.process_tree import die_with_parent
@@ -52,6 +53,8 @@ class Child:
     process: asyncio.subprocess.Process | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     ready: bool = False
+    # The message that made the child ready (a worker's names its instance ids).
+    ready_message: str = ""
     _started_at: float = 0.0
     _pump: asyncio.Task[None] | None = None
 
@@ -70,6 +73,7 @@ class Child:
             log.close()
             raise
         self.ready = False
+        self.ready_message = ""
         self._started_at = time.monotonic()
         log.write(f"---- {time.strftime('%Y-%m-%d %H:%M:%S')} {self.component} started pid={self.process.pid}: "
                   f"{shlex.join(self.argv)}\n".encode())
@@ -93,7 +97,8 @@ class Child:
         self.tail.append(text)
         important = console_filter.shows(text)
         self.console.child_line(self.component, pid, text, important=important)
-        if self.ready_when is not None and not self.ready and self.ready_when.search(parse(text).message):
+        if self.ready_when is not None and not self.ready and self.ready_when.search(message := parse(text).message):
+            self.ready_message = message
             self.mark_ready()
 
     def mark_ready(self) -> None:
@@ -190,6 +195,10 @@ def python_module(module: str, *args: str) -> list[str]:
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    if INHERITED_FORK_SUPPORT is None:
+        env.pop("GRPC_ENABLE_FORK_SUPPORT", None)
+    else:
+        env["GRPC_ENABLE_FORK_SUPPORT"] = INHERITED_FORK_SUPPORT
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.update(extra or {})
     return env

@@ -44,6 +44,8 @@ from services.mesh.flags import (
     validated,
 )
 from services.mesh.net import free_port
+from services.mesh.tls import TlsConfig
+from services.planner.flags import add_planner_flags
 from services.processor.flags import add_processor_flags
 from services.worker.engine_flags import add_engine_flags
 
@@ -51,6 +53,7 @@ _SECTIONS = ("VllmWorker", "Worker", "PrefillWorker", "Router", "Processor", "Fr
 _ALIASES = {"router": "router_mode", "workers": "decode_workers"}
 _IGNORED = {"enable_prefix_caching", "tensor_parallel_size", "resources"}
 ON_CHILD_EXIT = ("restart", "exit")
+PLANNER_MODES = ("off", "none", "local")
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,14 @@ class LaunchConfig:
     router_argv: tuple[str, ...]
     processor_argv: tuple[str, ...]
     frontend_argv: tuple[str, ...]
+    # off: no planner; none: a planner that plans and exports only; local: one that starts, stops
+    # and switches this launcher's workers (each then a switchable worker in its own process).
+    planner: str = "off"
+    planner_argv: tuple[str, ...] = ()
+    # Where the launcher serves LauncherControl for a local planner (loopback).
+    control_port: int = 0
+    # The mesh's TLS, for the launcher's own control server.
+    tls: TlsConfig | None = None
 
     def __post_init__(self) -> None:
         if self.decode_workers < 1 or self.prefill_workers < 0:
@@ -109,6 +120,11 @@ class LaunchConfig:
     def disaggregated(self) -> bool:
         return self.prefill_workers > 0 and self.remote_prefill
 
+    @property
+    def planner_switches(self) -> bool:
+        """The planner starts, stops and switches the workers (each its own switchable process)."""
+        return self.planner == "local"
+
 
 @dataclass(frozen=True)
 class _Groups:
@@ -117,6 +133,7 @@ class _Groups:
     router: argparse._ArgumentGroup
     processor: argparse._ArgumentGroup
     frontend: argparse._ArgumentGroup
+    planner: argparse._ArgumentGroup
 
 
 def parser() -> tuple[FlagParser, _Groups]:
@@ -135,8 +152,11 @@ def parser() -> tuple[FlagParser, _Groups]:
                    help="write each process's output to DIR/<component>.log (default: a new .cache/runs/<time>-<pid>/)")
     p.add_argument("--verbose", action="store_true",
                    help="show every line of every process on the console, not only warnings and errors")
+    p.add_argument("--planner", choices=PLANNER_MODES, default="off",
+                   help="none: a planner that plans and exports its plan only; local: one that also starts, stops "
+                        "and switches the workers")
     groups = _Groups(engine=add_engine_flags(p), disagg=add_disagg_flags(p), router=add_router_flags(p),
-                     processor=add_processor_flags(p), frontend=add_frontend_flags(p))
+                     processor=add_processor_flags(p), frontend=add_frontend_flags(p), planner=add_planner_flags(p))
     return p, groups
 
 
@@ -207,7 +227,22 @@ def load(argv: list[str] | None = None) -> LaunchConfig:
         processor_argv=forwarded(groups.processor),
         # The API key goes by environment so it never shows in `ps`.
         frontend_argv=forwarded(groups.frontend, ("api_key",)),
+        planner=args.planner,
+        planner_argv=_planner_argv(args, forwarded(groups.planner)),
+        control_port=free_port() if args.planner == "local" else 0,
+        tls=mesh.tls,
     ))
+
+
+def _planner_argv(args: argparse.Namespace, given: tuple[str, ...]) -> tuple[str, ...]:
+    """The planner's flags; with the mocker its profile is the mocker's own timing unless given."""
+    argv = list(given)
+    if args.engine == "mocker":
+        if args.profile is None:
+            argv += ["--profile", args.timing]
+        if args.profile_speedup is None:
+            argv += ["--profile-speedup", str(args.speedup)]
+    return tuple(argv)
 
 
 def _mesh_argv(mesh: MeshConfig) -> tuple[str, ...]:

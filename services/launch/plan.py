@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from pathlib import Path
 
 from services.launch.children import Child, child_env, python_module
@@ -19,8 +21,7 @@ def plan_children(cfg: LaunchConfig, etcd: str, model: str, console: Console | N
     apply the conditional disaggregation rule; with --prefill-workers 0 serving is aggregated.
     With `run_dir` each child's output goes to its own file there (see run_dir.py).
     """
-    common = ["--etcd-endpoints", etcd, "--namespace", cfg.namespace, "--log-level", cfg.log_level,
-              "--drain-timeout", str(cfg.drain_timeout_s), *cfg.mesh_argv]
+    common = _common(cfg, etcd)
     named = ["--served-model-name", cfg.served_model_name] if cfg.served_model_name else []
     env = child_env()
     children = [_child("kv-router", python_module("services.kv_router", *common, *cfg.router_argv), env)
@@ -28,14 +29,14 @@ def plan_children(cfg: LaunchConfig, etcd: str, model: str, console: Console | N
     children += [_child("processor", python_module("services.processor", *common, "--model", model, *named,
                                                    *cfg.processor_argv), env)
                  for _ in range(cfg.processors)]
-    engine = [*common, "--model", model, *named, *cfg.engine_argv]
-    decode = [*engine, *cfg.disagg_argv]
-    if cfg.disaggregated:
-        decode += ["--kv-transfer", "nixl", "--remote-prefill"]
-    children += _workers("decode-worker", "services.decode_worker", decode, cfg.decode_workers, cfg.engine, env)
-    if cfg.disaggregated:
-        children += _workers("prefill-worker", "services.prefill_worker", [*engine, "--kv-transfer", "nixl"],
-                             cfg.prefill_workers, cfg.engine, env)
+    if cfg.planner_switches:
+        children += [switchable_worker(cfg, common, model, "decode", env) for _ in range(cfg.decode_workers)]
+        children += [switchable_worker(cfg, common, model, "prefill", env) for _ in range(cfg.prefill_workers)]
+    else:
+        children += _fixed_workers(cfg, common, model, env)
+    if cfg.planner != "off":
+        children.append(_child("planner", python_module("services.planner", *common, *_connector_argv(cfg),
+                                                         *cfg.planner_argv), env))
     shared_port = ["--reuse-port"] if cfg.frontends > 1 and "--reuse-port" not in cfg.frontend_argv else []
     frontend = python_module("services.frontend", *common, *cfg.frontend_argv, *shared_port)
     children += [_child("frontend", frontend, child_env({"KVMESH_API_KEY": cfg.api_key} if cfg.api_key else None))
@@ -44,6 +45,57 @@ def plan_children(cfg: LaunchConfig, etcd: str, model: str, console: Console | N
         child.console = console or Console()
         child.log_path = None if run_dir is None else run_dir / name
     return children
+
+
+def _common(cfg: LaunchConfig, etcd: str) -> list[str]:
+    return ["--etcd-endpoints", etcd, "--namespace", cfg.namespace, "--log-level", cfg.log_level,
+            "--drain-timeout", str(cfg.drain_timeout_s), *cfg.mesh_argv]
+
+
+def worker_factory(cfg: LaunchConfig, etcd: str, model: str, console: Console,
+                   run_dir: Path) -> Callable[[str], Child]:
+    """Makes the planner's workers: a new switchable worker of a role, logging to its own file."""
+    env = child_env()
+    started = itertools.count(1)
+
+    def make(role: str) -> Child:
+        child = switchable_worker(cfg, _common(cfg, etcd), model, role, env)
+        child.console = console
+        child.log_path = run_dir / f"{role}-worker-{next(started)}.log"
+        return child
+
+    return make
+
+
+def _engine_argv(cfg: LaunchConfig, common: list[str], model: str) -> list[str]:
+    named = ["--served-model-name", cfg.served_model_name] if cfg.served_model_name else []
+    return [*common, "--model", model, *named, *cfg.engine_argv]
+
+
+def _fixed_workers(cfg: LaunchConfig, common: list[str], model: str, env: dict[str, str]) -> list[Child]:
+    engine = _engine_argv(cfg, common, model)
+    decode = [*engine, *cfg.disagg_argv]
+    if cfg.disaggregated:
+        decode += ["--kv-transfer", "nixl", "--remote-prefill"]
+    children = _workers("decode-worker", "services.decode_worker", decode, cfg.decode_workers, cfg.engine, env)
+    if cfg.disaggregated:
+        children += _workers("prefill-worker", "services.prefill_worker", [*engine, "--kv-transfer", "nixl"],
+                             cfg.prefill_workers, cfg.engine, env)
+    return children
+
+
+def switchable_worker(cfg: LaunchConfig, common: list[str], model: str, role: str, env: dict[str, str]) -> Child:
+    """One worker in its own process that the planner can switch, start and stop: it prefills
+    long prompts remotely while it decodes, and hands KV over NIXL while it prefills."""
+    argv = [*_engine_argv(cfg, common, model), *cfg.disagg_argv, "--kv-transfer", "nixl", "--remote-prefill",
+            "--switchable", "--start-as", role]
+    return _child(f"{role}-worker", python_module("services.decode_worker", *argv), env, required=True)
+
+
+def _connector_argv(cfg: LaunchConfig) -> list[str]:
+    if cfg.planner == "local":
+        return ["--connector", "local", "--launcher", f"127.0.0.1:{cfg.control_port}"]
+    return ["--connector", "none"]
 
 
 def _child(component: str, argv: list[str], env: dict[str, str], required: bool = False) -> Child:

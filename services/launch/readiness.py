@@ -23,6 +23,7 @@ _READY_LINES = {
     "kv-router": r"\brouter \w+ \(\S+ mode\) at ",
     "processor": r"\bprocessor \w+ for \S+ at ",
     "frontend": r"\bfrontend \w+ listening on ",
+    "planner": r"\bplanner \w+ planning with ",
 }
 
 

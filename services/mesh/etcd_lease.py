@@ -35,6 +35,8 @@ class LeasedRegistration:
         self._lease_id: int | None = None
         self._task: asyncio.Task[None] | None = None
         self.registrations = 0  # how many times the keys were (re)put under a fresh lease
+        # Put on stop, before the lease is revoked (its owner's "leaving" records; see stop).
+        self.farewell: dict[str, bytes] = {}
 
     @property
     def lease_id(self) -> int | None:
@@ -59,6 +61,17 @@ class LeasedRegistration:
         if self._lease_id is not None:
             await self._store.put(key, value, self._lease_id)
 
+    async def move(self, old_key: str, new_key: str, value: bytes, farewell: bytes) -> None:
+        """Replaces one key by another under the same lease (an instance changing component):
+        the old key gets `farewell` (watchers drop it at once), is deleted, then the new key is
+        put. The keep-alive's re-registrations hold the new key from here on."""
+        self._keys.pop(old_key, None)
+        self.farewell.pop(old_key, None)
+        if self._lease_id is not None:
+            await self._store.put(old_key, farewell, self._lease_id)
+            await self._store.delete(old_key)
+        await self.put(new_key, value)
+
     async def stop(self, farewell: dict[str, bytes] | None = None) -> None:
         """Cancels the keep-alive and revokes the lease so watchers forget us at once.
 
@@ -69,7 +82,7 @@ class LeasedRegistration:
             self._task = None
         if self._lease_id is not None:
             try:
-                for key, value in (farewell or {}).items():
+                for key, value in (self.farewell if farewell is None else farewell).items():
                     await asyncio.wait_for(self._store.put(key, value, self._lease_id), 2)
             except (TimeoutError, StoreUnavailable) as exc:
                 log.warning("could not say farewell before revoking lease %x: %s", self._lease_id, exc)

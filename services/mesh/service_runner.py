@@ -238,10 +238,8 @@ class ServiceRunner:
             await registration.start(keys)
         except StoreUnavailable as exc:
             die(f"etcd registration failed: {exc}", code=EXIT_UNREACHABLE)
-        async def deregister() -> None:
-            await registration.stop(farewell={key: replace(info, leaving=True).to_json()})
-
-        self.on_teardown(f"deregister {info.component} {info.instance_id}", deregister)
+        registration.farewell[key] = replace(info, leaving=True).to_json()
+        self.on_teardown(f"deregister {info.component} {info.instance_id}", registration.stop)
         if registration.keep_alive_task is not None:
             self.watch(registration.keep_alive_task, f"the lease keep-alive of {info.instance_id}")
         return registration

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 from functools import partial
 
-from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from gen.kvmesh.v1 import worker_pb2_grpc
 from services.engines.base import Engine
 from services.mesh.discovery import PREFILL_WORKER
 from services.mesh.grpc_server import ServiceBinding
 from services.mesh.tracing import TRACING_OFF, Tracing
-from services.prefill_worker.servicer import PrefillServicer
+from services.prefill_worker.servicer import PREFILLER_SERVICE, PrefillServicer
 from services.worker.kv_event_log import KvEventLog
 from services.worker.runtime import Role, ServicesFactory, WorkerContext, WorkerServices, main
 from services.worker.pacing import DEFAULT_INTERVAL_S
 from services.worker.servicer import WorkerServicer
-
-PREFILLER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Prefiller"].full_name
 
 
 def services(engine: Engine, worker_id: str, events: KvEventLog, tracing: Tracing = TRACING_OFF,

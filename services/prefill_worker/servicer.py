@@ -20,6 +20,7 @@ from services.worker.servicer import sampling_from_proto
 
 log = logging.getLogger(__name__)
 
+PREFILLER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Prefiller"].full_name
 PREFILL_RPC = "kvmesh.v1.Prefiller/Prefill"
 RELEASE_RPC = "kvmesh.v1.Prefiller/ReleaseKv"
 

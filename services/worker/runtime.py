@@ -46,6 +46,7 @@ from services.worker.engine_health import watch_engine
 from services.worker.engine_flags import EngineConfig, add_engine_flags, add_kv_transfer_flag, engine_config
 from services.worker.kv_event_log import KvEventLog
 from services.worker.load_collector import WorkerLoadCollector
+from services.worker.role_switch import RoleSwitch
 from services.worker.servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class WorkerServices:
 
     worker: WorkerServicer
     extra: tuple[ServiceBinding, ...] = ()
+    # A worker that can change role: it says which pool it joins first and learns its registration.
+    switch: RoleSwitch | None = None
 
 
 ServicesFactory = Callable[[Engine, str, KvEventLog], WorkerServices]
@@ -99,6 +102,10 @@ class _Running:
     info: InstanceInfo
     lease_keys: dict[str, bytes]
     health: health.HealthServicer
+    switch: RoleSwitch | None = None
+
+    def role(self, started_as: Role) -> str:
+        return started_as.name if self.switch is None else self.switch.registered_role
 
 
 def worker_parser(role: Role) -> FlagParser:
@@ -132,25 +139,29 @@ async def start_worker(role: Role, ctx: WorkerContext, make_services: ServicesFa
     binding = ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, services.worker, WORKER_SERVICE)
     bound, health_servicer = await runner.serve_grpc([binding, *services.extra], port)
     runner.on_teardown(f"end subscriptions to {instance_id}", services.worker.end_subscriptions)
+    switch = services.switch
     info = InstanceInfo(
-        component=role.component,
+        component=role.component if switch is None else switch.component,
         instance_id=instance_id,
         address=f"{mesh.advertise_host}:{bound}",
         model=spec.served_model_name,
-        role=role.name,
+        role=role.name if switch is None or switch.role is None else switch.role,
         block_size=spec.block_size,
         engine=spec.engine,
         metrics_port=metrics_port,
-        extra={"max_model_len": built.engine.info.max_model_len, "kv_transfer": spec.kv_transfer},
+        extra={"max_model_len": built.engine.info.max_model_len, "kv_transfer": spec.kv_transfer,
+               "switchable": switch is not None},
     )
-    return _Running(instance_id, built.engine, info, built.lease_keys, health_servicer)
+    return _Running(instance_id, built.engine, info, built.lease_keys, health_servicer, switch)
 
 
 async def join_mesh(ctx: WorkerContext, workers: list[_Running]) -> None:
     """Registers the process's workers together (so a drain deregisters them together) and
     watches each one's engine."""
-    await ctx.runner.register_all([(w.info, w.lease_keys) for w in workers])
-    for w in workers:
+    registrations = await ctx.runner.register_all([(w.info, w.lease_keys) for w in workers])
+    for w, registration in zip(workers, registrations, strict=True):
+        if w.switch is not None:
+            w.switch.registered(w.info, registration)
         ctx.runner.watch(asyncio.create_task(watch_engine(w.engine, w.health, w.instance_id),
                                              name=f"engine-health-{w.instance_id}"), f"the engine of {w.instance_id}")
         log.info("%s %s serving %s (%s, block size %d, KV transfer %s) at %s", w.info.component, w.instance_id,
@@ -192,7 +203,7 @@ def main(role: Role) -> None:
         await runner.connect_store()
         workers: list[_Running] = []
         registry = CollectorRegistry()
-        registry.register(WorkerLoadCollector(lambda: [(w.instance_id, role.name, w.engine.load()) for w in workers]))
+        registry.register(WorkerLoadCollector(lambda: [(w.instance_id, w.role(role), w.engine.load()) for w in workers]))
         metrics_port = runner.serve_metrics(registry, args.metrics_port)
         ctx = WorkerContext(args, mesh, runner, registry, spec, tracing)
         make_services = await role.prepare(ctx)
@@ -201,6 +212,7 @@ def main(role: Role) -> None:
             workers.append(await start_worker(role, ctx, make_services, port, metrics_port))
         await join_mesh(ctx, workers)
         # The launcher and the tests wait for this line.
-        print(f"{role.component} ready: " + " ".join(w.instance_id for w in workers), flush=True)
+        # A switchable worker says the pool it joined (`--start-as`).
+        print(f"{workers[0].info.component} ready: " + " ".join(w.instance_id for w in workers), flush=True)
 
     run_service(role.component, mesh, assemble)

@@ -140,3 +140,23 @@ class LoadMetrics(_message.Message):
     gpu_cache_usage_perc: float
     gpu_prefix_cache_hit_rate: float
     def __init__(self, request_active_slots: _Optional[int] = ..., request_total_slots: _Optional[int] = ..., kv_active_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., gpu_cache_usage_perc: _Optional[float] = ..., gpu_prefix_cache_hit_rate: _Optional[float] = ...) -> None: ...
+
+class SwitchRoleRequest(_message.Message):
+    __slots__ = ("role", "drain_timeout_s")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    drain_timeout_s: float
+    def __init__(self, role: _Optional[str] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+
+class SwitchRoleResponse(_message.Message):
+    __slots__ = ("previous_role", "role", "finished", "ended")
+    PREVIOUS_ROLE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    previous_role: str
+    role: str
+    finished: int
+    ended: int
+    def __init__(self, previous_role: _Optional[str] = ..., role: _Optional[str] = ..., finished: _Optional[int] = ..., ended: _Optional[int] = ...) -> None: ...

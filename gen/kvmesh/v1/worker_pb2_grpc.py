@@ -307,3 +307,84 @@ class Prefiller:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class RoleControlStub:
+    """Served by workers that can change role at run time (`--switchable`): the planner moves a
+    worker between the prefill and the decode pool without restarting its engine.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SwitchRole = channel.unary_unary(
+                '/kvmesh.v1.RoleControl/SwitchRole',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.SwitchRoleRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.SwitchRoleResponse.FromString,
+                _registered_method=True)
+
+
+class RoleControlServicer:
+    """Served by workers that can change role at run time (`--switchable`): the planner moves a
+    worker between the prefill and the decode pool without restarting its engine.
+    """
+
+    def SwitchRole(self, request, context):
+        """Stops taking work in the current role, lets what it holds finish (or, past the deadline,
+        ends it so the processor migrates it), and registers under the other pool. Answers once
+        the worker is registered in its new role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RoleControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SwitchRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwitchRole,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.SwitchRoleRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.SwitchRoleResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvmesh.v1.RoleControl', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvmesh.v1.RoleControl', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class RoleControl:
+    """Served by workers that can change role at run time (`--switchable`): the planner moves a
+    worker between the prefill and the decode pool without restarting its engine.
+    """
+
+    @staticmethod
+    def SwitchRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.RoleControl/SwitchRole',
+            kvmesh_dot_v1_dot_worker__pb2.SwitchRoleRequest.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.SwitchRoleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

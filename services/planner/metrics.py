@@ -1,0 +1,66 @@
+"""The planner's Prometheus metrics: every decision's inputs and outcome (`kvmesh_planner_*`)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from services.planner.model import Corrections, Traffic
+from services.planner.policy import Decision
+from services.planner.pools import ROLES, PoolSizes
+
+
+class PlannerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.desired = Gauge("kvmesh_planner_desired_workers", "workers per role the last plan asks for", ["role"],
+                             registry=r)
+        self.actual = Gauge("kvmesh_planner_actual_workers", "workers per role registered in etcd", ["role"],
+                            registry=r)
+        self.predicted_ttft = Gauge("kvmesh_planner_predicted_ttft_seconds", "TTFT predicted at the planned sizes",
+                                    registry=r)
+        self.predicted_itl = Gauge("kvmesh_planner_predicted_itl_seconds", "ITL predicted at the planned sizes",
+                                   registry=r)
+        self.observed_ttft = Gauge("kvmesh_planner_observed_ttft_seconds", "mean TTFT over the last interval",
+                                   registry=r)
+        self.observed_itl = Gauge("kvmesh_planner_observed_itl_seconds", "mean ITL over the last interval",
+                                  registry=r)
+        self.rate = Gauge("kvmesh_planner_request_rate", "answered requests per second over the last interval",
+                          registry=r)
+        self.input_tokens = Gauge("kvmesh_planner_mean_input_tokens", "mean prompt length over the last interval",
+                                  registry=r)
+        self.output_tokens = Gauge("kvmesh_planner_mean_output_tokens", "mean output length over the last interval",
+                                   registry=r)
+        self.correction = Gauge("kvmesh_planner_correction", "observed / predicted latency, smoothed", ["kind"],
+                                registry=r)
+        self.decisions = Counter("kvmesh_planner_decisions", "plans made", registry=r)
+        self.switches = Counter("kvmesh_planner_switches", "workers moved to the other role", registry=r)
+        self.scale_events = Counter("kvmesh_planner_scale_events", "workers started or stopped, by role",
+                                    ["role", "direction"], registry=r)
+        self.connector_errors = Counter("kvmesh_planner_connector_errors", "plans the connector could not carry out",
+                                        registry=r)
+
+    def record(self, registered: PoolSizes, traffic: Traffic, corrections: Corrections, decision: Decision) -> None:
+        self.decisions.inc()
+        for role in ROLES:
+            self.desired.labels(role).set(decision.desired.of(role))
+            self.actual.labels(role).set(registered.of(role))
+        self.predicted_ttft.set(decision.predicted_ttft_s)  # +Inf: the pool would be saturated
+        self.predicted_itl.set(decision.predicted_itl_s)
+        self.observed_ttft.set(traffic.observed_ttft_s or 0.0)
+        self.observed_itl.set(traffic.observed_itl_s or 0.0)
+        self.rate.set(traffic.rate_per_s)
+        self.input_tokens.set(traffic.mean_input_tokens)
+        self.output_tokens.set(traffic.mean_output_tokens)
+        self.correction.labels("ttft").set(corrections.ttft)
+        self.correction.labels("itl").set(corrections.itl)
+
+    def applied(self, current: PoolSizes, desired: PoolSizes, switched: int) -> None:
+        """Counts a carried-out plan: `switched` workers changed role, the rest started or stopped."""
+        self.switches.inc(switched)
+        for role in ROLES:
+            change = desired.of(role) - current.of(role)
+            moved_in = switched if change > 0 else -switched if change < 0 else 0
+            started = change - moved_in
+            if started:
+                self.scale_events.labels(role, "up" if started > 0 else "down").inc(abs(started))
+

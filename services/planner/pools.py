@@ -1,0 +1,34 @@
+"""The two worker pools the planner sizes, and what it may do to them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.mesh.config_error import ConfigError
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    """Workers per role."""
+
+    prefill: int
+    decode: int
+
+    def __post_init__(self) -> None:
+        if self.prefill < 0 or self.decode < 0:
+            raise ConfigError(f"pool sizes cannot be negative (prefill {self.prefill}, decode {self.decode})")
+
+    @property
+    def total(self) -> int:
+        return self.prefill + self.decode
+
+    def of(self, role: str) -> int:
+        return self.prefill if role == "prefill" else self.decode
+
+    def with_role(self, role: str, n: int) -> PoolSizes:
+        return PoolSizes(n, self.decode) if role == "prefill" else PoolSizes(self.prefill, n)
+
+    def __str__(self) -> str:
+        return f"{self.prefill}P:{self.decode}D"

@@ -1,0 +1,131 @@
+"""Live role switching: one engine, serving the prefill pool or the decode pool, moved by an RPC.
+
+A switchable worker mounts both roles' services; a gate admits each call only in its role (a
+call of the other role gets UNAVAILABLE, which callers retry on another worker). `SwitchRole`:
+1. closes the gate to the old role: new work of that role is refused from here on;
+2. moves its etcd record to the other component under the same lease, marked "leaving" first,
+   so routers drop it from the old pool at once and add it to the new one (routers, processors
+   and decode workers see it within one watch round-trip);
+3. opens the gate to the new role;
+4. lets work of the old role in flight finish until the deadline, then ends what is left with
+   UNAVAILABLE, which the processor treats as a failed worker and migrates (the engine's
+   output is deterministic, so the stream continues exactly where it stopped).
+The engine and its prefix cache stay: nothing is reloaded, nothing restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+
+import grpc
+
+from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, InstanceInfo, instance_key
+from services.mesh.etcd_lease import LeasedRegistration
+from services.mesh.tasks import cancel_and_wait
+
+log = logging.getLogger(__name__)
+
+COMPONENT_OF = {"decode": DECODE_WORKER, "prefill": PREFILL_WORKER}
+ROLE_CONTROL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["RoleControl"].full_name
+
+
+class _Ended(Exception):
+    """Work the switch ended at its deadline."""
+
+
+class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
+    def __init__(self, initial_role: str, namespace: str, drain_timeout_s: float) -> None:
+        if initial_role not in COMPONENT_OF:
+            raise ValueError(f"unknown role {initial_role!r}")
+        self.role: str | None = initial_role
+        self._registered_role = initial_role
+        self._namespace = namespace
+        self._drain_timeout_s = drain_timeout_s
+        self._info: InstanceInfo | None = None
+        self._registration: LeasedRegistration | None = None
+        self._inflight: dict[str, set[asyncio.Task[object]]] = {"decode": set(), "prefill": set()}
+        self._ending: set[asyncio.Task[object]] = set()
+        self._lock = asyncio.Lock()
+        self.switches = 0
+
+    @property
+    def registered_role(self) -> str:
+        """The pool the worker is registered in (during a switch: the new one)."""
+        return self._registered_role
+
+    @property
+    def component(self) -> str:
+        return COMPONENT_OF[self._registered_role]
+
+    def registered(self, info: InstanceInfo, registration: LeasedRegistration) -> None:
+        """Called once the worker is in etcd: the record and lease a switch moves."""
+        self._info, self._registration = info, registration
+
+    @asynccontextmanager
+    async def work(self, role: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """Admits one call of `role`, or refuses it; tracked so a switch can wait for it."""
+        if self.role != role:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"this worker serves the {self.role or 'no'} role now, not {role}; retry elsewhere")
+        task = asyncio.current_task()
+        assert task is not None
+        self._inflight[role].add(task)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if task in self._ending:  # ended by a switch, not by the caller: make it retryable
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"this worker left the {role} role")
+            raise
+        finally:
+            self._inflight[role].discard(task)
+            self._ending.discard(task)
+
+    async def SwitchRole(self, request: worker_pb2.SwitchRoleRequest,  # noqa: N802
+                         context: grpc.aio.ServicerContext) -> worker_pb2.SwitchRoleResponse:
+        target = request.role
+        if target not in COMPONENT_OF:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role must be prefill or decode, got {target!r}")
+        if self._info is None or self._registration is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is not registered yet")
+        deadline_s = request.drain_timeout_s if request.drain_timeout_s > 0 else self._drain_timeout_s
+        async with self._lock:  # one switch at a time
+            previous = self._registered_role
+            if previous == target:
+                return worker_pb2.SwitchRoleResponse(previous_role=previous, role=target)
+            finished, ended = await self._switch(previous, target, deadline_s)
+            return worker_pb2.SwitchRoleResponse(previous_role=previous, role=target, finished=finished, ended=ended)
+
+    async def _switch(self, previous: str, target: str, deadline_s: float) -> tuple[int, int]:
+        assert self._info is not None and self._registration is not None
+        started = time.monotonic()
+        self.role = None
+        old_info = self._info
+        new_info = replace(old_info, component=COMPONENT_OF[target], role=target)
+        await self._registration.move(instance_key(self._namespace, old_info), instance_key(self._namespace, new_info),
+                                      new_info.to_json(), replace(old_info, leaving=True).to_json())
+        self._registration.farewell[instance_key(self._namespace, new_info)] = replace(new_info, leaving=True).to_json()
+        self._info, self._registered_role = new_info, target
+        # The engine serves both kinds of work at once: the new role's calls are taken while
+        # the old role's finish, so the worker is useful as soon as routers see it.
+        self.role = target
+        finished, ended = await self._drain(previous, deadline_s)
+        self.switches += 1
+        log.info("worker %s switched from %s to %s in %.2fs (%d calls finished, %d ended for migration)",
+                 new_info.instance_id, previous, target, time.monotonic() - started, finished, ended)
+        return finished, ended
+
+    async def _drain(self, role: str, deadline_s: float) -> tuple[int, int]:
+        """Waits for the old role's calls; ends those still running at the deadline."""
+        calls = set(self._inflight[role])
+        if not calls:
+            return 0, 0
+        _, pending = await asyncio.wait(calls, timeout=deadline_s)
+        self._ending |= pending
+        await cancel_and_wait(*pending)
+        return len(calls) - len(pending), len(pending)

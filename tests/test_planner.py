@@ -1,0 +1,136 @@
+"""The planner on real processes: a launched mocker mesh, real etcd, real load.
+
+- `--planner local` grows the prefill pool under a burst of long prompts and shrinks it after,
+  losing no request;
+- `--planner none` plans the same and changes nothing;
+- the traffic it reads from the frontends' metrics, in-process.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.mesh.discovery import DECODE_WORKER, PLANNER, PREFILL_WORKER
+from services.planner.traffic import Counters, parse_counters, traffic_of
+from tests.procs import MODEL, Etcd, Mesh, registered, wait_until
+
+# Fast decisions for a test: a plan every 2 s, a pool may change again 4 s after it changed.
+PLANNER_FLAGS = ("--adjustment-interval", "2", "--cooldown", "4", "--max-prefill-workers", "3",
+                 "--ttft-slo-ms", "400", "--itl-slo-ms", "100")
+# Long prompts (remote prefill) at a rate one prefill worker cannot keep up with: 2500 tokens take
+# ~205 ms on the default profile, so 6 req/s need more than one.
+BURST_PROMPT, BURST_RATE, BURST_S = 2500, 6.0, 14.0
+
+
+def launch(etcd: Etcd, planner: str) -> Mesh:
+    return Mesh.launch(etcd.endpoint, f"plan-{uuid.uuid4().hex[:6]}", "mocker", "--prefill-workers", "1",
+                       "--max-local-prefill-length", "512", "--planner", planner, *PLANNER_FLAGS)
+
+
+def pools(mesh: Mesh) -> tuple[int, int]:
+    return (len(registered(mesh.etcd, mesh.namespace, PREFILL_WORKER)),
+            len(registered(mesh.etcd, mesh.namespace, DECODE_WORKER)))
+
+
+def planner_metric(mesh: Mesh, name: str, **labels: str) -> float:
+    (info,) = registered(mesh.etcd, mesh.namespace, PLANNER)
+    text = httpx.get(f"http://127.0.0.1:{info.metrics_port}/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and labels.items() <= s.labels.items())
+
+
+def burst(mesh: Mesh, stop: threading.Event) -> list[int]:
+    """Long prompts, Poisson arrivals, until `stop` or BURST_S; returns every status."""
+    rng = random.Random(7)
+    statuses: list[int] = []
+
+    def one(seed: int) -> int:
+        prompt = [random.Random(seed).randrange(20, 1000) for _ in range(BURST_PROMPT)]
+        r = httpx.post(f"{mesh.base_url}/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4},
+                       timeout=120)
+        return r.status_code
+
+    with ThreadPoolExecutor(32) as pool:
+        futures = []
+        while not stop.wait(rng.expovariate(BURST_RATE)) and len(futures) < BURST_RATE * BURST_S:
+            futures.append(pool.submit(one, len(futures)))
+        statuses = [f.result() for f in futures]
+    return statuses
+
+
+def test_traffic_is_the_difference_between_two_readings() -> None:
+    text = """# TYPE kvmesh_frontend_request_duration_seconds histogram
+kvmesh_frontend_request_duration_seconds_count 10
+kvmesh_frontend_request_duration_seconds_sum 5
+# TYPE kvmesh_frontend_prompt_tokens counter
+kvmesh_frontend_prompt_tokens_total 20000
+# TYPE kvmesh_frontend_completion_tokens counter
+kvmesh_frontend_completion_tokens_total 500
+# TYPE kvmesh_frontend_time_to_first_token_seconds histogram
+kvmesh_frontend_time_to_first_token_seconds_count 10
+kvmesh_frontend_time_to_first_token_seconds_sum 3
+# TYPE kvmesh_frontend_inter_token_latency_seconds histogram
+kvmesh_frontend_inter_token_latency_seconds_count 490
+kvmesh_frontend_inter_token_latency_seconds_sum 9.8
+"""
+    later = parse_counters(text)
+    earlier = Counters(requests=4, prompt_tokens=8000, completion_tokens=200, ttft_sum=1, ttft_count=4,
+                       itl_sum=3.9, itl_count=196)
+    t = traffic_of(later.minus(earlier), seconds=2.0)
+    assert t.rate_per_s == pytest.approx(3.0)
+    assert t.mean_input_tokens == pytest.approx(2000)
+    assert t.mean_output_tokens == pytest.approx(50)
+    assert t.observed_ttft_s == pytest.approx(2 / 6)
+    assert t.observed_itl_s == pytest.approx(5.9 / 294)
+    # A frontend that restarted (its counters went down) counts from zero, never negative.
+    assert later.minus(Counters(requests=50, ttft_count=50)) == later
+    assert traffic_of(Counters(), 2.0).idle
+
+
+def test_local_planner_grows_the_prefill_pool_under_a_burst_and_shrinks_it_after(etcd: Etcd) -> None:
+    mesh = launch(etcd, "local")
+    try:
+        assert pools(mesh) == (1, 1)
+        stop = threading.Event()
+        with ThreadPoolExecutor(1) as driver:
+            load = driver.submit(burst, mesh, stop)
+            grew = wait_until(lambda: pools(mesh)[0] > 1, 60, interval_s=0.5)
+            stop.set()
+            statuses = load.result()
+        assert grew, f"the prefill pool never grew: {mesh.launcher.tail()}"
+        assert statuses and all(s == 200 for s in statuses), statuses
+        assert planner_metric(mesh, "kvmesh_planner_scale_events_total", role="prefill", direction="up") >= 1
+        assert wait_until(lambda: pools(mesh) == (1, 1), 60, interval_s=0.5), f"never shrank back: {pools(mesh)}"
+        # Counted once the stopped workers' processes have exited (after their drain).
+        assert wait_until(lambda: planner_metric(mesh, "kvmesh_planner_scale_events_total", role="prefill",
+                                                 direction="down") >= 1, 60, interval_s=0.5)
+        assert planner_metric(mesh, "kvmesh_planner_desired_workers", role="prefill") == 1
+    finally:
+        assert mesh.stop() == 0
+
+
+def test_dry_run_plans_but_changes_nothing(etcd: Etcd) -> None:
+    mesh = launch(etcd, "none")
+    try:
+        stop = threading.Event()
+        with ThreadPoolExecutor(1) as driver:
+            load = driver.submit(burst, mesh, stop)
+            planned = wait_until(lambda: planner_metric(mesh, "kvmesh_planner_desired_workers", role="prefill") > 1,
+                                 60, interval_s=0.5)
+            stop.set()
+            assert all(s == 200 for s in load.result())
+        assert planned, "the dry run never planned a larger prefill pool under the burst"
+        assert pools(mesh) == (1, 1)
+        assert planner_metric(mesh, "kvmesh_planner_actual_workers", role="prefill") == 1
+        assert planner_metric(mesh, "kvmesh_planner_switches_total") == 0
+        assert planner_metric(mesh, "kvmesh_planner_scale_events_total") == 0
+        assert planner_metric(mesh, "kvmesh_planner_decisions_total") >= 1
+    finally:
+        assert mesh.stop() == 0
