@@ -21,7 +21,8 @@ DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 K8S_VERSION = "1.32"
 MODULES = {"frontend": "services.frontend", "processor": "services.processor", "kv-router": "services.kv_router",
-           "decode-worker": "services.decode_worker", "prefill-worker": "services.prefill_worker"}
+           "decode-worker": "services.decode_worker", "prefill-worker": "services.prefill_worker",
+           "planner": "services.planner"}
 MESH_SERVICES = tuple(MODULES)
 WORKERS = ("decode-worker", "prefill-worker")
 KUSTOMIZATIONS = sorted(p.parent.relative_to(K8S).as_posix() for p in K8S.rglob("kustomization.yaml"))
@@ -107,7 +108,8 @@ def _env_of(spec: dict[str, Any], docs: tuple[dict[str, Any], ...]) -> dict[str,
         env.update(one(docs, "ConfigMap", source["configMapRef"]["name"])["data"])
     for var in spec.get("env", []):
         ref = var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
-        env[var["name"]] = {"status.podIP": "127.0.0.1", "metadata.name": "pod-0", None: var.get("value", "")}[ref]
+        env[var["name"]] = {"status.podIP": "127.0.0.1", "metadata.name": "pod-0", "metadata.namespace": NAMESPACE,
+                            None: var.get("value", "")}[ref]
     return env
 
 
@@ -159,13 +161,14 @@ def parse(c: Container) -> Any:
     import services.decode_worker.__main__ as decode
     import services.frontend.__main__ as frontend
     import services.kv_router.__main__ as router
+    import services.planner.__main__ as planner
     import services.prefill_worker.__main__ as prefill
     import services.processor.__main__ as processor
     from services.worker.runtime import worker_parser
 
     parsers = {"services.frontend": frontend.parser, "services.processor": processor.parser,
                "services.kv_router": router.parser, "services.decode_worker": lambda: worker_parser(decode.ROLE),
-               "services.prefill_worker": lambda: worker_parser(prefill.ROLE)}
+               "services.prefill_worker": lambda: worker_parser(prefill.ROLE), "services.planner": planner.parser}
     module, *flags = c.argv
     assert module == MODULES[c.service], f"{c.where}/{c.service} runs {module}"
     return parsers[module]().parse_args(flags)

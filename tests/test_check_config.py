@@ -32,6 +32,7 @@ BAD = {
 # More than one way a command line can be wrong, for the newer flags.
 MORE_BAD = [
     ("services.planner", ["--connector", "local"], "--launcher"),
+    ("services.planner", ["--connector", "kubernetes", "--k8s-namespace", "Not_A_Name"], "--k8s-namespace"),
     ("services.decode_worker", [*WORKER, "--start-as", "prefill"], "--switchable"),
     ("services.decode_worker", [*WORKER, "--switchable"], "--kv-transfer nixl"),
 ]

@@ -92,7 +92,7 @@ def test_every_container_command_passes_its_services_check_config(
 # A bad value of a real flag for each service: refused as well as a made-up flag.
 BAD_VALUES = {"frontend": ["--http-port", "http"], "processor": ["--migration-limit", "-1"],
               "kv-router": ["--router-mode", "fastest"], "decode-worker": ["--engine", "tensorrt"],
-              "prefill-worker": ["--kv-transfer", "rdma"]}
+              "prefill-worker": ["--kv-transfer", "rdma"], "planner": ["--connector", "magic"]}
 
 
 @pytest.mark.parametrize("service", MESH_SERVICES)

@@ -17,10 +17,12 @@ from tests.deploy_files import (
     MESH_SERVICES,
     NAMESPACE,
     WORKERS,
+    Container,
     compose_containers,
     compose_services,
     container,
     dockerfile_entrypoint,
+    expand,
     find,
     kustomization,
     load_all,
@@ -103,7 +105,9 @@ def test_ports_probes_and_termination_agree_with_the_flags_and_compose(directory
     for c in rendered_containers(directory):
         args, template = parse(c), one(docs, "Deployment", c.service)["spec"]["template"]
         (spec,) = template["spec"]["containers"]
-        public = {"http": args.http_port} if c.service == "frontend" else {"grpc": args.port}
+        # The planner serves no API of its own: only its metrics port.
+        public = {"http": args.http_port} if c.service == "frontend" else {} if c.service == "planner" else \
+            {"grpc": args.port}
         assert {p["name"]: p["containerPort"] for p in spec["ports"]} == {**public, "metrics": args.metrics_port}
         assert template["metadata"]["annotations"]["prometheus.io/port"] == str(args.metrics_port)
         for flag in ("port", "http_port", "metrics_port"):
@@ -222,3 +226,27 @@ def test_the_dev_demo_model_is_built_where_the_services_read_it() -> None:
         assert (model[0]["name"], model[0]["subPath"]) == (mount["name"], name)
         assert "emptyDir" in {v["name"]: v for v in pod["volumes"]}[mount["name"]]
 
+
+
+def test_the_planner_may_scale_exactly_the_worker_deployments_it_plans() -> None:
+    docs = tuple(d for f in ("planner.yaml", "decode-worker.yaml", "prefill-worker.yaml") for d in load_all(K8S / "base" / f))
+    deployment = one(docs, "Deployment", "planner")
+    pod = deployment["spec"]["template"]["spec"]
+    args = parse(rendered_like(deployment))
+    assert (args.connector, args.k8s_namespace) == ("kubernetes", NAMESPACE)
+    targets = {args.k8s_prefill_deployment, args.k8s_decode_deployment}
+    assert targets == set(WORKERS) and all(find(docs, "Deployment", t) for t in targets)
+    account = pod["serviceAccountName"]
+    binding = one(docs, "RoleBinding", account)
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    role = one(docs, "Role", binding["roleRef"]["name"])
+    (scale,) = [r for r in role["rules"] if "deployments/scale" in r["resources"]]
+    assert {"get", "patch"} <= set(scale["verbs"]) and set(scale["resourceNames"]) == targets
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+
+
+def rendered_like(deployment: dict[str, Any]) -> Container:
+    """A base Deployment's container as `rendered_containers` would give it (namespace kvmesh)."""
+    (spec,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {"POD_IP": "127.0.0.1", "POD_NAMESPACE": NAMESPACE}
+    return Container("base", deployment["metadata"]["name"], [expand(a, env) for a in spec["args"]], env)
