@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench import disagg_serving, hot_path, indexer, mesh_overhead, nixl_transfer, routing_quality
+from bench import disagg_serving, hot_path, indexer, mesh_overhead, nixl_transfer, planner, routing_quality
 
 BENCHMARKS = {
     "mesh": mesh_overhead.run,
@@ -13,6 +13,7 @@ BENCHMARKS = {
     "nixl": nixl_transfer.run,
     "disagg": disagg_serving.run,
     "hot-path": hot_path.run,
+    "planner": planner.run,
 }
 
 

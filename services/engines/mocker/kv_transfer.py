@@ -119,7 +119,9 @@ class NixlKvEndpoint:
         self.name = agent_name
         self.bytes_per_token = bytes_per_token
         self._hold_timeout_s = hold_timeout_s
-        self._agent = nixl_agent(agent_name, nixl_agent_config(backends=["UCX"]))
+        # No progress thread: NIXL's polls without sleeping (a core per idle worker). A transfer
+        # is driven by the reader's own state checks, and the holder's memory is read one-sided.
+        self._agent = nixl_agent(agent_name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         # Registered before the metadata is published: peers learn the memory with the agent.
         self._arena = Arena(arena_bytes)
         self._registration = self._agent.register_memory(self._arena.buffer)

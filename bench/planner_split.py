@@ -1,0 +1,107 @@
+"""The prefill:decode split of a running mesh over time, read from etcd, and the planner's decisions
+read from its log (the launcher's run directory has planner.log, one "plan ..." line per decision).
+
+The split is what the routers see: the workers registered in each pool, those marked leaving
+(a switch moves a worker's record to the other pool at once, marked so first) not counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, InstanceInfo, component_prefix
+from services.mesh.etcd_store import EtcdStore
+
+# Each etcd read has a deadline of its own (EtcdStore's call timeout, a few seconds).
+SAMPLE_TIMEOUT_S = 3
+
+
+def etcd_endpoint(etcd_pid: int) -> str:
+    """The client URL of the launcher's embedded etcd, from that process's command line."""
+    argv = Path(f"/proc/{etcd_pid}/cmdline").read_bytes().decode().split("\0")
+    return argv[argv.index("--advertise-client-urls") + 1]
+
+
+@dataclass
+class SplitSampler:
+    """Samples (seconds since `start`, prefill workers, decode workers) every `period_s`."""
+
+    endpoint: str
+    namespace: str
+    period_s: float = 1.0
+    samples: list[tuple[float, int, int]] = field(default_factory=list)
+    _store: EtcdStore | None = None
+    _task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._store = EtcdStore((self.endpoint,), timeout_s=SAMPLE_TIMEOUT_S)
+        await self._store.connect()
+        self._task = asyncio.create_task(self._loop(time.perf_counter()), name="split-sampler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._store is not None:
+            await self._store.close()
+
+    async def _loop(self, started: float) -> None:
+        while True:
+            at = time.perf_counter() - started
+            try:
+                # One after the other: both counts from (nearly) the same moment, nothing to cancel midway.
+                self.samples.append((at, await self._count(PREFILL_WORKER), await self._count(DECODE_WORKER)))
+            except Exception:  # noqa: BLE001 - etcd busy for a moment: a gap in the timeline, not a failed run
+                pass
+            await asyncio.sleep(max(0.0, started + at + self.period_s - time.perf_counter()))
+
+    async def _count(self, component: str) -> int:
+        assert self._store is not None
+        items, _ = await self._store.get_prefix(component_prefix(self.namespace, component))
+        return sum(1 for kv in items if not InstanceInfo.from_json(kv.value).leaving)
+
+
+_PLAN = re.compile(r"plan (\d+)P:(\d+)D -> (\d+)P:(\d+)D \(([^)]*)\)")
+
+
+@dataclass(frozen=True)
+class PlanLine:
+    current: tuple[int, int]
+    desired: tuple[int, int]
+    reason: str
+    text: str
+
+    @property
+    def changes(self) -> bool:
+        return self.current != self.desired
+
+
+def plan_lines(run_dir: Path) -> list[PlanLine]:
+    """The planner's decisions in order (empty if it logged none)."""
+    path = run_dir / "planner.log"
+    if not path.exists():
+        return []
+    lines = []
+    for text in path.read_text(errors="replace").splitlines():
+        if m := _PLAN.search(text):
+            p0, d0, p1, d1 = (int(g) for g in m.groups()[:4])
+            lines.append(PlanLine((p0, d0), (p1, d1), m.group(5), text[m.start():]))
+    return lines
+
+
+def warnings_of(run_dir: Path, limit: int = 1000) -> list[str]:
+    """WARNING and ERROR lines of every log in the run directory (the first `limit`)."""
+    found: list[str] = []
+    for path in sorted(run_dir.glob("*.log")):
+        for text in path.read_text(errors="replace").splitlines():
+            if re.search(r"\b(WARNING|ERROR|CRITICAL|Traceback)\b", text):
+                found.append(f"{path.name}: {text[:300]}")
+                if len(found) >= limit:
+                    return found
+    return found
