@@ -13,7 +13,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
 
-from services.mesh.net import free_port
+from services.mesh.net import port_for_later
 from services.engines.base import (
     Engine,
     EngineInfo,
@@ -45,7 +45,7 @@ class VllmConfig:
 def nixl_transfer_config(advertise_host: str) -> dict[str, Any]:
     """vLLM's NixlConnector for both roles. Its side channel needs a port of its own per engine,
     set in the environment before the engine starts, and a host its peers can reach."""
-    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port_for_later())
     os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = advertise_host
     return {"kv_connector": "NixlConnector", "kv_role": "kv_both",
             "kv_buffer_device": "cpu" if on_cpu() else "cuda"}
@@ -131,7 +131,7 @@ class VllmEngine(Engine):
             kwargs["gpu_memory_utilization"] = self.config.gpu_memory_utilization
         from vllm.config import KVEventsConfig
 
-        self._events = VllmKvEventListener(free_port(), self.emit_kv_event)
+        self._events = VllmKvEventListener(port_for_later(), self.emit_kv_event)
         self._events.start()
         kwargs["kv_events_config"] = KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=self._events.publisher_endpoint
