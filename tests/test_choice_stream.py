@@ -7,6 +7,7 @@ import pytest
 
 from gen.kvmesh.v1 import common_pb2, processor_pb2
 from services.mesh.channels import ChannelPool
+from services.mesh.session_client import SessionPool
 from services.mesh.router_client import RouteChoice
 from services.processor.choice_stream import ChoiceLimits, ChoiceStream, Finished, Started
 from services.processor.tokenizer import ModelTokenizer
@@ -26,7 +27,7 @@ async def test_a_choice_resumed_with_all_its_tokens_finishes_without_a_worker() 
     resumed = tokenizer.encode_text("every token was already sent")[:6]
     channels = ChannelPool()
     choice = ChoiceStream("r", 0, [5, 6, 7], common_pb2.SamplingParams(max_tokens=len(resumed)), [], tokenizer,
-                          channels, ChoiceLimits(10, 3, 3), never_routes, lambda w: None, lambda: None)
+                          SessionPool(channels), ChoiceLimits(10, 3, 3), never_routes, lambda w: None, lambda: None)
     items = [item async for item in choice.run(ROUTE, resumed)]
     await channels.close()
     assert isinstance(items[0], Started)

@@ -1,7 +1,7 @@
 """The router client's contract (services/mesh/router_client.py), against real in-process gRPC routers.
 
-Each router here is a real `grpc.aio` server on 127.0.0.1 whose `Route` follows a script: answer,
-abort with a status, or never answer. The client gets a real `ChannelPool` and, in place of a
+Each router here is a real `grpc.aio` server on 127.0.0.1 serving sessions, whose routing follows
+a script: answer, fail with a status, or never answer. The client gets a real `ChannelPool` and, in place of a
 `ComponentView`, a stand-in holding the routers' `InstanceInfo`s in `.instances` (the only part
 of the view it reads). No etcd, no child process: the whole file runs in a few seconds.
 """
@@ -21,6 +21,9 @@ from services.mesh.channels import ChannelPool
 from services.mesh.discovery import ROUTER, InstanceInfo
 from services.mesh.net import free_port
 from services.mesh.router_client import NoWorkerError, RouteChoice, RouterClient, RoutingUnavailable
+from services.mesh.session_client import SessionPool
+from services.mesh.session_kind import ROUTER_SESSION, CallError, CallInfo
+from services.mesh.session_server import SessionHub
 
 MODEL = "kvmesh-demo"
 TOKENS = [101, 102, 103, 104, 105]
@@ -43,21 +46,29 @@ DEAD = "dead"  # nothing listens at its address
 
 @dataclass
 class ScriptedRouter(router_pb2_grpc.RouterServicer):
+    """Serves `Session` (what the client uses) through a real SessionHub, as the router does."""
+
     instance_id: str
     behaviour: str
     calls: list[router_pb2.RouteRequest] = field(default_factory=list)
     address: str = ""
 
-    async def Route(self, request: router_pb2.RouteRequest,  # noqa: N802
-                    context: grpc.aio.ServicerContext) -> router_pb2.RouteResponse:
+    def __post_init__(self) -> None:
+        self.sessions = SessionHub(ROUTER_SESSION, self.route)
+
+    async def Session(self, frames: AsyncIterator[router_pb2.RouterSessionDown],  # noqa: N802
+                      context: grpc.aio.ServicerContext) -> None:
+        await self.sessions.serve(frames, context)
+
+    async def route(self, request: router_pb2.RouteRequest, call: CallInfo) -> AsyncIterator[router_pb2.RouteResponse]:
         self.calls.append(request)
         if self.behaviour in ABORTS:
-            await context.abort(ABORTS[self.behaviour], f"scripted {self.behaviour} from {self.instance_id}")
+            raise CallError(ABORTS[self.behaviour], f"scripted {self.behaviour} from {self.instance_id}")
         if self.behaviour == HANGS:
             await asyncio.Event().wait()  # cancelled when the client gives up or the server stops
         assert self.behaviour == OK, self.behaviour
-        return router_pb2.RouteResponse(worker_id=f"worker-via-{self.instance_id}", address="10.0.0.7:5555",
-                                        overlap_blocks=3, prefix_hit_rate=0.25, pool_waiting=4)
+        yield router_pb2.RouteResponse(worker_id=f"worker-via-{self.instance_id}", address="10.0.0.7:5555",
+                                       overlap_blocks=3, prefix_hit_rate=0.25, pool_waiting=4)
 
 
 @dataclass
@@ -84,6 +95,7 @@ async def routers(*behaviours: str, timeout_s: float = 2.0) -> AsyncIterator[Rou
     """Routers r0, r1, ... (the client tries them in id order from its turn) with these behaviours."""
     scripted, servers = [], []
     pool = ChannelPool()
+    sessions = SessionPool(pool)
     try:
         for i, behaviour in enumerate(behaviours):
             router = ScriptedRouter(f"r{i}", behaviour)
@@ -98,8 +110,9 @@ async def routers(*behaviours: str, timeout_s: float = 2.0) -> AsyncIterator[Rou
             scripted.append(router)
         members = Members({r.instance_id: InstanceInfo(component=ROUTER, instance_id=r.instance_id, address=r.address)
                            for r in scripted})
-        yield Routers(RouterClient(members, pool, timeout_s=timeout_s), scripted)
+        yield Routers(RouterClient(members, sessions, timeout_s=timeout_s), scripted)
     finally:
+        await sessions.close()
         await pool.close()
         for server in servers:
             await server.stop(None)

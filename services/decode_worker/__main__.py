@@ -26,7 +26,7 @@ async def prepare(ctx: WorkerContext) -> ServicesFactory:
     metrics = DisaggMetrics(ctx.registry)
     prefiller = None
     if config.remote_prefill:
-        routers = RouterClient(await ctx.runner.watch_component(ROUTER), ctx.runner.channels)
+        routers = RouterClient(await ctx.runner.watch_component(ROUTER), ctx.runner.sessions)
         prefiller = RemotePrefiller(config, ctx.engine.served_model_name, routers, ctx.runner.channels, metrics,
                                     ctx.tracing)
 

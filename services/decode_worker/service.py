@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
 
@@ -23,6 +24,7 @@ import grpc
 from gen.kvmesh.v1 import worker_pb2
 from services.decode_worker.remote_prefill import DisaggMetrics, RemotePrefill, RemotePrefiller
 from services.engines.base import Engine
+from services.mesh.session_kind import CallInfo, final_error
 from services.mesh.tasks import cancel_and_wait
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
@@ -59,53 +61,54 @@ class DecodeServicer(WorkerServicer):
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+    async def generate(self, request: worker_pb2.WorkerGenerateRequest,
+                       call: CallInfo) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         REQUEST_ID.set(request.request_id)  # this call's task: its log lines carry the id
-        with self.tracing.server_span("decode", context, GENERATE_RPC) as span:
+        with self.tracing.server_span("decode", call, GENERATE_RPC) as span:
             if span.is_recording():
                 span.set_attributes(generate_attributes(request, self.worker_id))
-            async for msg in self._generate(request, context):
-                yield msg
+            try:
+                async for msg in self._generate(request):
+                    yield msg
+            except ValueError as exc:
+                raise final_error(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
 
-    async def _generate(self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext):
+    async def _generate(self, request: worker_pb2.WorkerGenerateRequest) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         rid = request.request_id
-        local = await request_from_proto(request, context)
+        local = request_from_proto(request)
         remote: RemotePrefill | None = None
         if self.prefiller is not None:
             remote = await self.prefiller.plan(rid, local.token_ids, request.sampling, request.prefix_hit_rate)
         else:
             self.metrics.local.inc()
-        try:
-            if remote is not None:
-                started = False
-                try:
-                    outputs = self.stream(replace(local, kv_transfer=remote.kv_transfer), remote_prefill(remote.worker_id))
-                    async with aclosing(outputs):
-                        # Current while the engine pulls, so what it reports of the transfer lands on it.
-                        with self.tracing.span("kv transfer") as transfer:
-                            if transfer.is_recording():
-                                transfer.set_attribute("kvmesh.prefill_worker_id", remote.worker_id)
-                            first = await anext(outputs, None)
-                            if first is None:
-                                return
-                            if first.finish_reason == "abort":
-                                raise RuntimeError("the engine aborted the request it was to decode from remote KV")
-                        started = True
-                        yield first
-                        async for msg in outputs:
-                            yield msg
-                    return
-                except asyncio.CancelledError:
-                    if not started:  # the client left before the KV was pulled: free it now
-                        self._release_later(rid, remote)
+        if remote is not None:
+            started = False
+            try:
+                outputs = self.stream(replace(local, kv_transfer=remote.kv_transfer), remote_prefill(remote.worker_id))
+                async with aclosing(outputs):
+                    # Current while the engine pulls, so what it reports of the transfer lands on it.
+                    with self.tracing.span("kv transfer") as transfer:
+                        if transfer.is_recording():
+                            transfer.set_attribute("kvmesh.prefill_worker_id", remote.worker_id)
+                        first = await anext(outputs, None)
+                        if first is None:
+                            return
+                        if first.finish_reason == "abort":
+                            raise RuntimeError("the engine aborted the request it was to decode from remote KV")
+                    started = True
+                    yield first
+                    async for msg in outputs:
+                        yield msg
+                return
+            except asyncio.CancelledError:
+                if not started:  # the client left before the KV was pulled: free it now
+                    self._release_later(rid, remote)
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure before output means: prefill here
+                if started:
                     raise
-                except Exception as exc:  # noqa: BLE001 - any failure before output means: prefill here
-                    if started:
-                        raise
-                    assert self.prefiller is not None
-                    self.prefiller.fallback(rid, "transfer", f"KV from {remote.worker_id} unusable: {exc}")
-                    await self.prefiller.release(rid, remote)
-            async for msg in self.stream(local, LOCAL_PREFILL):
-                yield msg
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                assert self.prefiller is not None
+                self.prefiller.fallback(rid, "transfer", f"KV from {remote.worker_id} unusable: {exc}")
+                await self.prefiller.release(rid, remote)
+        async for msg in self.stream(local, LOCAL_PREFILL):
+            yield msg

@@ -7,6 +7,7 @@ serves `Prefiller`; `--start-as prefill` registers it in the prefill pool first.
 from __future__ import annotations
 
 import argparse
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -14,6 +15,8 @@ from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.decode_worker.service import DecodeServicer
 from services.engines.base import Engine
 from services.mesh.grpc_server import ServiceBinding
+from services.mesh.session_kind import WORKER_SESSION, CallError, CallInfo
+from services.mesh.session_server import SessionHub
 from services.prefill_worker.servicer import PREFILLER_SERVICE, PrefillServicer
 from services.worker.role_switch import ROLE_CONTROL_SERVICE, RoleSwitch
 from services.worker.runtime import WorkerContext, WorkerServices
@@ -32,9 +35,10 @@ def add_switch_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
 class _GatedDecode(DecodeServicer):
     switch: RoleSwitch
 
-    async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        async with self.switch.work("decode", context):
-            async for msg in super().Generate(request, context):
+    async def generate(self, request: worker_pb2.WorkerGenerateRequest,
+                       call: CallInfo) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        async with self.switch.work("decode"):
+            async for msg in super().generate(request, call):
                 yield msg
 
 
@@ -45,8 +49,12 @@ class _GatedPrefill(PrefillServicer):
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,  # noqa: N802
                       context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
-        async with self.switch.work("prefill", context):
-            return await super().Prefill(request, context)
+        try:
+            async with self.switch.work("prefill"):
+                return await super().Prefill(request, context)
+        except CallError as exc:
+            await context.abort(exc.code, exc.message)
+            raise AssertionError("abort raises") from None
 
 
 def switchable_services(decode: DecodeServicer, engine: Engine, ctx: WorkerContext) -> WorkerServices:
@@ -54,6 +62,7 @@ def switchable_services(decode: DecodeServicer, engine: Engine, ctx: WorkerConte
     switch = RoleSwitch(ctx.args.start_as, ctx.mesh.namespace, ctx.mesh.drain_timeout_s)
     decode.__class__ = _GatedDecode  # same state, gated Generate
     decode.switch = switch  # type: ignore[attr-defined]
+    decode.sessions = SessionHub(WORKER_SESSION, decode.generate)  # the gated one
     prefill = ServiceBinding(worker_pb2_grpc.add_PrefillerServicer_to_server, _GatedPrefill(engine, switch, ctx),
                              PREFILLER_SERVICE)
     control = ServiceBinding(worker_pb2_grpc.add_RoleControlServicer_to_server, switch, ROLE_CONTROL_SERVICE)

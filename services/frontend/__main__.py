@@ -74,7 +74,7 @@ def main() -> None:
         view = MeshView(processors=await runner.watch_component(PROCESSOR),
                         routers=await runner.watch_component(ROUTER),
                         decoders=await runner.watch_component(DECODE_WORKER),
-                        channels=runner.channels)
+                        sessions=runner.sessions)
         metrics = FrontendMetrics()
         app = create_app(config, view, metrics)
         if tracing.enabled:

@@ -6,6 +6,8 @@ import grpc
 from pydantic import BaseModel
 from starlette.responses import JSONResponse
 
+from services.mesh.session_kind import CallError
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -65,9 +67,9 @@ _GRPC_TO_HTTP = {
 }
 
 
-def from_grpc(exc: grpc.aio.AioRpcError) -> ApiError:
-    status, code = _GRPC_TO_HTTP.get(exc.code(), (500, "internal_error"))
-    return ApiError(status, exc.details() or exc.code().name, code=code)
+def from_grpc(exc: CallError) -> ApiError:
+    status, code = _GRPC_TO_HTTP.get(exc.code, (500, "internal_error"))
+    return ApiError(status, exc.message or exc.code.name, code=code)
 
 
 def shown(exc: ApiError, hide_internals: bool) -> ApiError:

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
-from gen.kvmesh.v1 import processor_pb2_grpc
-from services.mesh.channels import ChannelPool
 from services.mesh.discovery import ComponentView, InstanceInfo
+from services.mesh.session_client import Session, SessionPool
+from services.mesh.session_kind import PROCESSOR_SESSION
 
 
 @dataclass
@@ -18,7 +18,7 @@ class MeshView:
     processors: ComponentView
     routers: ComponentView
     decoders: ComponentView
-    channels: ChannelPool
+    sessions: SessionPool
     _turn: count = field(default_factory=count)
 
     def models(self) -> list[str]:
@@ -29,16 +29,15 @@ class MeshView:
         return any(i.model == model for i in self.decoders.instances.values()) or any(
             p.model == model for p in self.processors.instances.values())
 
-    def processor_for(self, model: str,
-                      exclude: Sequence[str] = ()) -> tuple[str, processor_pb2_grpc.ProcessorStub] | None:
-        """The next processor of `model` in turn, skipping `exclude`: its id and a stub."""
+    def processor_for(self, model: str, exclude: Sequence[str] = ()) -> tuple[str, Session] | None:
+        """The next processor of `model` in turn, skipping `exclude`: its id and the session to it."""
         candidates: list[InstanceInfo] = sorted(
             (p for p in self.processors.instances.values() if p.model == model and p.instance_id not in exclude),
             key=lambda p: p.instance_id)
         if not candidates:
             return None
         chosen = candidates[next(self._turn) % len(candidates)]
-        return chosen.instance_id, processor_pb2_grpc.ProcessorStub(self.channels.get(chosen.address))
+        return chosen.instance_id, self.sessions.get(PROCESSOR_SESSION, chosen.address)
 
     def health(self) -> tuple[bool, str]:
         if not self.routers.instances:

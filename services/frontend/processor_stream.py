@@ -13,7 +13,7 @@ instead:
 
 "Failed" means the call broke (UNAVAILABLE, CANCELLED, UNKNOWN, INTERNAL) without the processor
 saying so itself: an error a processor chose to return (bad input, no worker for the model)
-carries the `FINAL_ERROR_KEY` trailer and is the answer. Failed processors are kept out of the
+is marked final and is the answer. Failed processors are kept out of the
 gateway's choices for a while (RecentFailures), not only until their lease expires.
 """
 
@@ -28,8 +28,9 @@ import grpc
 from gen.kvmesh.v1 import processor_pb2
 from services.frontend.errors import ApiError, from_grpc
 from services.frontend.mesh import MeshView
-from services.mesh.grpc_server import is_final
 from services.mesh.recent_failures import RecentFailures
+from services.mesh.session_client import SessionStream
+from services.mesh.session_kind import CallError
 from services.mesh.tracing import outgoing_metadata
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class ProcessorStream:
         self._timeout_s = timeout_s
         self._failures = failures
         self._tried: list[str] = []
-        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._call: SessionStream | None = None
         self._route: processor_pb2.RouteInfo | None = None
         self._cancelled = False
         self._processor = ""
@@ -78,7 +79,7 @@ class ProcessorStream:
                 async for msg in self._read(self._call):
                     yield msg
                 return
-            except grpc.aio.AioRpcError as exc:
+            except CallError as exc:
                 if not self._failed(exc) or len(self._tried) >= MAX_PROCESSORS_PER_STREAM:
                     raise from_grpc(exc) from None
                 self._failures.add(self._processor)
@@ -88,12 +89,12 @@ class ProcessorStream:
                         prompt_tokens=self._route.prompt_tokens if self._route else 0)))
                     return
                 log.warning("request %s: processor %s failed mid-stream (%s); taking the stream over elsewhere",
-                            self._request.request_id, self._processor, exc.code().name)
+                            self._request.request_id, self._processor, exc.code.name)
                 self.took_over = True
                 await self._open(self._takeover_request())
 
-    async def _read(self, call: grpc.aio.UnaryStreamCall) -> AsyncIterator[processor_pb2.GenerateResponse]:
-        while (msg := await call.read()) is not grpc.aio.EOF:
+    async def _read(self, call: SessionStream) -> AsyncIterator[processor_pb2.GenerateResponse]:
+        async for msg in call:
             which = msg.WhichOneof("kind")
             if which == "delta":
                 self._tokens[msg.delta.index].extend(msg.delta.token_ids)
@@ -121,35 +122,37 @@ class ProcessorStream:
         return request
 
     async def _open(self, request: processor_pb2.GenerateRequest) -> processor_pb2.RouteInfo:
-        last: grpc.aio.AioRpcError | None = None
+        last: CallError | None = None
         while len(self._tried) < MAX_PROCESSORS_PER_STREAM:
             chosen = self._mesh.processor_for(request.model, exclude=self._tried + self._failures.current())
             if chosen is None:
                 break
-            self._processor, stub = chosen
+            self._processor, session = chosen
             self._tried.append(self._processor)
             remaining = self._deadline - time.monotonic()
             if remaining <= 0:
                 raise ApiError(503, f"the request took longer than {self._timeout_s:.0f}s", code="timeout")
             # The request's span is current (request_tracing.py): the processor's joins its trace.
-            self._call = stub.Generate(request, timeout=remaining, metadata=outgoing_metadata())
+            self._call = call = session.open(request, remaining, outgoing_metadata())
+            if self._cancelled:
+                call.cancel()
             try:
-                msg = await self._call.read()
-            except grpc.aio.AioRpcError as exc:
+                msg = await anext(call, None)
+            except CallError as exc:
                 if not self._failed(exc):
                     raise from_grpc(exc) from None
                 last = exc
                 self._failures.add(self._processor)
                 log.warning("request %s: processor %s failed before answering (%s); trying another",
-                            request.request_id, self._processor, exc.code().name)
+                            request.request_id, self._processor, exc.code.name)
                 continue
-            if msg is grpc.aio.EOF or msg.WhichOneof("kind") != "route":
+            if msg is None or msg.WhichOneof("kind") != "route":
                 raise ApiError(503, "the processor closed the stream before routing", code="unavailable")
             return msg.route
         if last is not None:
-            raise ApiError(503, f"no processor could take the request: {last.details() or last.code().name}",
+            raise ApiError(503, f"no processor could take the request: {last.message or last.code.name}",
                            code="unavailable")
         raise ApiError(503, f"no processor serves {request.model[:200]!r} right now", code="unavailable")
 
-    def _failed(self, exc: grpc.aio.AioRpcError) -> bool:
-        return not self._cancelled and exc.code() in PROCESSOR_FAILED and not is_final(exc)
+    def _failed(self, exc: CallError) -> bool:
+        return not self._cancelled and exc.code in PROCESSOR_FAILED and not exc.final

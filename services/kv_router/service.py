@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -32,6 +33,9 @@ from services.kv_router.pickers import PickContext, make_picker
 from services.kv_router.worker_pool import WorkerPool
 from services.mesh.flags import ConfigError
 from services.mesh.hashing import local_block_hashes
+from services.mesh.grpc_server import as_unary_rpc
+from services.mesh.session_kind import ROUTER_SESSION, CallError, CallInfo, call_info, final_error
+from services.mesh.session_server import SessionHub
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
 
@@ -87,28 +91,36 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # One generator for every random draw of the router, so a seed fixes all its choices.
         self._picker = make_picker(config.mode, random.Random(config.seed), config.weights)
 
-    async def _pool(self, role: int, context: grpc.aio.ServicerContext) -> WorkerPool:
+        # Callers' sessions: every routing they ask for, served by `route`.
+        self.sessions = SessionHub(ROUTER_SESSION, self.route)
+
+    def _pool(self, role: int) -> WorkerPool:
         pool = self._pools.get(role or common_pb2.WORKER_ROLE_DECODE)
         if pool is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown worker role {role}")
-            raise AssertionError("abort raises")
+            raise final_error(grpc.StatusCode.INVALID_ARGUMENT, f"unknown worker role {role}")
         return pool
 
     async def Route(self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext) -> router_pb2.RouteResponse:  # noqa: N802
-        REQUEST_ID.set(request.request_id)  # this call's task: its log lines carry the id
-        with self._tracing.server_span("route", context, ROUTE_RPC) as span:
-            return await self._route(request, context, span)
+        return await as_unary_rpc(context, self.route(request, call_info(context)))
 
-    async def _route(self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext,
-                     span: Span) -> router_pb2.RouteResponse:
+    async def Session(self, frames: AsyncIterator[router_pb2.RouterSessionDown],  # noqa: N802
+                      context: grpc.aio.ServicerContext) -> None:
+        await self.sessions.serve(frames, context)
+
+    async def route(self, request: router_pb2.RouteRequest, call: CallInfo) -> AsyncIterator[router_pb2.RouteResponse]:
+        """One routing decision, for `Route` and for a call on a session alike."""
+        REQUEST_ID.set(request.request_id)  # this call's task: its log lines carry the id
+        with self._tracing.server_span("route", call, ROUTE_RPC) as span:
+            yield self._route(request, span)
+
+    def _route(self, request: router_pb2.RouteRequest, span: Span) -> router_pb2.RouteResponse:
         started = time.perf_counter()
-        pool = await self._pool(request.role, context)
+        pool = self._pool(request.role)
         excluded = set(request.exclude_worker_ids)
         candidates = [w for w in pool.candidates(request.model) if w.info.instance_id not in excluded]
         if not candidates:
             self._metrics.no_worker.inc()
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no {pool.view.component} serves model {request.model!r}")
-            raise AssertionError("abort raises")
+            raise final_error(grpc.StatusCode.NOT_FOUND, f"no {pool.view.component} serves model {request.model!r}")
         block_size = pool.block_size(request.model) or candidates[0].info.block_size
         tokens = request.token_ids
         overlaps = pool.index.find_matches(local_block_hashes(tokens, block_size))
@@ -142,7 +154,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def FindMatches(  # noqa: N802
         self, request: router_pb2.FindMatchesRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.FindMatchesResponse:
-        pool = await self._pool(request.role, context)
+        try:
+            pool = self._pool(request.role)
+        except CallError as exc:
+            await context.abort(exc.code, exc.message)
+            raise AssertionError("abort raises") from None
         serving = {w.info.instance_id for w in pool.candidates(request.model)}
         block_size = pool.block_size(request.model)
         if block_size is None:

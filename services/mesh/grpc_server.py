@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.mesh.session_kind import CallError
 from services.mesh.tls import TlsConfig
+
+T = TypeVar("T")
 
 # Messages carry whole prompts as token ids (and KV dumps later); 64 MiB keeps a 1M-token dump in.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -78,3 +81,20 @@ async def abort_final(context: grpc.aio.ServicerContext, code: grpc.StatusCode, 
 
 def is_final(exc: grpc.aio.AioRpcError) -> bool:
     return any(key == FINAL_ERROR_KEY for key, _ in (exc.trailing_metadata() or ()))
+
+
+async def as_rpc(context: grpc.aio.ServicerContext, responses: AsyncIterator[T]) -> AsyncIterator[T]:
+    """A session handler's responses as a per-request streaming RPC: a `CallError` becomes the
+    call's status (final ones marked with FINAL_ERROR_KEY)."""
+    try:
+        async for response in responses:
+            yield response
+    except CallError as exc:
+        await context.abort(exc.code, exc.message, trailing_metadata=((FINAL_ERROR_KEY, "1"),) if exc.final else None)
+
+
+async def as_unary_rpc(context: grpc.aio.ServicerContext, responses: AsyncIterator[T]) -> T:
+    """The one response of a session handler, as a unary RPC's answer."""
+    async for response in as_rpc(context, responses):
+        return response
+    raise AssertionError("a unary handler yields one response")

@@ -21,9 +21,10 @@ from typing import Protocol
 
 import grpc
 
-from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.mesh.channels import ChannelPool
+from gen.kvmesh.v1 import common_pb2, router_pb2
 from services.mesh.discovery import InstanceInfo
+from services.mesh.session_client import SessionPool
+from services.mesh.session_kind import ROUTER_SESSION, CallError
 from services.mesh.tracing import outgoing_metadata
 
 log = logging.getLogger(__name__)
@@ -66,9 +67,11 @@ class Members(Protocol):
 
 
 class RouterClient:
-    def __init__(self, routers: Members, channels: ChannelPool, timeout_s: float = ROUTE_TIMEOUT_S) -> None:
+    """Routes over one session per router (session_client.py): no round trip of its own per request."""
+
+    def __init__(self, routers: Members, sessions: SessionPool, timeout_s: float = ROUTE_TIMEOUT_S) -> None:
         self._routers = routers
-        self._channels = channels
+        self._sessions = sessions
         self._timeout_s = timeout_s
         self._turn = count()
 
@@ -85,18 +88,17 @@ class RouterClient:
         failures = []
         for attempt in range(len(routers)):
             router = routers[(start + attempt) % len(routers)]
-            stub = router_pb2_grpc.RouterStub(self._channels.get(router.address))
             try:
-                reply = await stub.Route(request, timeout=self._timeout_s, metadata=metadata)
-            except grpc.aio.AioRpcError as exc:
-                detail = exc.details() or exc.code().name
-                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                reply = await self._sessions.get(ROUTER_SESSION, router.address).call(request, self._timeout_s, metadata)
+            except CallError as exc:
+                detail = exc.message or exc.code.name
+                if exc.code == grpc.StatusCode.NOT_FOUND:
                     raise NoWorkerError(detail) from exc
-                failures.append(f"router {router.instance_id}: {exc.code().name} {detail}")
-                if exc.code() not in TRY_NEXT_ROUTER:
+                failures.append(f"router {router.instance_id}: {exc.code.name} {detail}")
+                if exc.code not in TRY_NEXT_ROUTER:
                     break
                 log.debug("request %s: router %s could not answer (%s); trying the next", request_id,
-                          router.instance_id, exc.code().name)
+                          router.instance_id, exc.code.name)
                 continue
             return RouteChoice(reply.worker_id, reply.address, reply.overlap_blocks, reply.prefix_hit_rate,
                                reply.pool_waiting, reply.explanation if reply.HasField("explanation") else None)

@@ -38,6 +38,8 @@ from services.mesh.etcd_store import EtcdStore, KeyValueStore, StoreUnavailable
 from services.mesh.flags import EXIT_UNREACHABLE, MeshConfig, die
 from services.mesh.grpc_server import ServiceBinding, start_server
 from services.mesh.metrics_http import serve_metrics
+from services.mesh.session_client import SessionPool
+from services.mesh.session_server import SessionHub
 from services.mesh.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,7 @@ class ServiceRunner:
         self._heartbeat = time.monotonic()
         self._store: KeyValueStore | None = None
         self._channels: ChannelPool | None = None
+        self._sessions: SessionPool | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -196,6 +199,16 @@ class ServiceRunner:
             self.on_teardown("close client channels", pool.close)
         return self._channels
 
+    @property
+    def sessions(self) -> SessionPool:
+        """Sessions to other instances (many calls on one stream per peer), closed at teardown
+        before the channels they use."""
+        if self._sessions is None:
+            channels = self.channels
+            self._sessions = pool = SessionPool(channels)
+            self.on_teardown("close sessions", pool.close)
+        return self._sessions
+
     def _mesh(self) -> MeshConfig:
         if self.mesh is None:
             raise RuntimeError(f"{self.component} runs without a mesh config")
@@ -266,7 +279,16 @@ class ServiceRunner:
         server, bound, health_servicer = await start_server(bindings, mesh.host, port, tls=mesh.tls,
                                                             reflect=mesh.grpc_reflection)
         grace = self.drain_timeout_s
-        self.on_teardown("stop gRPC server", lambda: server.stop(grace=grace), grace + TEARDOWN_STEP_S)
+        # A session carries many calls and never ends by itself: it refuses new calls and ends
+        # once its calls have, like the server does with whole calls.
+        hubs = [b.servicer.sessions for b in bindings if isinstance(getattr(b.servicer, "sessions", None), SessionHub)]
+
+        async def stop() -> None:
+            for hub in hubs:
+                hub.drain()
+            await server.stop(grace=grace)
+
+        self.on_teardown("stop gRPC server", stop, grace + TEARDOWN_STEP_S)
         self.on_teardown("report NOT_SERVING", health_servicer.enter_graceful_shutdown)
         return bound, health_servicer
 

@@ -41,6 +41,7 @@ from opentelemetry.trace import INVALID_SPAN, NoOpTracer, Span, SpanKind, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from services.mesh.flags import ConfigError, die
+from services.mesh.session_kind import CallInfo
 
 if TYPE_CHECKING:
     import grpc
@@ -111,8 +112,10 @@ class Tracing:
         # Checked before any work that exists only for a trace (extracting a parent, attributes).
         self.enabled = provider is not None
 
-    def server_span(self, name: str, context: grpc.aio.ServicerContext, rpc: str) -> AbstractContextManager[Span]:
-        """The span of one gRPC call this process serves, under the caller's trace context.
+    def server_span(self, name: str, context: grpc.aio.ServicerContext | CallInfo,
+                    rpc: str) -> AbstractContextManager[Span]:
+        """The span of one gRPC call this process serves (a per-request RPC's context, or a call
+        on a session), under the caller's trace context.
 
         `rpc` is the method's full name (`kvmesh.v1.Router/Route`). An exception escaping the
         block is recorded on the span and marks it failed; a cancellation (the caller left) is not."""
@@ -120,7 +123,8 @@ class Tracing:
             return _NO_SPAN
         service, _, method = rpc.rpartition("/")
         return self.tracer.start_as_current_span(
-            name, context=_extract(context.invocation_metadata() or ()), kind=SpanKind.SERVER,
+            name, context=_extract(context.metadata.items() if isinstance(context, CallInfo)
+                                   else context.invocation_metadata() or ()), kind=SpanKind.SERVER,
             attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method})
 
     def span(self, name: str, kind: SpanKind = SpanKind.INTERNAL) -> AbstractContextManager[Span]:

@@ -55,9 +55,9 @@ def main() -> None:
         tracing = start_tracing(runner)  # first: torn down last, after the drain's last spans
         tokenizer = ModelTokenizer(model.model_dir)
         await runner.connect_store()
-        routers = RouterClient(await runner.watch_component(ROUTER), runner.channels)
+        routers = RouterClient(await runner.watch_component(ROUTER), runner.sessions)
         registry = CollectorRegistry()
-        servicer = ProcessorServicer(config, tokenizer, routers, runner.channels, ProcessorMetrics(registry), tracing)
+        servicer = ProcessorServicer(config, tokenizer, routers, runner.sessions, ProcessorMetrics(registry), tracing)
         binding = ServiceBinding(processor_pb2_grpc.add_ProcessorServicer_to_server, servicer,
                                  processor_pb2.DESCRIPTOR.services_by_name["Processor"].full_name)
         port, _ = await runner.serve_grpc([binding], args.port)

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gen.kvmesh.v1 import common_pb2, processor_pb2, worker_pb2, worker_pb2_grpc
-from services.mesh.channels import ChannelPool
+from gen.kvmesh.v1 import common_pb2, processor_pb2, worker_pb2
 from services.mesh.router_client import RouteChoice
+from services.mesh.session_client import SessionPool
+from services.mesh.session_kind import WORKER_SESSION, CallError
 from services.mesh.tracing import outgoing_metadata
 from services.processor.detokenizer import IncrementalDetokenizer, StopStrings
 from services.processor.tokenizer import ModelTokenizer
@@ -87,7 +88,7 @@ class ChoiceStream:
     sampling: common_pb2.SamplingParams
     stops: Sequence[str]
     tokenizer: ModelTokenizer
-    channels: ChannelPool
+    sessions: SessionPool
     limits: ChoiceLimits
     route: Router
     on_worker_failed: Callable[[str], None]
@@ -170,17 +171,17 @@ class ChoiceStream:
 
     async def _from_worker(self, route: RouteChoice, detok: IncrementalDetokenizer,
                            stopper: StopStrings) -> AsyncIterator[object]:
-        stub = worker_pb2_grpc.WorkerStub(self.channels.get(route.address))
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             raise ChoiceFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"the request took longer than {self.limits.request_timeout_s:.0f}s")
         # The worker's span joins the request's trace (the processor's span is current here).
-        call = stub.Generate(self._request(route), timeout=remaining, metadata=outgoing_metadata())
+        stream = self.sessions.get(WORKER_SESSION, route.address).open(self._request(route), remaining,
+                                                                       outgoing_metadata())
         want_logprobs = self.sampling.HasField("logprobs")
         first = True
         try:
-            async for msg in call:
+            async for msg in stream:
                 if msg.finish_reason == "abort":
                     raise _WorkerLost(f"worker {route.worker_id} aborted the request")
                 if first:
@@ -194,18 +195,18 @@ class ChoiceStream:
                     if delta.finish_reason:
                         return
             raise _WorkerLost(f"worker {route.worker_id} ended the stream before the choice finished")
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ChoiceFailure(grpc.StatusCode.INVALID_ARGUMENT, exc.details() or "invalid request") from exc
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        except CallError as exc:
+            if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise ChoiceFailure(grpc.StatusCode.INVALID_ARGUMENT, exc.message or "invalid request") from exc
+            if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise ChoiceFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"the request took longer than {self.limits.request_timeout_s:.0f}s") from exc
-            if exc.code() not in WORKER_FAILED:
+            if exc.code not in WORKER_FAILED:
                 raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE,
-                                    f"worker {route.worker_id} failed: {exc.code().name} {exc.details()}") from exc
-            raise _WorkerLost(f"{exc.code().name} {exc.details()}") from exc
+                                    f"worker {route.worker_id} failed: {exc.code.name} {exc.message}") from exc
+            raise _WorkerLost(f"{exc.code.name} {exc.message}") from exc
         finally:
-            call.cancel()
+            stream.cancel()
 
     def _delta(self, msg: worker_pb2.WorkerGenerateResponse, detok: IncrementalDetokenizer, stopper: StopStrings,
                want_logprobs: bool) -> processor_pb2.ChoiceDelta | None:

@@ -24,9 +24,11 @@ from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gen.kvmesh.v1 import common_pb2, processor_pb2, processor_pb2_grpc
-from services.mesh.channels import ChannelPool
 from services.mesh.flags import ConfigError
-from services.mesh.grpc_server import abort_final
+from services.mesh.grpc_server import as_rpc
+from services.mesh.session_client import SessionPool
+from services.mesh.session_kind import PROCESSOR_SESSION, CallInfo, call_info, final_error
+from services.mesh.session_server import SessionHub
 from services.mesh.recent_failures import RecentFailures
 from services.mesh.router_client import NoWorkerError, RouteChoice, RouterClient, RoutingError
 from services.mesh.streams import merge
@@ -81,12 +83,14 @@ class ProcessorMetrics:
 
 class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
     def __init__(self, config: ProcessorConfig, tokenizer: ModelTokenizer, routers: RouterClient,
-                 channels: ChannelPool, metrics: ProcessorMetrics, tracing: Tracing = TRACING_OFF) -> None:
+                 sessions: SessionPool, metrics: ProcessorMetrics, tracing: Tracing = TRACING_OFF) -> None:
         self._config = config
         self._tracing = tracing
         self._tok = tokenizer
         self._routers = routers
-        self._channels = channels
+        self._sessions = sessions
+        # Gateways' sessions: every request they send, served by `generate`.
+        self.sessions = SessionHub(PROCESSOR_SESSION, self.generate)
         self._metrics = metrics
         self._failed = RecentFailures()
         self._limits = ChoiceLimits(config.request_timeout_s, config.max_attempts, config.migration_limit)
@@ -96,17 +100,27 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
     async def Generate(  # noqa: N802
         self, request: processor_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[processor_pb2.GenerateResponse]:
-        """Checks, tokenizes and streams one prompt's choices.
+        async for msg in as_rpc(context, self.generate(request, call_info(context))):
+            yield msg
+
+    async def Session(self, frames: AsyncIterator[processor_pb2.ProcessorSessionDown],  # noqa: N802
+                      context: grpc.aio.ServicerContext) -> None:
+        await self.sessions.serve(frames, context)
+
+    async def generate(self, request: processor_pb2.GenerateRequest,
+                       call: CallInfo) -> AsyncIterator[processor_pb2.GenerateResponse]:
+        """Checks, tokenizes and streams one prompt's choices (for `Generate` and a call on a
+        session alike).
 
         Bad input is INVALID_ARGUMENT (a prompt that cannot fit the context: OUT_OF_RANGE) with a
         one-line message, another model NOT_FOUND, too much work RESOURCE_EXHAUSTED; the
-        gateway maps them to 400, 404 and 429."""
+        gateway maps them to 400, 404 and 429. Errors this processor chooses are final."""
         REQUEST_ID.set(request.request_id)  # this call's task: its log lines carry the id
-        with self._tracing.server_span("generate", context, GENERATE_RPC) as span:
-            async for msg in self._serve(request, context, span):
+        with self._tracing.server_span("generate", call, GENERATE_RPC) as span:
+            async for msg in self._serve(request, span):
                 yield msg
 
-    async def _serve(self, request: processor_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
+    async def _serve(self, request: processor_pb2.GenerateRequest,
                      span: Span) -> AsyncIterator[processor_pb2.GenerateResponse]:
         rid = request.request_id or uuid.uuid4().hex
         if span.is_recording():
@@ -117,11 +131,11 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
                 # Resumed ids go to an engine as they are: the same checks as a prompt's.
                 self._tok.check_ids(list(resumed.token_ids))
         except PromptError as exc:
-            await abort_final(context, _status_of(exc), _one_line(exc))
+            raise final_error(_status_of(exc), _one_line(exc)) from None
         if request.model != self._config.served_model_name:
-            await abort_final(context, grpc.StatusCode.NOT_FOUND, f"model {request.model[:200]!r} is not served here")
+            raise final_error(grpc.StatusCode.NOT_FOUND, f"model {request.model[:200]!r} is not served here")
         if self.inflight >= self._config.max_inflight:
-            await abort_final(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "processor overloaded")
+            raise final_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "processor overloaded")
         # Counted from here: a large prompt's tokenizing (in a thread) is work in flight too.
         self.inflight += 1
         try:
@@ -133,12 +147,12 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
                                                    "kvmesh.prompt_kind": request.WhichOneof("input") or ""})
                 sampling = self._checked_sampling(request.sampling, len(tokens))
             except PromptError as exc:
-                await abort_final(context, _status_of(exc), _one_line(exc))
+                raise final_error(_status_of(exc), _one_line(exc)) from None
             async for msg in self._generate(rid, request, tokens, sampling, span):
                 yield msg
         except ChoiceFailure as exc:
             log.warning("request %s failed: %s", rid, exc.message)
-            await abort_final(context, exc.code, exc.message)
+            raise final_error(exc.code, exc.message) from None
         finally:
             self.inflight -= 1
 
@@ -216,7 +230,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         resumed = {r.index: list(r.token_ids) for r in request.resume}
         choices = [
             ChoiceStream(f"{rid}-{i}" if n > 1 else rid, request.choice_offset + i, tokens, _choice_sampling(sampling, i),
-                         list(request.stop), self._tok, self._channels, self._limits, route_fn, self._worker_failed,
+                         list(request.stop), self._tok, self._sessions, self._limits, route_fn, self._worker_failed,
                          self._metrics.migrations.inc).run(route, resumed.get(request.choice_offset + i, []))
             for i in range(n)
             if not resumed or request.choice_offset + i in resumed

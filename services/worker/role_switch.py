@@ -27,6 +27,7 @@ import grpc
 from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, InstanceInfo, instance_key
 from services.mesh.etcd_lease import LeasedRegistration
+from services.mesh.session_kind import CallError
 from services.mesh.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
@@ -68,11 +69,12 @@ class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
         self._info, self._registration = info, registration
 
     @asynccontextmanager
-    async def work(self, role: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-        """Admits one call of `role`, or refuses it; tracked so a switch can wait for it."""
+    async def work(self, role: str) -> AsyncIterator[None]:
+        """Admits one call of `role`, or refuses it (a retryable CallError); tracked so a switch
+        can wait for it."""
         if self.role != role:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"this worker serves the {self.role or 'no'} role now, not {role}; retry elsewhere")
+            raise CallError(grpc.StatusCode.UNAVAILABLE,
+                            f"this worker serves the {self.role or 'no'} role now, not {role}; retry elsewhere")
         task = asyncio.current_task()
         assert task is not None
         self._inflight[role].add(task)
@@ -80,7 +82,7 @@ class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
             yield
         except asyncio.CancelledError:
             if task in self._ending:  # ended by a switch, not by the caller: make it retryable
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"this worker left the {role} role")
+                raise CallError(grpc.StatusCode.UNAVAILABLE, f"this worker left the {role} role") from None
             raise
         finally:
             self._inflight[role].discard(task)

@@ -10,12 +10,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 
 import grpc
 
 from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.mesh.grpc_server import as_rpc
+from services.mesh.session_kind import WORKER_SESSION, CallInfo, call_info, final_error
+from services.mesh.session_server import SessionHub
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
 from services.worker.pacing import DEFAULT_INTERVAL_S, paced
@@ -95,21 +98,20 @@ def load_to_proto(load: LoadSnapshot) -> worker_pb2.LoadMetrics:
     )
 
 
-async def request_from_proto(request: worker_pb2.WorkerGenerateRequest,
-                             context: grpc.aio.ServicerContext) -> EngineRequest:
-    """The engine's request, or INVALID_ARGUMENT for one no engine could serve."""
+def request_from_proto(request: worker_pb2.WorkerGenerateRequest) -> EngineRequest:
+    """The engine's request; a final INVALID_ARGUMENT for one no engine could serve."""
     if not request.token_ids:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+        raise final_error(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
     if request.sampling.max_tokens < 1:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be at least 1")
+        raise final_error(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be at least 1")
     if request.sampling.min_tokens > request.sampling.max_tokens:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"min_tokens ({request.sampling.min_tokens}) exceeds max_tokens "
-                            f"({request.sampling.max_tokens})")
+        raise final_error(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"min_tokens ({request.sampling.min_tokens}) exceeds max_tokens "
+                          f"({request.sampling.max_tokens})")
     if request.resumed_tokens >= len(request.token_ids):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"resumed_tokens ({request.resumed_tokens}) must be fewer than the tokens sent "
-                            f"({len(request.token_ids)})")
+        raise final_error(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"resumed_tokens ({request.resumed_tokens}) must be fewer than the tokens sent "
+                          f"({len(request.token_ids)})")
     return EngineRequest(request.request_id, list(request.token_ids), sampling_from_proto(request.sampling),
                          resumed_tokens=request.resumed_tokens)
 
@@ -135,6 +137,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.worker_id = worker_id
         self.events = events
         self.tracing = tracing
+        # Processors' sessions: every request they send, served by `generate`.
+        self.sessions = SessionHub(WORKER_SESSION, self.generate)
         # The handlers of the endless subscription streams, ended when the worker drains.
         self._subscriptions: set[asyncio.Task[object]] = set()
 
@@ -154,16 +158,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             task.add_done_callback(self._subscriptions.discard)
 
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        async for msg in as_rpc(context, self.generate(request, call_info(context))):
+            yield msg
+
+    async def Session(self, frames: AsyncIterator[worker_pb2.WorkerSessionDown],  # noqa: N802
+                      context: grpc.aio.ServicerContext) -> None:
+        await self.sessions.serve(frames, context)
+
+    async def generate(self, request: worker_pb2.WorkerGenerateRequest,
+                       call: CallInfo) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        """One request's responses, for `Generate` and for a call on a session alike."""
         REQUEST_ID.set(request.request_id)  # this call's task: its log lines carry the id
-        with self.tracing.server_span("decode", context, GENERATE_RPC) as span:
+        with self.tracing.server_span("decode", call, GENERATE_RPC) as span:
             if span.is_recording():
                 span.set_attributes(generate_attributes(request, self.worker_id))
-            engine_request = await request_from_proto(request, context)
+            engine_request = request_from_proto(request)
             try:
                 async for msg in self.stream(engine_request, LOCAL_PREFILL):
                     yield msg
             except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                raise final_error(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
 
     async def stream(self, engine_request: EngineRequest,
                      prefill: common_pb2.PrefillLocation) -> AsyncGenerator[worker_pb2.WorkerGenerateResponse, None]:

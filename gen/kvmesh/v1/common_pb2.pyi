@@ -95,3 +95,15 @@ class RouteCandidate(_message.Message):
     waiting: int
     logit: float
     def __init__(self, worker_id: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., cache_usage: _Optional[float] = ..., waiting: _Optional[int] = ..., logit: _Optional[float] = ...) -> None: ...
+
+class StreamEnd(_message.Message):
+    __slots__ = ("stream_id", "code", "message", "final")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    code: int
+    message: str
+    final: bool
+    def __init__(self, stream_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., final: _Optional[bool] = ...) -> None: ...

@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from gen.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/processor.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"T\n\tChatInput\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb2\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12$\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x14.kvmesh.v1.ChatInputH\x00\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12%\n\x06tokens\x18\x05 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\t\n\x01n\x18\x07 \x01(\r\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x15\n\rchoice_offset\x18\t \x01(\r\x12(\n\x06resume\x18\n \x03(\x0b\x32\x18.kvmesh.v1.ResumedChoice\x12\x0f\n\x07\x65xplain\x18\x0b \x01(\x08\x42\x07\n\x05input\"1\n\rResumedChoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\x9a\x01\n\tRouteInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12+\n\x07prefill\x18\x04 \x01(\x0b\x32\x1a.kvmesh.v1.PrefillLocation\x12\x30\n\x0b\x65xplanation\x18\x05 \x01(\x0b\x32\x1b.kvmesh.v1.RouteExplanationJ\x04\x08\x02\x10\x03\"\x94\x01\n\x0b\x43hoiceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\x13\n\x0btoken_texts\x18\x06 \x03(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x8d\x01\n\x10GenerateResponse\x12%\n\x05route\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.RouteInfoH\x00\x12\'\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.kvmesh.v1.ChoiceDeltaH\x00\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x10.kvmesh.v1.UsageH\x00\x42\x06\n\x04kind2R\n\tProcessor\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/processor.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"T\n\tChatInput\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb2\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12$\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x14.kvmesh.v1.ChatInputH\x00\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12%\n\x06tokens\x18\x05 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\t\n\x01n\x18\x07 \x01(\r\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x15\n\rchoice_offset\x18\t \x01(\r\x12(\n\x06resume\x18\n \x03(\x0b\x32\x18.kvmesh.v1.ResumedChoice\x12\x0f\n\x07\x65xplain\x18\x0b \x01(\x08\x42\x07\n\x05input\"1\n\rResumedChoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\x9a\x01\n\tRouteInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12+\n\x07prefill\x18\x04 \x01(\x0b\x32\x1a.kvmesh.v1.PrefillLocation\x12\x30\n\x0b\x65xplanation\x18\x05 \x01(\x0b\x32\x1b.kvmesh.v1.RouteExplanationJ\x04\x08\x02\x10\x03\"\x94\x01\n\x0b\x43hoiceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\x13\n\x0btoken_texts\x18\x06 \x03(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x8d\x01\n\x10GenerateResponse\x12%\n\x05route\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.RouteInfoH\x00\x12\'\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.kvmesh.v1.ChoiceDeltaH\x00\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x10.kvmesh.v1.UsageH\x00\x42\x06\n\x04kind\"\xce\x01\n\rProcessorCall\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\x12\x38\n\x08metadata\x18\x03 \x03(\x0b\x32&.kvmesh.v1.ProcessorCall.MetadataEntry\x12+\n\x07request\x18\x04 \x01(\x0b\x32\x1a.kvmesh.v1.GenerateRequest\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"O\n\x14ProcessorSessionDown\x12\'\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x18.kvmesh.v1.ProcessorCall\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\x04\"R\n\x0eProcessorReply\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12-\n\x08response\x18\x02 \x01(\x0b\x32\x1b.kvmesh.v1.GenerateResponse\"d\n\x12ProcessorSessionUp\x12*\n\x07replies\x18\x01 \x03(\x0b\x32\x19.kvmesh.v1.ProcessorReply\x12\"\n\x04\x65nds\x18\x02 \x03(\x0b\x32\x14.kvmesh.v1.StreamEnd2\xa1\x01\n\tProcessor\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12M\n\x07Session\x12\x1f.kvmesh.v1.ProcessorSessionDown\x1a\x1d.kvmesh.v1.ProcessorSessionUp(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.processor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_PROCESSORCALL_METADATAENTRY']._loaded_options = None
+  _globals['_PROCESSORCALL_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=64
   _globals['_CHATMESSAGE']._serialized_end=122
   _globals['_CHATINPUT']._serialized_start=124
@@ -50,6 +52,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_end=983
   _globals['_GENERATERESPONSE']._serialized_start=986
   _globals['_GENERATERESPONSE']._serialized_end=1127
-  _globals['_PROCESSOR']._serialized_start=1129
-  _globals['_PROCESSOR']._serialized_end=1211
+  _globals['_PROCESSORCALL']._serialized_start=1130
+  _globals['_PROCESSORCALL']._serialized_end=1336
+  _globals['_PROCESSORCALL_METADATAENTRY']._serialized_start=1289
+  _globals['_PROCESSORCALL_METADATAENTRY']._serialized_end=1336
+  _globals['_PROCESSORSESSIONDOWN']._serialized_start=1338
+  _globals['_PROCESSORSESSIONDOWN']._serialized_end=1417
+  _globals['_PROCESSORREPLY']._serialized_start=1419
+  _globals['_PROCESSORREPLY']._serialized_end=1501
+  _globals['_PROCESSORSESSIONUP']._serialized_start=1503
+  _globals['_PROCESSORSESSIONUP']._serialized_end=1603
+  _globals['_PROCESSOR']._serialized_start=1606
+  _globals['_PROCESSOR']._serialized_end=1767
 # @@protoc_insertion_point(module_scope)

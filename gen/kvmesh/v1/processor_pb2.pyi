@@ -112,3 +112,46 @@ class GenerateResponse(_message.Message):
     delta: ChoiceDelta
     usage: Usage
     def __init__(self, route: _Optional[_Union[RouteInfo, _Mapping]] = ..., delta: _Optional[_Union[ChoiceDelta, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class ProcessorCall(_message.Message):
+    __slots__ = ("stream_id", "timeout_ms", "metadata", "request")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    timeout_ms: int
+    metadata: _containers.ScalarMap[str, str]
+    request: GenerateRequest
+    def __init__(self, stream_id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ...) -> None: ...
+
+class ProcessorSessionDown(_message.Message):
+    __slots__ = ("calls", "cancel")
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[ProcessorCall]
+    cancel: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, calls: _Optional[_Iterable[_Union[ProcessorCall, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ProcessorReply(_message.Message):
+    __slots__ = ("stream_id", "response")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    response: GenerateResponse
+    def __init__(self, stream_id: _Optional[int] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ...) -> None: ...
+
+class ProcessorSessionUp(_message.Message):
+    __slots__ = ("replies", "ends")
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[ProcessorReply]
+    ends: _containers.RepeatedCompositeFieldContainer[_common_pb2.StreamEnd]
+    def __init__(self, replies: _Optional[_Iterable[_Union[ProcessorReply, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[_common_pb2.StreamEnd, _Mapping]]] = ...) -> None: ...

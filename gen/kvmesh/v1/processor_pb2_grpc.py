@@ -40,6 +40,11 @@ class ProcessorStub:
                 request_serializer=kvmesh_dot_v1_dot_processor__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_processor__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/kvmesh.v1.Processor/Session',
+                request_serializer=kvmesh_dot_v1_dot_processor__pb2.ProcessorSessionDown.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_processor__pb2.ProcessorSessionUp.FromString,
+                _registered_method=True)
 
 
 class ProcessorServicer:
@@ -52,6 +57,13 @@ class ProcessorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """`Generate` for many requests over one stream per gateway (see Worker.Session).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ProcessorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +71,11 @@ def add_ProcessorServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvmesh_dot_v1_dot_processor__pb2.GenerateRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_processor__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=kvmesh_dot_v1_dot_processor__pb2.ProcessorSessionDown.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_processor__pb2.ProcessorSessionUp.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,6 +106,33 @@ class Processor:
             '/kvmesh.v1.Processor/Generate',
             kvmesh_dot_v1_dot_processor__pb2.GenerateRequest.SerializeToString,
             kvmesh_dot_v1_dot_processor__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.v1.Processor/Session',
+            kvmesh_dot_v1_dot_processor__pb2.ProcessorSessionDown.SerializeToString,
+            kvmesh_dot_v1_dot_processor__pb2.ProcessorSessionUp.FromString,
             options,
             channel_credentials,
             insecure,

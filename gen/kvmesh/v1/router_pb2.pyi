@@ -63,3 +63,46 @@ class FindMatchesResponse(_message.Message):
     scores: _containers.ScalarMap[str, int]
     block_size: int
     def __init__(self, scores: _Optional[_Mapping[str, int]] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class RouterCall(_message.Message):
+    __slots__ = ("stream_id", "timeout_ms", "metadata", "request")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    timeout_ms: int
+    metadata: _containers.ScalarMap[str, str]
+    request: RouteRequest
+    def __init__(self, stream_id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., request: _Optional[_Union[RouteRequest, _Mapping]] = ...) -> None: ...
+
+class RouterSessionDown(_message.Message):
+    __slots__ = ("calls", "cancel")
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[RouterCall]
+    cancel: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, calls: _Optional[_Iterable[_Union[RouterCall, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RouterReply(_message.Message):
+    __slots__ = ("stream_id", "response")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    response: RouteResponse
+    def __init__(self, stream_id: _Optional[int] = ..., response: _Optional[_Union[RouteResponse, _Mapping]] = ...) -> None: ...
+
+class RouterSessionUp(_message.Message):
+    __slots__ = ("replies", "ends")
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[RouterReply]
+    ends: _containers.RepeatedCompositeFieldContainer[_common_pb2.StreamEnd]
+    def __init__(self, replies: _Optional[_Iterable[_Union[RouterReply, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[_common_pb2.StreamEnd, _Mapping]]] = ...) -> None: ...

@@ -39,6 +39,11 @@ class RouterStub:
                 request_serializer=kvmesh_dot_v1_dot_router__pb2.RouteRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_router__pb2.RouteResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/kvmesh.v1.Router/Session',
+                request_serializer=kvmesh_dot_v1_dot_router__pb2.RouterSessionDown.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_router__pb2.RouterSessionUp.FromString,
+                _registered_method=True)
         self.FindMatches = channel.unary_unary(
                 '/kvmesh.v1.Router/FindMatches',
                 request_serializer=kvmesh_dot_v1_dot_router__pb2.FindMatchesRequest.SerializeToString,
@@ -58,6 +63,14 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """`Route` for many requests over one stream per caller (see Worker.Session): each call has
+        one reply, then its end.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def FindMatches(self, request, context):
         """Per-worker number of prompt blocks already cached (Dynamo's find_matches numbers).
         """
@@ -72,6 +85,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=kvmesh_dot_v1_dot_router__pb2.RouteRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_router__pb2.RouteResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=kvmesh_dot_v1_dot_router__pb2.RouterSessionDown.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_router__pb2.RouterSessionUp.SerializeToString,
             ),
             'FindMatches': grpc.unary_unary_rpc_method_handler(
                     servicer.FindMatches,
@@ -106,6 +124,33 @@ class Router:
             '/kvmesh.v1.Router/Route',
             kvmesh_dot_v1_dot_router__pb2.RouteRequest.SerializeToString,
             kvmesh_dot_v1_dot_router__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.v1.Router/Session',
+            kvmesh_dot_v1_dot_router__pb2.RouterSessionDown.SerializeToString,
+            kvmesh_dot_v1_dot_router__pb2.RouterSessionUp.FromString,
             options,
             channel_credentials,
             insecure,

@@ -160,3 +160,46 @@ class SwitchRoleResponse(_message.Message):
     finished: int
     ended: int
     def __init__(self, previous_role: _Optional[str] = ..., role: _Optional[str] = ..., finished: _Optional[int] = ..., ended: _Optional[int] = ...) -> None: ...
+
+class WorkerCall(_message.Message):
+    __slots__ = ("stream_id", "timeout_ms", "metadata", "request")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    timeout_ms: int
+    metadata: _containers.ScalarMap[str, str]
+    request: WorkerGenerateRequest
+    def __init__(self, stream_id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., request: _Optional[_Union[WorkerGenerateRequest, _Mapping]] = ...) -> None: ...
+
+class WorkerSessionDown(_message.Message):
+    __slots__ = ("calls", "cancel")
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[WorkerCall]
+    cancel: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, calls: _Optional[_Iterable[_Union[WorkerCall, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class WorkerReply(_message.Message):
+    __slots__ = ("stream_id", "response")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    response: WorkerGenerateResponse
+    def __init__(self, stream_id: _Optional[int] = ..., response: _Optional[_Union[WorkerGenerateResponse, _Mapping]] = ...) -> None: ...
+
+class WorkerSessionUp(_message.Message):
+    __slots__ = ("replies", "ends")
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[WorkerReply]
+    ends: _containers.RepeatedCompositeFieldContainer[_common_pb2.StreamEnd]
+    def __init__(self, replies: _Optional[_Iterable[_Union[WorkerReply, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[_common_pb2.StreamEnd, _Mapping]]] = ...) -> None: ...

@@ -40,6 +40,11 @@ class WorkerStub:
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.WorkerGenerateRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_worker__pb2.WorkerGenerateResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/kvmesh.v1.Worker/Session',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.WorkerSessionDown.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.WorkerSessionUp.FromString,
+                _registered_method=True)
         self.SubscribeKvEvents = channel.unary_stream(
                 '/kvmesh.v1.Worker/SubscribeKvEvents',
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.SubscribeKvEventsRequest.SerializeToString,
@@ -58,6 +63,16 @@ class WorkerServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """The same generation for many requests over one stream per caller (the processors' hot path):
+        frames down open and cancel calls, frames up carry every call's new outputs and ends. A
+        frame holds what accumulated while the previous one was being written, so concurrent
+        requests share frames without waiting for each other.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -84,6 +99,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvmesh_dot_v1_dot_worker__pb2.WorkerGenerateRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_worker__pb2.WorkerGenerateResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.WorkerSessionDown.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.WorkerSessionUp.SerializeToString,
             ),
             'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.SubscribeKvEvents,
@@ -124,6 +144,33 @@ class Worker:
             '/kvmesh.v1.Worker/Generate',
             kvmesh_dot_v1_dot_worker__pb2.WorkerGenerateRequest.SerializeToString,
             kvmesh_dot_v1_dot_worker__pb2.WorkerGenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.v1.Worker/Session',
+            kvmesh_dot_v1_dot_worker__pb2.WorkerSessionDown.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.WorkerSessionUp.FromString,
             options,
             channel_credentials,
             insecure,

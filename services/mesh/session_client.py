@@ -1,0 +1,293 @@
+"""The calling end of multiplexed sessions (session_kind.py): one stream per peer, many calls.
+
+`SessionPool.get(kind, address)` gives the session to a peer, opening one when there is none or
+the last one broke. `Session.open(request, timeout_s, metadata)` starts a call and returns its
+`SessionStream`: an async iterator of the call's responses that raises `CallError` when the call
+ends otherwise than OK. `Session.call` does the same for a call with one response.
+
+One writer task per session sends what callers opened and cancelled since its last frame, as one
+frame; one reader task hands each reply to its call's buffer. The reader never waits for a
+consumer, so a slow consumer (an HTTP client that reads slowly) never holds up the other calls
+of its session. Bounds, and what happens at them:
+- a call's unread responses: `max_buffered_per_call`; past it that call alone fails with
+  RESOURCE_EXHAUSTED (its consumer reads too slowly) and is cancelled at the peer;
+- a session's unread responses: `max_buffered_per_session`; past it the call with the most
+  unread responses fails the same way.
+A call has one deadline: sent to the peer (which ends it DEADLINE_EXCEEDED) and kept here too, so
+a peer that never answers still cannot hold a caller past it. A session that breaks (the peer
+died, the connection dropped, the peer drained and closed it) fails every call open on it with
+UNAVAILABLE; the next `get` opens a new session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from services.mesh.channels import ChannelPool
+from services.mesh.session_kind import OK, CallError, SessionKind
+from services.mesh.tasks import cancel_and_wait
+
+log = logging.getLogger(__name__)
+
+# Requests per frame down: a frame of long prompts stays far below the gRPC message limit.
+MAX_DOWN_FRAME_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    max_buffered_per_call: int = 4096
+    max_buffered_per_session: int = 262144
+
+
+class SessionStream:
+    """One call's responses, in order; `CallError` at the end of a call that failed."""
+
+    __slots__ = ("stream_id", "_session", "_items", "_waiter", "_error", "_ended", "_timer")
+
+    def __init__(self, stream_id: int, session: Session) -> None:
+        self.stream_id = stream_id
+        self._session = session
+        self._items: deque[Any] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: CallError | None = None
+        self._ended = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __aiter__(self) -> SessionStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        items = self._items
+        while not items:
+            if self._ended:
+                if self._error is not None:
+                    raise self._error
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        self._session.buffered -= 1
+        return items.popleft()
+
+    async def result(self) -> Any:
+        """The response of a call that has one."""
+        async for response in self:
+            return response
+        raise CallError(grpc.StatusCode.INTERNAL, f"{self._session.kind.name}: the call ended without a response")
+
+    def cancel(self) -> None:
+        """Gives the call up: the peer stops it; a stream that already ended is left as it is."""
+        if not self._ended:
+            self._finish(CallError(grpc.StatusCode.CANCELLED, "the call was cancelled"))
+            self._session._cancel(self.stream_id)
+
+    # -- from the session --------------------------------------------------------------------
+
+    def _push(self, response: Any) -> None:
+        if self._ended:
+            return
+        self._items.append(response)
+        session = self._session
+        session.buffered += 1
+        if len(self._items) > session.limits.max_buffered_per_call:
+            session._overflow(self)
+        elif session.buffered > session.limits.max_buffered_per_session:
+            session._overflow(max(session.streams.values(), key=lambda s: len(s._items)))
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _finish(self, error: CallError | None) -> None:
+        """Ends the call; what the consumer has not read yet still comes before the error."""
+        if self._ended:
+            return
+        self._ended = True
+        self._error = error
+        if self._timer is not None:
+            self._timer.cancel()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _drop_buffered(self) -> int:
+        dropped = len(self._items)
+        self._items.clear()
+        return dropped
+
+
+class Session:
+    """One stream to one peer carrying many calls."""
+
+    def __init__(self, kind: SessionKind, channel: grpc.aio.Channel, address: str, limits: SessionLimits) -> None:
+        self.kind = kind
+        self.address = address
+        self.limits = limits
+        self.streams: dict[int, SessionStream] = {}
+        self.buffered = 0
+        self.closed = False
+        self._ids = itertools.count(1)
+        self._opened: list[tuple[int, int, Iterable[tuple[str, str]] | None, Any]] = []
+        self._cancelled: list[int] = []
+        self._wake = asyncio.Event()
+        method = channel.stream_stream(kind.method, request_serializer=kind.down.SerializeToString,
+                                       response_deserializer=kind.up.FromString)
+        self._call = method()
+        self._reader = asyncio.create_task(self._read(), name=f"{kind.name} session reader {address}")
+        self._writer = asyncio.create_task(self._write(), name=f"{kind.name} session writer {address}")
+
+    def open(self, request: Any, timeout_s: float | None = None,
+             metadata: Iterable[tuple[str, str]] | None = None) -> SessionStream:
+        """Starts a call; a session already broken gives a stream that fails with UNAVAILABLE."""
+        sid = next(self._ids)
+        stream = SessionStream(sid, self)
+        if self.closed:
+            stream._finish(CallError(grpc.StatusCode.UNAVAILABLE, f"the session to {self.address} is closed"))
+            return stream
+        self.streams[sid] = stream
+        timeout_ms = 0
+        if timeout_s is not None:
+            timeout_ms = max(1, int(timeout_s * 1000))
+            stream._timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, stream, timeout_s)
+        self._opened.append((sid, timeout_ms, metadata, request))
+        self._wake.set()
+        return stream
+
+    async def call(self, request: Any, timeout_s: float | None = None,
+                   metadata: Iterable[tuple[str, str]] | None = None) -> Any:
+        stream = self.open(request, timeout_s, metadata)
+        try:
+            return await stream.result()
+        finally:
+            stream.cancel()
+
+    async def close(self) -> None:
+        self._break(grpc.StatusCode.UNAVAILABLE, f"the session to {self.address} was closed")
+        await cancel_and_wait(self._reader, self._writer)
+
+    # -- calls ending ------------------------------------------------------------------------
+
+    def _cancel(self, sid: int) -> None:
+        if self.streams.pop(sid, None) is not None and not self.closed:
+            self._cancelled.append(sid)
+            self._wake.set()
+
+    def _expire(self, stream: SessionStream, timeout_s: float) -> None:
+        if not stream._ended:
+            self.buffered -= stream._drop_buffered()
+            stream._finish(CallError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                     f"no answer from {self.address} within the call's {timeout_s:.1f}s deadline"))
+            self._cancel(stream.stream_id)
+
+    def _overflow(self, stream: SessionStream) -> None:
+        unread = stream._drop_buffered()
+        self.buffered -= unread
+        log.warning("%s session to %s: call %d failed, %d responses unread", self.kind.name, self.address,
+                    stream.stream_id, unread)
+        stream._finish(CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 f"the response is read too slowly ({unread} messages waited unread)", final=True))
+        self._cancel(stream.stream_id)
+
+    def _break(self, code: grpc.StatusCode, message: str) -> None:
+        """The session is over: every call still open fails (never final: the caller may retry)."""
+        if self.closed:
+            return
+        self.closed = True
+        streams, self.streams = self.streams, {}
+        for stream in streams.values():
+            stream._finish(CallError(code, message))
+        self._call.cancel()
+        self._wake.set()
+
+    # -- the stream ------------------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        streams = self.streams
+        try:
+            while True:
+                frame = await self._call.read()
+                if frame is grpc.aio.EOF:
+                    self._break(grpc.StatusCode.UNAVAILABLE, f"{self.address} closed the {self.kind.name} session")
+                    return
+                for reply in frame.replies:
+                    stream = streams.get(reply.stream_id)
+                    if stream is not None:
+                        stream._push(reply.response)
+                for end in frame.ends:
+                    stream = streams.pop(end.stream_id, None)
+                    if stream is not None:
+                        stream._finish(None if end.code == OK else CallError.from_end(end))
+        except grpc.aio.AioRpcError as exc:
+            self._break(grpc.StatusCode.UNAVAILABLE,
+                        f"the {self.kind.name} session to {self.address} broke: {exc.code().name} {exc.details()}")
+
+    async def _write(self) -> None:
+        call_type, down_type = self.kind.call, self.kind.down
+        try:
+            while not self.closed:
+                if not self._opened and not self._cancelled:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                frame = down_type()
+                size = 0
+                opened = self._opened
+                taken = 0
+                for sid, timeout_ms, metadata, request in opened:
+                    if sid not in self.streams:
+                        taken += 1  # cancelled or expired before it left: never sent
+                        continue
+                    call = call_type(stream_id=sid, timeout_ms=timeout_ms, request=request)
+                    if metadata:
+                        for key, value in metadata:
+                            call.metadata[key] = value
+                    size += call.ByteSize()
+                    if size > MAX_DOWN_FRAME_BYTES and taken:
+                        break
+                    frame.calls.append(call)
+                    taken += 1
+                self._opened = opened[taken:]
+                frame.cancel.extend(self._cancelled)
+                self._cancelled = []
+                await self._call.write(frame)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+            self._break(grpc.StatusCode.UNAVAILABLE, f"the {self.kind.name} session to {self.address} broke: {exc}")
+
+
+class SessionPool:
+    """One session per (kind, peer address), reopened after a break, closed with the owner."""
+
+    def __init__(self, channels: ChannelPool, limits: SessionLimits | None = None) -> None:
+        self._channels = channels
+        self._limits = limits or SessionLimits()
+        self._sessions: dict[tuple[str, str], Session] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def get(self, kind: SessionKind, address: str) -> Session:
+        key = (kind.method, address)
+        session = self._sessions.get(key)
+        if session is None or session.closed:
+            if session is not None:
+                self._retire(session)
+            session = self._sessions[key] = Session(kind, self._channels.get(address), address, self._limits)
+        return session
+
+    def _retire(self, session: Session) -> None:
+        # A broken session's tasks end by themselves; closing makes sure of it.
+        task = asyncio.get_running_loop().create_task(session.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        sessions, self._sessions = list(self._sessions.values()), {}
+        await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
+        await asyncio.gather(*self._closing, return_exceptions=True)

@@ -1,0 +1,90 @@
+"""What both ends of a multiplexed session agree on: the frame types, and how a call fails.
+
+A session is one long-lived bidirectional gRPC stream between two processes that carries the
+calls of many requests (the hot path: gateway -> processor, processor -> router, processor ->
+decode worker). Frames down open calls (`calls`: stream id, deadline, trace metadata, request)
+and cancel them (`cancel`); frames up carry replies (`replies`: stream id, response) and ends
+(`ends`: StreamEnd). Each service's protos define its three frame messages with these field
+names; `SessionKind` names them for the generic client and server.
+
+Rules both ends keep:
+- a call's replies arrive in order, and all of them before its end;
+- an end is sent once per call, except for a call the caller cancelled (it expects nothing);
+- a session that breaks fails every call still open on it with UNAVAILABLE, never final, so
+  callers retry or migrate each call as they would after a broken unary call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from gen.kvmesh.v1 import common_pb2, processor_pb2, router_pb2, worker_pb2
+
+# Status codes by value, for StreamEnd.code.
+CODES = {code.value[0]: code for code in grpc.StatusCode}
+OK = grpc.StatusCode.OK.value[0]
+
+
+@dataclass(frozen=True)
+class SessionKind:
+    """One service's session: its method and frame messages."""
+
+    method: str  # "/kvmesh.v1.Worker/Session"
+    down: type[Any]  # frames from the caller: repeated `calls`, repeated `cancel`
+    up: type[Any]  # frames to the caller: repeated `replies`, repeated `ends`
+    call: type[Any]  # one entry of `down.calls`
+
+    @property
+    def name(self) -> str:
+        return self.method.rsplit("/", 2)[-2]
+
+
+class CallError(Exception):
+    """A call on a session (or the per-request RPC served by the same code) ended with a status.
+
+    `final`: the service chose this answer, so the caller must not try the request elsewhere."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, final: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.final = final
+
+    def details(self) -> str:
+        return self.message
+
+    def to_end(self, stream_id: int) -> common_pb2.StreamEnd:
+        return common_pb2.StreamEnd(stream_id=stream_id, code=self.code.value[0], message=self.message,
+                                    final=self.final)
+
+    @staticmethod
+    def from_end(end: common_pb2.StreamEnd) -> CallError:
+        return CallError(CODES.get(end.code, grpc.StatusCode.UNKNOWN), end.message, end.final)
+
+
+def final_error(code: grpc.StatusCode, message: str) -> CallError:
+    return CallError(code, message, final=True)
+
+
+@dataclass(frozen=True, slots=True)
+class CallInfo:
+    """What a handler knows of its call beyond the request: the caller's metadata (trace context)."""
+
+    metadata: Mapping[str, str]
+
+
+def call_info(context: grpc.aio.ServicerContext) -> CallInfo:
+    """The CallInfo of a per-request RPC: its string metadata."""
+    return CallInfo({k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)})
+
+
+WORKER_SESSION = SessionKind("/kvmesh.v1.Worker/Session", worker_pb2.WorkerSessionDown, worker_pb2.WorkerSessionUp,
+                             worker_pb2.WorkerCall)
+PROCESSOR_SESSION = SessionKind("/kvmesh.v1.Processor/Session", processor_pb2.ProcessorSessionDown,
+                                processor_pb2.ProcessorSessionUp, processor_pb2.ProcessorCall)
+ROUTER_SESSION = SessionKind("/kvmesh.v1.Router/Session", router_pb2.RouterSessionDown, router_pb2.RouterSessionUp,
+                             router_pb2.RouterCall)

@@ -1,0 +1,189 @@
+"""The serving end of multiplexed sessions (session_kind.py): many calls over one stream.
+
+`SessionHub` serves a service's `Session` method with the same handler as its per-request RPC:
+an async generator from (request, CallInfo) to responses that raises `CallError` for an answer
+other than OK. Per session it runs every call as its own task and writes what the calls produce
+through one writer: replies and ends pile up in an outbox while a frame is being written and go
+out together in the next frame, so a frame is flushed once per event-loop turn at most and
+requests on the same pair share frames without waiting for each other.
+
+Bounds and what happens at them:
+- calls open on one session: `max_calls`; a call past it ends RESOURCE_EXHAUSTED at once;
+- the outbox: `max_outbox` entries; a peer that reads none of them for that long is treated as
+  gone: the session ends, its calls are cancelled (the caller migrates them).
+A caller that leaves (its session breaks or it half-closes) cancels every call it had open.
+A drain (`drain()`) refuses new calls with UNAVAILABLE, which callers retry elsewhere, lets those
+in flight finish, then ends each session once it has nothing open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from gen.kvmesh.v1 import common_pb2
+from services.mesh.session_kind import OK, CallError, CallInfo, SessionKind
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Any, CallInfo], AsyncIterator[Any]]
+
+MAX_CALLS_PER_SESSION = 65536
+MAX_OUTBOX = 1 << 20
+# Replies per frame: a frame stays far below the gRPC message limit even with large replies.
+MAX_REPLIES_PER_FRAME = 4096
+
+
+class SessionHub:
+    """Every session of one service in this process."""
+
+    def __init__(self, kind: SessionKind, handler: Handler, *, max_calls: int = MAX_CALLS_PER_SESSION,
+                 max_outbox: int = MAX_OUTBOX) -> None:
+        self.kind = kind
+        self._handler = handler
+        self._max_calls = max_calls
+        self._max_outbox = max_outbox
+        self._sessions: set[_ServerSession] = set()
+        self.draining = False
+
+    @property
+    def open_calls(self) -> int:
+        return sum(len(s.calls) for s in self._sessions)
+
+    async def serve(self, frames: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
+        """The body of the service's `Session` method."""
+        session = _ServerSession(self, context)
+        self._sessions.add(session)
+        try:
+            await session.run(frames)
+        finally:
+            self._sessions.discard(session)
+
+    def drain(self) -> None:
+        """Refuses new calls from now on; each session ends once its calls have."""
+        self.draining = True
+        for session in list(self._sessions):
+            session.maybe_close()
+
+
+class _ServerSession:
+    def __init__(self, hub: SessionHub, context: grpc.aio.ServicerContext) -> None:
+        self.hub = hub
+        self.context = context
+        self.calls: dict[int, asyncio.Task[None]] = {}
+        self._replies: list[tuple[int, Any]] = []
+        self._ends: list[common_pb2.StreamEnd] = []
+        self._wake = asyncio.Event()
+        self._closing = False
+
+    async def run(self, frames: AsyncIterator[Any]) -> None:
+        reader = asyncio.create_task(self._read(frames), name=f"{self.hub.kind.name} session reader")
+        writer = asyncio.create_task(self._write(), name=f"{self.hub.kind.name} session writer")
+        self.maybe_close()
+        try:
+            await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            calls = list(self.calls.values())
+            for task in (reader, writer, *calls):
+                task.cancel()
+            await asyncio.gather(reader, writer, *calls, return_exceptions=True)
+        if writer.done() and not writer.cancelled() and writer.exception() is not None:
+            log.info("%s session ended: %s", self.hub.kind.name, writer.exception())
+
+    # -- frames from the caller ------------------------------------------------------------------
+
+    async def _read(self, frames: AsyncIterator[Any]) -> None:
+        """Until the caller half-closes or goes: then `run` cancels everything it had open."""
+        async for frame in frames:
+            for call in frame.calls:
+                self._open(call)
+            for stream_id in frame.cancel:
+                task = self.calls.pop(stream_id, None)
+                if task is not None:
+                    task.cancel()
+            if self._closing:
+                return
+
+    def _open(self, call: Any) -> None:
+        sid = call.stream_id
+        if self.hub.draining:
+            self._end(common_pb2.StreamEnd(stream_id=sid, code=grpc.StatusCode.UNAVAILABLE.value[0],
+                                           message="the server is draining"))
+            self.maybe_close()
+        elif len(self.calls) >= self.hub._max_calls:
+            self._end(common_pb2.StreamEnd(stream_id=sid, code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                                           message=f"{len(self.calls)} calls already open on this session"))
+        elif sid in self.calls:
+            self._end(common_pb2.StreamEnd(stream_id=sid, code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                           message=f"stream id {sid} is already open", final=True))
+        else:
+            timeout = call.timeout_ms / 1000 if call.timeout_ms else None
+            self.calls[sid] = asyncio.create_task(self._serve_call(sid, call.request, dict(call.metadata), timeout))
+
+    async def _serve_call(self, sid: int, request: Any, metadata: dict[str, str], timeout: float | None) -> None:
+        try:
+            async with asyncio.timeout(timeout):
+                async for response in self.hub._handler(request, CallInfo(metadata)):
+                    self._reply(sid, response)
+            end = common_pb2.StreamEnd(stream_id=sid, code=OK)
+        except CallError as exc:
+            end = exc.to_end(sid)
+        except TimeoutError:
+            end = common_pb2.StreamEnd(stream_id=sid, code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+                                       message=f"the call took longer than its {timeout:.1f}s deadline")
+        except Exception as exc:  # noqa: BLE001 - a bug in one call must not end the others
+            log.exception("%s session: call %d failed", self.hub.kind.name, sid)
+            end = common_pb2.StreamEnd(stream_id=sid, code=grpc.StatusCode.UNKNOWN.value[0],
+                                       message=f"{type(exc).__name__}: {exc}")
+        finally:
+            # Cancelled (by the caller, or the session ended): no end, the caller expects none.
+            self.calls.pop(sid, None)
+        self._end(end)
+        self.maybe_close()
+
+    # -- frames to the caller ------------------------------------------------------------------
+
+    def _reply(self, sid: int, response: Any) -> None:
+        self._replies.append((sid, response))
+        self._wake.set()
+
+    def _end(self, end: common_pb2.StreamEnd) -> None:
+        self._ends.append(end)
+        self._wake.set()
+
+    def maybe_close(self) -> None:
+        if self.hub.draining and not self.calls:
+            self._closing = True
+            self._wake.set()
+
+    async def _write(self) -> None:
+        up_type = self.hub.kind.up
+        while True:
+            if not self._replies and not self._ends:
+                if self._closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if len(self._replies) + len(self._ends) > self.hub._max_outbox:
+                raise ConnectionError(f"the caller read nothing while {self.hub._max_outbox} messages waited")
+            frame = up_type()
+            replies = self._replies
+            if len(replies) > MAX_REPLIES_PER_FRAME:
+                taken, self._replies = replies[:MAX_REPLIES_PER_FRAME], replies[MAX_REPLIES_PER_FRAME:]
+                add = frame.replies.add
+                for sid, response in taken:
+                    add(stream_id=sid, response=response)
+            else:
+                self._replies = []
+                add = frame.replies.add
+                for sid, response in replies:
+                    add(stream_id=sid, response=response)
+                # Ends only once every reply before them is in this frame or an earlier one.
+                frame.ends.extend(self._ends)
+                self._ends = []
+            await self.context.write(frame)
