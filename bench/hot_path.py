@@ -16,7 +16,6 @@ impossible its column says why and kvmesh's figures still print.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass, field
 
@@ -24,15 +23,16 @@ import aiohttp
 
 from bench import dynamo_baseline
 from bench.mesh_overhead import Level, drive
-from bench.mesh_process import LaunchedMesh, cpu_seconds, launched, launched_mesh
-from bench.report import bar_plot, median, percentile, save_json, table
+from bench.hot_path_scale import run_scale
+from bench.mesh_process import LaunchedMesh, cpu_seconds, launched_mesh
+from bench.stream_load import PROMPT, StreamLoad, one_stream, stream_load
+from bench.report import bar_plot, save_json, table
 from services.tools.make_demo_model import ensure_demo_model
 
 STREAMS, STREAM_TOKENS, STREAM_ROUNDS = 64, 128, 3
 RPS_LEVELS = {64: 3000, 16: 2000, 1: 300}
 LEVEL_TIME_LIMIT_S = 30.0
-SLOW_STREAMS, SLOW_TOKENS, STEP_MS = 512, 200, 20.0
-PROMPT = "The router keeps a tree of the cached blocks of every worker."
+SLOW_STREAMS, SLOW_TOKENS, STEP_MS = 512, 100, 20.0
 
 
 @dataclass
@@ -40,12 +40,13 @@ class Figures:
     tokens_per_s: float = float("nan")
     rps: dict[int, float] = field(default_factory=dict)
     p50_ms: dict[int, float] = field(default_factory=dict)
-    itl_p50_ms: float = float("nan")
-    itl_p99_ms: float = float("nan")
-    worst_stream_ratio: float = float("nan")
+    slow: StreamLoad | None = None
     # CPU microseconds of the mesh's processes (etcd excluded) per streamed token / per request.
     cpu_us_per_token: float = float("nan")
     cpu_us_per_request: float = float("nan")
+    # The load generator's own CPU (this process), reported apart from the mesh's.
+    client_cpu_us_per_token: float = float("nan")
+    client_cpu_us_per_request: float = float("nan")
     note: str = ""
 
 
@@ -58,35 +59,15 @@ class Replicas:
     processor_spread: float
 
 
-async def _stream(session: aiohttp.ClientSession, model: str, max_tokens: int) -> tuple[int, list[float]]:
-    """One streamed completion: (completion tokens per usage, arrival times of content chunks)."""
-    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
-    arrivals: list[float] = []
-    tokens = 0
-    async with session.post("/v1/completions", json=body) as r:
-        if r.status != 200:
-            raise RuntimeError(f"{r.status}: {(await r.text())[:200]}")
-        async for line in r.content:
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                arrivals.append(time.perf_counter())
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    return tokens, arrivals
-
-
 async def streamed_tokens_per_s(base: str, model: str) -> float:
     best = 0.0
     async with aiohttp.ClientSession(base, connector=aiohttp.TCPConnector(limit=STREAMS * 2)) as session:
-        await _stream(session, model, 8)  # warm-up
+        await one_stream(session, model, 8)  # warm-up
         for _ in range(STREAM_ROUNDS):
             started = time.perf_counter()
-            results = await asyncio.gather(*(_stream(session, model, STREAM_TOKENS) for _ in range(STREAMS)))
+            results = await asyncio.gather(*(one_stream(session, model, STREAM_TOKENS) for _ in range(STREAMS)))
             elapsed = time.perf_counter() - started
-            total = sum(tokens for tokens, _ in results)
+            total = sum(tokens for tokens, _, _ in results)
             if total != STREAMS * STREAM_TOKENS:
                 raise RuntimeError(f"expected {STREAMS * STREAM_TOKENS} tokens, usage says {total}")
             best = max(best, total / elapsed)
@@ -112,28 +93,6 @@ async def one_token_levels(base: str, model: str, levels: dict[int, int],
         return {c: await drive(c, total, one, LEVEL_TIME_LIMIT_S) for c, total in levels.items()}
 
 
-async def slow_engine_itl(base: str, model: str) -> tuple[float, float, float]:
-    """(ITL p50 ms, ITL p99 ms, worst stream's max/median ITL) over SLOW_STREAMS streams, in the
-    steady state: gaps after every stream has its first token (the ramp-up, 512 prompts
-    tokenized and routed at once, is TTFT's business, not ITL's)."""
-    connector = aiohttp.TCPConnector(limit=SLOW_STREAMS + 16)
-    timeout = aiohttp.ClientTimeout(total=300)
-    async with aiohttp.ClientSession(base, connector=connector, timeout=timeout) as session:
-        await _stream(session, model, 4)
-        results = await asyncio.gather(*(_stream(session, model, SLOW_TOKENS) for _ in range(SLOW_STREAMS)))
-    all_started = max(arrivals[0] for _, arrivals in results if arrivals)
-    gaps_all: list[float] = []
-    worst = 0.0
-    for _, arrivals in results:
-        steady = [t for t in arrivals if t >= all_started]
-        gaps = [(b - a) * 1000 for a, b in zip(steady, steady[1:])]
-        if len(gaps) < 2:
-            continue
-        gaps_all += gaps
-        worst = max(worst, max(gaps) / max(median(gaps), 1e-6))
-    return percentile(gaps_all, 50), percentile(gaps_all, 99), worst
-
-
 def measure(base: str, model: str, figures: Figures) -> None:
     figures.tokens_per_s = asyncio.run(streamed_tokens_per_s(base, model))
     _record_levels(figures, asyncio.run(one_token_levels(base, model, RPS_LEVELS)))
@@ -152,13 +111,17 @@ def _measure_with_cpu(mesh: LaunchedMesh, figures: Figures) -> None:
     def used() -> float:
         return sum(cpu_seconds(pid) for pid in pids)
 
-    before = used()
+    before, client = used(), time.process_time()
     figures.tokens_per_s = asyncio.run(streamed_tokens_per_s(mesh.base, "kvmesh-demo"))
-    figures.cpu_us_per_token = (used() - before) / (STREAM_ROUNDS * STREAMS * STREAM_TOKENS + 8) * 1e6
-    before = used()
+    tokens = STREAM_ROUNDS * STREAMS * STREAM_TOKENS + 8
+    figures.cpu_us_per_token = (used() - before) / tokens * 1e6
+    figures.client_cpu_us_per_token = (time.process_time() - client) / tokens * 1e6
+    before, client = used(), time.process_time()
     first, *rest = RPS_LEVELS.items()
     levels = asyncio.run(one_token_levels(mesh.base, "kvmesh-demo", dict([first])))
-    figures.cpu_us_per_request = (used() - before) / (levels[first[0]].requests + WARM_UP_REQUESTS) * 1e6
+    requests = levels[first[0]].requests + WARM_UP_REQUESTS
+    figures.cpu_us_per_request = (used() - before) / requests * 1e6
+    figures.client_cpu_us_per_request = (time.process_time() - client) / requests * 1e6
     levels |= asyncio.run(one_token_levels(mesh.base, "kvmesh-demo", dict(rest), warm_up=0))
     _record_levels(figures, levels)
 
@@ -179,18 +142,15 @@ def replicas() -> Replicas:
     return Replicas(tokens_per_s, rps, _spread(used["frontend"]), _spread(used["processor"]))
 
 
-def measure_slow(base: str, model: str, figures: Figures) -> None:
-    figures.itl_p50_ms, figures.itl_p99_ms, figures.worst_stream_ratio = asyncio.run(slow_engine_itl(base, model))
-
-
 def _kvmesh(figures: Figures) -> None:
     print("hot path: kvmesh, zero-compute mocker ...", flush=True)
     with launched_mesh("--engine", "mocker", "--speedup", "inf", "--decode-workers", "1") as mesh:
         _measure_with_cpu(mesh, figures)
     print(f"hot path: kvmesh, {SLOW_STREAMS} streams on a {STEP_MS:.0f} ms step ...", flush=True)
-    with launched("--engine", "mocker", "--timing", "fixed-step-20ms", "--decode-workers", "1",
-                  "--num-gpu-blocks", "65536") as base:
-        measure_slow(base, "kvmesh-demo", figures)
+    # Every stream runs at once (max-num-seqs): the engine makes SLOW_STREAMS tokens per step.
+    with launched_mesh("--engine", "mocker", "--timing", "fixed-step-20ms", "--decode-workers", "1",
+                       "--max-num-seqs", str(SLOW_STREAMS), "--num-gpu-blocks", "65536") as mesh:
+        figures.slow = stream_load(mesh, "kvmesh-demo", SLOW_STREAMS, SLOW_TOKENS)
 
 
 def _dynamo(figures: Figures) -> None:
@@ -208,7 +168,7 @@ def _ratio(ours: float, theirs: float) -> str:
     return f"{ours / theirs:.2f}x" if theirs == theirs and theirs > 0 else "-"
 
 
-def run() -> dict:
+def run(with_scale: bool = True) -> dict:
     ours, theirs = Figures(), Figures()
     _kvmesh(ours)
     _dynamo(theirs)
@@ -223,22 +183,32 @@ def run() -> dict:
           ["measure", "Dynamo", "kvmesh", "ratio"], rows)
     if theirs.note:
         print(f"(Dynamo: {theirs.note})")
-    table("What the mesh's processes spend (kvmesh; etcd excluded, the client not counted)",
-          ["CPU us per streamed token", "CPU us per 1-token request", "tokens/s per core", "requests/s per core"],
+    table("What the mesh's processes spend (kvmesh; etcd excluded), and apart the load generator's",
+          ["CPU us per streamed token", "CPU us per 1-token request", "tokens/s per core", "requests/s per core",
+           "client us/token", "client us/request"],
           [[ours.cpu_us_per_token, ours.cpu_us_per_request, 1e6 / ours.cpu_us_per_token,
-            1e6 / ours.cpu_us_per_request]])
+            1e6 / ours.cpu_us_per_request, ours.client_cpu_us_per_token, ours.client_cpu_us_per_request]])
     rep = replicas()
     table("Replicas (kvmesh): 2 frontends sharing one port (SO_REUSEPORT), 2 processors",
           ["streamed tokens/s", "vs 1+1", "req/s c64", "vs 1+1", "frontend CPU max/mean", "processor CPU max/mean"],
           [[rep.tokens_per_s, _ratio(rep.tokens_per_s, ours.tokens_per_s), rep.rps, _ratio(rep.rps, ours.rps[64]),
             rep.frontend_spread, rep.processor_spread]])
-    table(f"{SLOW_STREAMS} streams, mocker stepping every {STEP_MS:.0f} ms (kvmesh)",
-          ["ITL p50 ms", "ITL p99 ms", "added p99 ms", "worst stream max/median"],
-          [[ours.itl_p50_ms, ours.itl_p99_ms, ours.itl_p99_ms - STEP_MS, ours.worst_stream_ratio]])
+    slow = ours.slow
+    assert slow is not None
+    ideal = SLOW_STREAMS * 1000 / STEP_MS
+    table(f"{SLOW_STREAMS} streams x {SLOW_TOKENS} tokens on one worker, mocker stepping every {STEP_MS:.0f} ms "
+          f"(kvmesh; ideal {ideal:,.0f} tokens/s)",
+          ["TTFT p50 ms", "ITL p50 ms", "ITL p99 ms", "added p99 ms", "worst stream max/median", "delivered tokens/s",
+           "of ideal", "mesh CPU us/token", "client CPU us/token"],
+          [[slow.ttft_p50_ms, slow.itl_p50_ms, slow.itl_p99_ms, slow.itl_p99_ms - STEP_MS, slow.worst_stream_ratio,
+            slow.delivered_tokens_per_s, f"{slow.delivered_tokens_per_s / ideal:.2f}", slow.mesh_cpu_us_per_token,
+            slow.client_cpu_us_per_token]])
+    scale = run_scale() if with_scale else {}
     if not theirs.note:
         bar_plot("hot_path", "kvmesh relative to NVIDIA Dynamo (1.0 = equal)", ["tokens/s", "req/s c64", "req/s c16"],
                  {"kvmesh / Dynamo": [ours.tokens_per_s / theirs.tokens_per_s, ours.rps[64] / theirs.rps[64],
                                       ours.rps[16] / theirs.rps[16]]}, "ratio")
-    result = {"kvmesh": ours.__dict__, "dynamo": theirs.__dict__, "replicas": rep.__dict__}
+    result = {"kvmesh": {**ours.__dict__, "slow": slow.__dict__}, "dynamo": theirs.__dict__, "replicas": rep.__dict__,
+              **scale}
     save_json("hot_path", result)
     return result

@@ -56,7 +56,10 @@ class Aborted(Exception):
 class AbortingContext:
     """grpc.aio's servicer context as the router uses it: `abort` raises."""
 
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: object = None) -> None:
         raise Aborted(code, details)
 
 

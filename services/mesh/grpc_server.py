@@ -90,7 +90,7 @@ async def as_rpc(context: grpc.aio.ServicerContext, responses: AsyncIterator[T])
         async for response in responses:
             yield response
     except CallError as exc:
-        await context.abort(exc.code, exc.message, trailing_metadata=((FINAL_ERROR_KEY, "1"),) if exc.final else None)
+        await context.abort(exc.code, exc.message, trailing_metadata=((FINAL_ERROR_KEY, "1"),) if exc.final else ())
 
 
 async def as_unary_rpc(context: grpc.aio.ServicerContext, responses: AsyncIterator[T]) -> T:

@@ -43,7 +43,7 @@ MAX_DOWN_FRAME_BYTES = 8 * 1024 * 1024
 
 @dataclass(frozen=True)
 class SessionLimits:
-    max_buffered_per_call: int = 4096
+    max_buffered_per_call: int = 8192
     max_buffered_per_session: int = 262144
 
 
@@ -135,6 +135,7 @@ class Session:
         self.streams: dict[int, SessionStream] = {}
         self.buffered = 0
         self.closed = False
+        self.frames_received = 0
         self._ids = itertools.count(1)
         self._opened: list[tuple[int, int, Iterable[tuple[str, str]] | None, Any]] = []
         self._cancelled: list[int] = []
@@ -218,6 +219,7 @@ class Session:
                 if frame is grpc.aio.EOF:
                     self._break(grpc.StatusCode.UNAVAILABLE, f"{self.address} closed the {self.kind.name} session")
                     return
+                self.frames_received += 1
                 for reply in frame.replies:
                     stream = streams.get(reply.stream_id)
                     if stream is not None:

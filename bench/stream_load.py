@@ -1,0 +1,101 @@
+"""Many concurrent streamed completions against a mesh, measured as a client sees them.
+
+Shared by the hot-path benchmark's scale runs: the time to the first token, the time between
+tokens in the steady state (after every stream has its first token: the ramp-up of thousands of
+prompts tokenized and routed at once is TTFT's business, not ITL's), the tokens delivered per
+second against what the engines produce, and the CPU the mesh and this client (the load
+generator) spend per token, from /proc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from bench.mesh_process import LaunchedMesh, cpu_seconds
+from bench.report import median, percentile
+
+PROMPT = "The router keeps a tree of the cached blocks of every worker."
+# Every stream must be done by then: a stuck stream fails the run instead of hanging it.
+STREAM_TIMEOUT_S = 300
+
+
+@dataclass
+class StreamLoad:
+    streams: int
+    tokens_per_stream: int
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    # The worst stream's largest gap over its median gap.
+    worst_stream_ratio: float
+    delivered_tokens_per_s: float
+    mesh_cpu_us_per_token: float
+    client_cpu_us_per_token: float
+
+
+async def one_stream(session: aiohttp.ClientSession, model: str, max_tokens: int,
+                     prompt: str = PROMPT) -> tuple[int, float, list[float]]:
+    """One streamed completion: (completion tokens per usage, start time, content chunk arrivals)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    arrivals: list[float] = []
+    tokens = 0
+    started = time.perf_counter()
+    async with session.post("/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{r.status}: {(await r.text())[:200]}")
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                arrivals.append(time.perf_counter())
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return tokens, started, arrivals
+
+
+async def _run(base: str, model: str, streams: int, tokens: int) -> list[tuple[int, float, list[float]]]:
+    connector = aiohttp.TCPConnector(limit=streams + 16)
+    timeout = aiohttp.ClientTimeout(total=STREAM_TIMEOUT_S)
+    async with aiohttp.ClientSession(base, connector=connector, timeout=timeout) as session:
+        await one_stream(session, model, 4)  # warm-up: connections, sessions, tokenizer
+        # Distinct prompts, so no stream waits for another's identical prefill.
+        return await asyncio.gather(*(one_stream(session, model, tokens, f"{i} {PROMPT}") for i in range(streams)))
+
+
+def stream_load(mesh: LaunchedMesh, model: str, streams: int, tokens: int) -> StreamLoad:
+    pids = [pid for name, pid in mesh.children if name != "etcd"]
+    mesh_before = sum(cpu_seconds(pid) for pid in pids)
+    client_before = time.process_time()
+    results = asyncio.run(_run(mesh.base, model, streams, tokens))
+    client_cpu = time.process_time() - client_before
+    mesh_cpu = sum(cpu_seconds(pid) for pid in pids) - mesh_before
+    delivered = sum(t for t, _, _ in results)
+    if delivered != streams * tokens:
+        raise RuntimeError(f"expected {streams * tokens} tokens, usage says {delivered}")
+    ttfts = [(arrivals[0] - started) * 1000 for _, started, arrivals in results if arrivals]
+    all_started = max(arrivals[0] for _, _, arrivals in results if arrivals)
+    gaps_all: list[float] = []
+    worst = 0.0
+    for _, _, arrivals in results:
+        steady = [t for t in arrivals if t >= all_started]
+        gaps = [(b - a) * 1000 for a, b in zip(steady, steady[1:])]
+        if len(gaps) < 2:
+            continue
+        gaps_all += gaps
+        worst = max(worst, max(gaps) / max(median(gaps), 1e-6))
+    # Every token over the time from the first token anywhere to the last one anywhere: streams
+    # that start late or straggle lower it, as they lower what a user gets.
+    first = min(arrivals[0] for _, _, arrivals in results if arrivals)
+    last = max(arrivals[-1] for _, _, arrivals in results if arrivals)
+    rate = delivered / (last - first) if last > first else float("nan")
+    total = streams * tokens + 4
+    return StreamLoad(streams, tokens, percentile(ttfts, 50), percentile(ttfts, 99), percentile(gaps_all, 50),
+                      percentile(gaps_all, 99), worst, rate, mesh_cpu / total * 1e6, client_cpu / total * 1e6)
