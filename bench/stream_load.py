@@ -70,7 +70,10 @@ async def _run(base: str, model: str, streams: int, tokens: int) -> list[tuple[i
         return await asyncio.gather(*(one_stream(session, model, tokens, f"{i} {PROMPT}") for i in range(streams)))
 
 
-def stream_load(mesh: LaunchedMesh, model: str, streams: int, tokens: int) -> StreamLoad:
+def stream_load(mesh: LaunchedMesh, model: str, streams: int, tokens: int, all_started: bool = True) -> StreamLoad:
+    """`all_started`: ITL from the gaps after every stream has its first token (the steady state);
+    otherwise from each stream's gaps after its own first token (for loads whose ramp-up lasts
+    longer than a stream)."""
     pids = [pid for name, pid in mesh.children if name != "etcd"]
     mesh_before = sum(cpu_seconds(pid) for pid in pids)
     client_before = time.process_time()
@@ -81,11 +84,11 @@ def stream_load(mesh: LaunchedMesh, model: str, streams: int, tokens: int) -> St
     if delivered != streams * tokens:
         raise RuntimeError(f"expected {streams * tokens} tokens, usage says {delivered}")
     ttfts = [(arrivals[0] - started) * 1000 for _, started, arrivals in results if arrivals]
-    all_started = max(arrivals[0] for _, _, arrivals in results if arrivals)
+    steady_from = max(arrivals[0] for _, _, arrivals in results if arrivals) if all_started else 0.0
     gaps_all: list[float] = []
     worst = 0.0
     for _, _, arrivals in results:
-        steady = [t for t in arrivals if t >= all_started]
+        steady = [t for t in arrivals if t >= steady_from]
         gaps = [(b - a) * 1000 for a, b in zip(steady, steady[1:])]
         if len(gaps) < 2:
             continue

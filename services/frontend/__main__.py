@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from services.frontend.app import create_admin_app, create_app
 from services.frontend.flags import add_frontend_flags, frontend_config
@@ -78,7 +78,7 @@ def main() -> None:
         metrics = FrontendMetrics()
         app = create_app(config, view, metrics)
         if tracing.enabled:
-            app.add_middleware(RequestTracing, tracing=tracing)
+            app = RequestTracing(app, tracing=tracing)
         if admin_sock is not None:
             # Started first, so stopped last: metrics stay scrapable while the public port drains.
             _serve_http(runner, create_admin_app(view, metrics), admin_sock, "the metrics port", 0)
@@ -94,7 +94,7 @@ def main() -> None:
     run_service(FRONTEND, mesh, assemble)
 
 
-def _serve_http(runner: ServiceRunner, app: FastAPI, sock: socket.socket, label: str, drain_timeout_s: float) -> None:
+def _serve_http(runner: ServiceRunner, app: ASGIApp, sock: socket.socket, label: str, drain_timeout_s: float) -> None:
     # log_config=None: uvicorn's records go through the process's own handler (text or JSON).
     server = _Server(uvicorn.Config(app, log_level="warning", log_config=None, access_log=False, http="httptools",
                                     timeout_keep_alive=30, lifespan="off",

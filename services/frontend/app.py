@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
+import itertools
+import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp
 
 from services.frontend import openapi
 from services.frontend.answer import Answer, SseResponse, collect_unless_gone, first_route, unless_gone
@@ -18,6 +21,7 @@ from services.frontend.auth import check_api_key
 from services.frontend.body import read_json
 from services.frontend.endpoints import CHAT, COMPLETION, Kind, processor_requests
 from services.frontend.errors import ApiError, shown
+from services.frontend.fast_paths import FastPaths
 from services.frontend.inflight import InflightLimit, Lease
 from services.frontend.mesh import MeshView
 from services.frontend.metrics import FrontendMetrics
@@ -61,8 +65,9 @@ class FrontendConfig:
             raise ConfigError("--allow-explain contradicts --hide-routing-details")
 
 
-def create_app(config: FrontendConfig, mesh: MeshView, metrics: FrontendMetrics) -> FastAPI:
-    """The gateway's routes; `/openapi.json` describes them, request bodies included."""
+def create_app(config: FrontendConfig, mesh: MeshView, metrics: FrontendMetrics) -> ASGIApp:
+    """The gateway's routes; `/openapi.json` describes them, request bodies included. The
+    generation endpoints are reached ahead of the app's routing stack (fast_paths.py)."""
     app = FastAPI(title="kvmesh", version="1", docs_url=None, redoc_url=None)
     gateway = _Gateway(config, mesh, metrics)
     openapi.install(app, [ChatCompletionRequest, CompletionRequest])
@@ -100,7 +105,7 @@ def create_app(config: FrontendConfig, mesh: MeshView, metrics: FrontendMetrics)
     async def completions(request: Request) -> Response:
         return await gateway.handle(request, COMPLETION)
 
-    return app
+    return FastPaths(app, {"/v1/chat/completions": chat, "/v1/completions": completions})
 
 
 def create_admin_app(mesh: MeshView, metrics: FrontendMetrics) -> FastAPI:
@@ -128,6 +133,13 @@ def add_admin_routes(app: FastAPI, mesh: MeshView, metrics: FrontendMetrics) -> 
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
+def request_ids() -> Iterator[str]:
+    """Request ids unique across the mesh, cheaply: a random 64-bit prefix per process and a
+    counter (a uuid4 per request costs a system call for its randomness)."""
+    prefix = secrets.token_hex(8)
+    return (f"{prefix}{n:08x}" for n in itertools.count())
+
+
 class _Gateway:
     def __init__(self, config: FrontendConfig, mesh: MeshView, metrics: FrontendMetrics) -> None:
         self.config = config
@@ -136,6 +148,7 @@ class _Gateway:
         self.inflight = InflightLimit(config.max_inflight, metrics.inflight)
         # Processors seen failing, kept out of the gateway's choices until they are surely gone.
         self.failed_processors = RecentFailures()
+        self._ids = request_ids()
 
     async def handle(self, request: Request, kind: Kind) -> Response:
         """One API request: checked, admitted against the in-flight limit, routed, then answered.
@@ -145,7 +158,7 @@ class _Gateway:
         started = time.perf_counter()
         # Our own id inside the mesh: a client's x-request-id is only echoed (two clients may
         # send the same one, and engines need unique ids).
-        rid = uuid.uuid4().hex
+        rid = next(self._ids)
         REQUEST_ID.set(rid)  # this request's task: every line it logs carries the id
         headers = {"x-request-id": request.headers.get("x-request-id") or rid}
         streams: list[ProcessorStream] = []

@@ -75,6 +75,7 @@ class _ServerSession:
         self.hub = hub
         self.context = context
         self.calls: dict[int, asyncio.Task[None]] = {}
+        self._timers: dict[int, asyncio.TimerHandle] = {}
         self._replies: list[tuple[int, Any]] = []
         self._ends: list[common_pb2.StreamEnd] = []
         self._wake = asyncio.Event()
@@ -105,6 +106,9 @@ class _ServerSession:
                 task = self.calls.pop(stream_id, None)
                 if task is not None:
                     task.cancel()
+                    timer = self._timers.pop(stream_id, None)
+                    if timer is not None:
+                        timer.cancel()
             if self._closing:
                 return
 
@@ -121,27 +125,38 @@ class _ServerSession:
             self._end(common_pb2.StreamEnd(stream_id=sid, code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
                                            message=f"stream id {sid} is already open", final=True))
         else:
-            timeout = call.timeout_ms / 1000 if call.timeout_ms else None
-            self.calls[sid] = asyncio.create_task(self._serve_call(sid, call.request, dict(call.metadata), timeout))
+            self.calls[sid] = asyncio.create_task(self._serve_call(sid, call.request, dict(call.metadata)))
+            if call.timeout_ms:
+                # A timer per call, cancelled when it ends (cheaper than a timeout context).
+                self._timers[sid] = asyncio.get_running_loop().call_later(call.timeout_ms / 1000, self._expire, sid,
+                                                                          call.timeout_ms)
 
-    async def _serve_call(self, sid: int, request: Any, metadata: dict[str, str], timeout: float | None) -> None:
+    def _expire(self, sid: int, timeout_ms: int) -> None:
+        self._timers.pop(sid, None)
+        task = self.calls.pop(sid, None)
+        if task is not None:
+            task.cancel()
+            self._end(common_pb2.StreamEnd(stream_id=sid, code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+                                           message=f"the call took longer than its {timeout_ms / 1000:.1f}s deadline"))
+
+    async def _serve_call(self, sid: int, request: Any, metadata: dict[str, str]) -> None:
         try:
-            async with asyncio.timeout(timeout):
-                async for response in self.hub._handler(request, CallInfo(metadata)):
-                    self._reply(sid, response)
+            async for response in self.hub._handler(request, CallInfo(metadata)):
+                self._reply(sid, response)
             end = common_pb2.StreamEnd(stream_id=sid, code=OK)
         except CallError as exc:
             end = exc.to_end(sid)
-        except TimeoutError:
-            end = common_pb2.StreamEnd(stream_id=sid, code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
-                                       message=f"the call took longer than its {timeout:.1f}s deadline")
         except Exception as exc:  # noqa: BLE001 - a bug in one call must not end the others
             log.exception("%s session: call %d failed", self.hub.kind.name, sid)
             end = common_pb2.StreamEnd(stream_id=sid, code=grpc.StatusCode.UNKNOWN.value[0],
                                        message=f"{type(exc).__name__}: {exc}")
         finally:
-            # Cancelled (by the caller, or the session ended): no end, the caller expects none.
+            # Cancelled (by the caller, the session's end, or the deadline, which ends the call
+            # itself): no end from here.
             self.calls.pop(sid, None)
+            timer = self._timers.pop(sid, None)
+            if timer is not None:
+                timer.cancel()
         self._end(end)
         self.maybe_close()
 

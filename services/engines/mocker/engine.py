@@ -184,13 +184,26 @@ class MockerEngine(Engine):
     # -- scheduling ----------------------------------------------------------------------------
 
     async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        step_end: float | None = None
         while True:
             if not self._waiting and not self._running:
                 self._wake.clear()
+                step_end = None  # idle: the next step starts its own clock
                 await self._wake.wait()
             decode_seqs = len(self._running)
             admitted, prefill_tokens = self._admit()
-            await asyncio.sleep(self.config.timing.step_seconds(prefill_tokens, decode_seqs))
+            duration = self.config.timing.step_seconds(prefill_tokens, decode_seqs)
+            now = loop.time()
+            # Back-to-back steps keep the engine's own clock: a step ends `duration` after the
+            # previous one ended, not after this process got round to starting it, so time the
+            # event loop spent elsewhere (streaming the last step's tokens) does not stretch the
+            # step, as it would not on an accelerator. More than a step behind, it restarts at now.
+            if step_end is None or step_end + duration < now:
+                step_end = now + duration
+            else:
+                step_end += duration
+            await asyncio.sleep(max(0.0, step_end - now))
             self._emit_tokens(admitted)
 
     def _admit(self) -> tuple[list[_Seq], int]:
