@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -142,10 +143,13 @@ def replicas() -> Replicas:
     return Replicas(tokens_per_s, rps, _spread(used["frontend"]), _spread(used["processor"]))
 
 
-def _kvmesh(figures: Figures) -> None:
+def _kvmesh(figures: Figures, local: Figures) -> None:
     print("hot path: kvmesh, zero-compute mocker ...", flush=True)
     with launched_mesh("--engine", "mocker", "--speedup", "inf", "--decode-workers", "1") as mesh:
         _measure_with_cpu(mesh, figures)
+    print("hot path: kvmesh, zero-compute mocker, the processor routing in-process ...", flush=True)
+    with launched_mesh("--engine", "mocker", "--speedup", "inf", "--decode-workers", "1", "--routing", "local") as mesh:
+        _measure_with_cpu(mesh, local)
     print(f"hot path: kvmesh, {SLOW_STREAMS} streams on a {STEP_MS:.0f} ms step ...", flush=True)
     # Every stream runs at once (max-num-seqs): the engine makes SLOW_STREAMS tokens per step.
     with launched_mesh("--engine", "mocker", "--timing", "fixed-step-20ms", "--decode-workers", "1",
@@ -169,18 +173,24 @@ def _ratio(ours: float, theirs: float) -> str:
 
 
 def run(with_scale: bool = True) -> dict:
-    ours, theirs = Figures(), Figures()
-    _kvmesh(ours)
+    ours, local, theirs = Figures(), Figures(), Figures()
+    _kvmesh(ours, local)
     _dynamo(theirs)
-    rows = [["streamed output tokens/s, 64 x 128", theirs.tokens_per_s, ours.tokens_per_s,
-             _ratio(ours.tokens_per_s, theirs.tokens_per_s)]]
+
+    def row(measure: str, pick: Callable[[Figures], float]) -> list[object]:
+        return [measure, pick(theirs), pick(ours), _ratio(pick(ours), pick(theirs)), pick(local),
+                _ratio(pick(local), pick(theirs))]
+
+    nan = float("nan")
+    rows = [row("streamed output tokens/s, 64 x 128", lambda f: f.tokens_per_s)]
     for c in (64, 16):
-        rows.append([f"1-token completions/s, concurrency {c}", theirs.rps.get(c, float("nan")), ours.rps[c],
-                     _ratio(ours.rps[c], theirs.rps.get(c, float("nan")))])
-    rows.append(["p50 ms, 1-token completion, concurrency 1", theirs.p50_ms.get(1, float("nan")), ours.p50_ms[1],
-                 _ratio(ours.p50_ms[1], theirs.p50_ms.get(1, float("nan")))])
-    table("Hot path: kvmesh against NVIDIA Dynamo 1.6.1 (same machine, same run; ratio = kvmesh / Dynamo)",
-          ["measure", "Dynamo", "kvmesh", "ratio"], rows)
+        rows.append(row(f"1-token completions/s, concurrency {c}", lambda f, c=c: f.rps.get(c, nan)))
+    rows.append(row("p50 ms, 1-token completion, concurrency 1", lambda f: f.p50_ms.get(1, nan)))
+    rows.append(row("mesh CPU us per 1-token request", lambda f: f.cpu_us_per_request))
+    rows.append(row("mesh CPU us per streamed token", lambda f: f.cpu_us_per_token))
+    table("Hot path: kvmesh against NVIDIA Dynamo 1.6.1 (same machine, same run; ratio = kvmesh / Dynamo; "
+          "routing by the kv-router service (default) and inside the processor (--routing local))",
+          ["measure", "Dynamo", "kvmesh", "ratio", "kvmesh, local routing", "ratio"], rows)
     if theirs.note:
         print(f"(Dynamo: {theirs.note})")
     table("What the mesh's processes spend (kvmesh; etcd excluded), and apart the load generator's",
@@ -208,7 +218,8 @@ def run(with_scale: bool = True) -> dict:
         bar_plot("hot_path", "kvmesh relative to NVIDIA Dynamo (1.0 = equal)", ["tokens/s", "req/s c64", "req/s c16"],
                  {"kvmesh / Dynamo": [ours.tokens_per_s / theirs.tokens_per_s, ours.rps[64] / theirs.rps[64],
                                       ours.rps[16] / theirs.rps[16]]}, "ratio")
-    result = {"kvmesh": {**ours.__dict__, "slow": slow.__dict__}, "dynamo": theirs.__dict__, "replicas": rep.__dict__,
+    result = {"kvmesh": {**ours.__dict__, "slow": slow.__dict__}, "kvmesh_local_routing": local.__dict__,
+              "dynamo": theirs.__dict__, "replicas": rep.__dict__,
               **scale}
     save_json("hot_path", result)
     return result

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.kv_router.flags import add_router_flags, router_config
 from services.kv_router.service import RouterMetrics, RouterServicer
-from services.kv_router.worker_pool import WorkerPool
+from services.kv_router.worker_pool import SYNC_TIMEOUT_S, WorkerPool
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, ROUTER, InstanceInfo, new_instance_id
 from services.mesh.flags import (
     FlagParser,
@@ -28,7 +28,6 @@ from services.mesh.tracing import start_tracing
 
 log = logging.getLogger("kv_router")
 
-SYNC_TIMEOUT_S = 10.0
 POOLS: dict[int, str] = {common_pb2.WORKER_ROLE_DECODE: DECODE_WORKER, common_pb2.WORKER_ROLE_PREFILL: PREFILL_WORKER}
 
 

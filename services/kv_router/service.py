@@ -111,9 +111,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """One routing decision, for `Route` and for a call on a session alike."""
         REQUEST_ID.set(request.request_id)  # this call's task: its log lines carry the id
         with self._tracing.server_span("route", call, ROUTE_RPC) as span:
-            yield self._route(request, span)
+            yield self.decide(request, span)
 
-    def _route(self, request: router_pb2.RouteRequest, span: Span) -> router_pb2.RouteResponse:
+    def decide(self, request: router_pb2.RouteRequest, span: Span) -> router_pb2.RouteResponse:
+        """One decision, synchronously (also what an in-process router calls)."""
         started = time.perf_counter()
         pool = self._pool(request.role)
         excluded = set(request.exclude_worker_ids)

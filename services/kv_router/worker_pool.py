@@ -32,6 +32,9 @@ RESUBSCRIBE_BACKOFF_S = 0.5
 # arrives: long enough for the request to have reached the worker's queue.
 PENDING_GRACE_S = 0.05
 MAX_PENDING = 4096
+# How long a router (or a processor routing locally) waits for every worker's cached blocks
+# before serving.
+SYNC_TIMEOUT_S = 10.0
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ def plan_children(cfg: LaunchConfig, etcd: str, model: str, console: Console | N
     children = [_child("kv-router", python_module("services.kv_router", *common, *cfg.router_argv), env)
                 for _ in range(cfg.routers)]
     children += [_child("processor", python_module("services.processor", *common, "--model", model, *named,
-                                                   *cfg.processor_argv), env)
+                                                   *cfg.processor_argv, *cfg.router_argv), env)
                  for _ in range(cfg.processors)]
     if cfg.planner_switches:
         children += [switchable_worker(cfg, common, model, "decode", env) for _ in range(cfg.decode_workers)]

@@ -66,6 +66,13 @@ class Members(Protocol):
     def instances(self) -> Mapping[str, InstanceInfo]: ...
 
 
+class Routes(Protocol):
+    """What routes a request: the routers over sessions (RouterClient), or an in-process index."""
+
+    async def route(self, request_id: str, model: str, token_ids: Sequence[int], role: common_pb2.WorkerRole,
+                    exclude: Sequence[str] = (), explain: bool = False) -> RouteChoice: ...
+
+
 class RouterClient:
     """Routes over one session per router (session_client.py): no round trip of its own per request."""
 

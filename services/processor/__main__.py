@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 
 from prometheus_client import CollectorRegistry
 
-from gen.kvmesh.v1 import processor_pb2, processor_pb2_grpc
-from services.mesh.discovery import PROCESSOR, ROUTER, InstanceInfo, new_instance_id
+from gen.kvmesh.v1 import common_pb2, processor_pb2, processor_pb2_grpc
+from services.kv_router.flags import add_router_flags, router_config
+from services.kv_router.service import RouterMetrics, RouterServicer
+from services.kv_router.worker_pool import SYNC_TIMEOUT_S, WorkerPool
+from services.mesh.discovery import DECODE_WORKER, PROCESSOR, ROUTER, InstanceInfo, new_instance_id
 from services.mesh.flags import (
     FlagParser,
     add_mesh_flags,
@@ -20,10 +24,11 @@ from services.mesh.flags import (
 )
 from services.mesh.grpc_server import ServiceBinding
 from services.mesh.logs import setup_logging
-from services.mesh.router_client import RouterClient
+from services.mesh.router_client import RouterClient, Routes
 from services.mesh.service_runner import ServiceRunner, run_service
-from services.mesh.tracing import start_tracing
+from services.mesh.tracing import Tracing, start_tracing
 from services.processor.flags import add_processor_flags
+from services.processor.local_router import LocalRouter
 from services.processor.service import ProcessorConfig, ProcessorMetrics, ProcessorServicer
 from services.processor.tokenizer import ModelTokenizer
 
@@ -35,9 +40,26 @@ def parser() -> FlagParser:
     add_mesh_flags(p)
     add_model_flags(p)
     add_processor_flags(p)
+    add_router_flags(p)  # for --routing local
     p.add_argument("--port", type=port_number, default=0)
     p.add_argument("--metrics-port", type=port_number, default=0, help="Prometheus port (0 = any free)")
     return p
+
+
+async def _routing(runner: ServiceRunner, args: argparse.Namespace, registry: CollectorRegistry,
+                   tracing: Tracing) -> Routes:
+    """The routers over sessions, or (`--routing local`) this process's own decode pool index,
+    synced with the workers' caches before the processor registers (as a router does)."""
+    if args.routing == "service":
+        return RouterClient(await runner.watch_component(ROUTER), runner.sessions)
+    pool = WorkerPool(await runner.watch_component(DECODE_WORKER), runner.channels)
+    runner.on_teardown("stop decode worker subscriptions", pool.stop)
+    late = await pool.wait_synced(SYNC_TIMEOUT_S)
+    if late:
+        log.warning("routing without the cached blocks of %d decode worker(s): %s", len(late), ", ".join(late))
+    servicer = RouterServicer({common_pb2.WORKER_ROLE_DECODE: pool}, router_config(args), RouterMetrics(registry),
+                              tracing)
+    return LocalRouter(servicer, tracing)
 
 
 def main() -> None:
@@ -55,8 +77,8 @@ def main() -> None:
         tracing = start_tracing(runner)  # first: torn down last, after the drain's last spans
         tokenizer = ModelTokenizer(model.model_dir)
         await runner.connect_store()
-        routers = RouterClient(await runner.watch_component(ROUTER), runner.sessions)
         registry = CollectorRegistry()
+        routers = await _routing(runner, args, registry, tracing)
         servicer = ProcessorServicer(config, tokenizer, routers, runner.sessions, ProcessorMetrics(registry), tracing)
         binding = ServiceBinding(processor_pb2_grpc.add_ProcessorServicer_to_server, servicer,
                                  processor_pb2.DESCRIPTOR.services_by_name["Processor"].full_name)

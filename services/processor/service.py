@@ -30,7 +30,7 @@ from services.mesh.session_client import SessionPool
 from services.mesh.session_kind import PROCESSOR_SESSION, CallInfo, call_info, final_error
 from services.mesh.session_server import SessionHub
 from services.mesh.recent_failures import RecentFailures
-from services.mesh.router_client import NoWorkerError, RouteChoice, RouterClient, RoutingError
+from services.mesh.router_client import NoWorkerError, RouteChoice, Routes, RoutingError
 from services.mesh.streams import merge
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
@@ -82,7 +82,7 @@ class ProcessorMetrics:
 
 
 class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
-    def __init__(self, config: ProcessorConfig, tokenizer: ModelTokenizer, routers: RouterClient,
+    def __init__(self, config: ProcessorConfig, tokenizer: ModelTokenizer, routers: Routes,
                  sessions: SessionPool, metrics: ProcessorMetrics, tracing: Tracing = TRACING_OFF) -> None:
         self._config = config
         self._tracing = tracing
