@@ -31,7 +31,7 @@ async def test_a_choice_resumed_with_all_its_tokens_finishes_without_a_worker() 
     items = [item async for item in choice.run(ROUTE, resumed)]
     await channels.close()
     assert isinstance(items[0], Started)
-    (delta,) = [i for i in items if isinstance(i, processor_pb2.ChoiceDelta)]
+    (delta,) = [i.delta for i in items if isinstance(i, processor_pb2.GenerateResponse)]
     assert delta.finish_reason == "length" and list(delta.token_ids) == []
     # Only text held back when the processor failed (a split character) may come now, never
     # text of the resumed tokens the client already has.

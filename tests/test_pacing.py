@@ -47,6 +47,16 @@ def test_slow_tokens_pass_one_by_one() -> None:
     assert [out.token_ids for _, out in got] == [[0], [1], [2], [3], [4]]
 
 
+def test_slow_tokens_need_no_buffering_task() -> None:
+    async def run() -> set[str]:
+        names: set[str] = set()
+        async for _ in paced(_engine(5, 0.03), 0.005):
+            names |= {t.get_name() for t in asyncio.all_tasks()}
+        return names
+
+    assert "pace engine outputs" not in asyncio.run(run())
+
+
 def test_neither_the_first_nor_the_last_tokens_wait_out_the_interval() -> None:
     """With a 10 s interval, a 3-token answer still arrives at once (in at most two messages)."""
 

@@ -66,6 +66,8 @@ class Answer:
         self.usage = processor_pb2.Usage()
         self.status = "200"
         self._closed = False
+        # Read once: every chunk of the stream asks.
+        self.include_usage = req.include_usage
 
     def close(self) -> None:
         """Ends the request once: cancels what still runs, frees its in-flight share, counts it."""
@@ -97,7 +99,7 @@ class Answer:
                     else:
                         metrics.itl.observe(now - last)
                     last = now
-                    yield msg.delta
+                    yield d
                 elif which == "usage":
                     u = self.usage
                     u.prompt_tokens += msg.usage.prompt_tokens
@@ -113,7 +115,7 @@ class Answer:
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         body = {"id": self.id, "object": self.kind.chunk_name, "created": self.created, "model": self.req.model,
                 "choices": choices}
-        if self.req.include_usage:
+        if self.include_usage:
             body["usage"] = usage
         return body
 
@@ -133,7 +135,7 @@ class Answer:
                     choice = {"index": d.index, "text": d.text, "finish_reason": d.finish_reason or None,
                               "logprobs": completion_logprobs([d]) if d.logprobs else None}
                 yield sse(self._chunk([choice]))
-            if self.req.include_usage:
+            if self.include_usage:
                 yield sse(self._chunk([], usage_body(self.usage, self.hide_details)))
         except ApiError as exc:
             exc = shown(exc, self.hide_details)

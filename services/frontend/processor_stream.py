@@ -97,9 +97,10 @@ class ProcessorStream:
         async for msg in call:
             which = msg.WhichOneof("kind")
             if which == "delta":
-                self._tokens[msg.delta.index].extend(msg.delta.token_ids)
-                if msg.delta.finish_reason:
-                    self._finished.add(msg.delta.index)
+                delta = msg.delta
+                self._tokens[delta.index].extend(delta.token_ids)
+                if delta.finish_reason:
+                    self._finished.add(delta.index)
                 yield msg
             elif which == "usage":
                 yield self._usage(msg) if self.took_over else msg

@@ -103,7 +103,8 @@ class ChoiceStream:
         self.deadline = time.monotonic() + self.limits.request_timeout_s
 
     async def run(self, first_route: RouteChoice, resumed: Sequence[int] = ()) -> AsyncIterator[object]:
-        """The choice's items: `Started` once, its deltas, then `Finished`.
+        """The choice's items: `Started` once, its deltas (each in the GenerateResponse that carries it),
+        then `Finished`.
 
         `resumed`: tokens the client already received from a processor that failed. They go
         through the detokenizer and stop strings unseen (that text was sent already), then the
@@ -117,7 +118,8 @@ class ChoiceStream:
                 # Every token was out already; only the last delta never arrived.
                 yield Started(first_route.worker_id, common_pb2.PrefillLocation(), first_route.explanation)
                 tail, _ = stopper.push(detok.flush())
-                yield processor_pb2.ChoiceDelta(index=self.index, text=tail + stopper.flush(), finish_reason="length")
+                yield processor_pb2.GenerateResponse(delta=processor_pb2.ChoiceDelta(
+                    index=self.index, text=tail + stopper.flush(), finish_reason="length"))
                 yield Finished(len(self.generated), 0)
                 return
         route: RouteChoice | None = first_route
@@ -189,10 +191,10 @@ class ChoiceStream:
                     if not self.generated:
                         self.cached_tokens = msg.cached_tokens
                     yield Started(route.worker_id, msg.prefill, route.explanation)
-                delta = self._delta(msg, detok, stopper, want_logprobs)
-                if delta is not None:
-                    yield delta
-                    if delta.finish_reason:
+                response = self._delta(msg, detok, stopper, want_logprobs)
+                if response is not None:
+                    yield response
+                    if response.delta.finish_reason:
                         return
             raise _WorkerLost(f"worker {route.worker_id} ended the stream before the choice finished")
         except CallError as exc:
@@ -209,10 +211,12 @@ class ChoiceStream:
             stream.cancel()
 
     def _delta(self, msg: worker_pb2.WorkerGenerateResponse, detok: IncrementalDetokenizer, stopper: StopStrings,
-               want_logprobs: bool) -> processor_pb2.ChoiceDelta | None:
-        """The delta of one worker message; None when it carries nothing. A delta with tokens but
-        no text yet (a character split across tokens) still goes out: the gateway keeps every
-        token it was sent, to hand the stream to another processor should this one fail."""
+               want_logprobs: bool) -> processor_pb2.GenerateResponse | None:
+        """The delta of one worker message, as the response that carries it (built in place: a
+        copy per token into a wrapper costs on every stream); None when it carries nothing. A
+        delta with tokens but no text yet (a character split across tokens) still goes out: the
+        gateway keeps every token it was sent, to hand the stream to another processor should
+        this one fail."""
         ids = list(msg.token_ids)
         self.generated.extend(ids)
         text = detok.push(ids) if ids else ""
@@ -223,13 +227,18 @@ class ChoiceStream:
         if msg.finish_reason and not stopped:
             out += stopper.flush()
             finish = msg.finish_reason
-        delta = processor_pb2.ChoiceDelta(index=self.index, text=out, token_ids=ids, finish_reason=finish)
+        if not (ids or out or finish or want_logprobs):
+            return None
+        response = processor_pb2.GenerateResponse()
+        delta = response.delta
+        delta.index = self.index
+        delta.text = out
+        delta.token_ids.extend(ids)
+        delta.finish_reason = finish
         if want_logprobs:
             delta.logprobs.extend(msg.logprobs)
             for lp in delta.logprobs:
                 for top in lp.top:
                     top.text = self.tokenizer.token_text(top.token_id)
             delta.token_texts.extend(self.tokenizer.token_text(t) for t in ids)
-        if ids or out or finish or want_logprobs:
-            return delta
-        return None
+        return response

@@ -239,8 +239,8 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         cached_tokens = 0
         announced = False
         async for item in merge(choices):
-            if isinstance(item, processor_pb2.ChoiceDelta):
-                yield processor_pb2.GenerateResponse(delta=item)
+            if isinstance(item, processor_pb2.GenerateResponse):  # a choice's delta
+                yield item
             elif isinstance(item, Started):
                 if not announced:
                     announced = True

@@ -7,7 +7,9 @@ together; a token that comes later than that goes out at once. The first output 
 delayed (it carries the time to first token), nor is the last. On a GPU a decode step takes
 longer than the default interval, so a stream of one token per step is sent token by token; a
 fast engine (or a zero-compute mocker) is sent in batches, with at most `interval` added to a
-token's latency. Interval 0 merges only what is already waiting, with no added latency.
+token's latency. Interval 0 sends every engine output as it comes. Outputs slower than the
+interval are read straight from the engine; only a stream that has something to merge pays for a
+task that buffers it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing, nullcontext
 
 from services.engines.base import EngineOutput, TokenLogprobs
 from services.mesh.tasks import cancel_and_wait
@@ -43,10 +46,35 @@ def merged(outputs: deque[EngineOutput]) -> EngineOutput:
 async def paced(outputs: AsyncIterator[EngineOutput], interval_s: float) -> AsyncGenerator[EngineOutput, None]:
     """The engine's outputs, merged so that at most one goes out per `interval_s`.
 
+    While outputs come at least `interval_s` apart (a GPU's decode steps), each goes out as it
+    comes, read straight from the engine: there is nothing to merge, and a task in between would
+    cost two task switches per token. The first output that comes early hands the stream to
+    `_pumped`, which holds it and merges what follows until the interval has passed."""
+    async with aclosing(outputs) if isinstance(outputs, AsyncGenerator) else nullcontext():
+        last_sent = float("-inf")
+        while True:
+            out = await anext(outputs, None)
+            if out is None:
+                return
+            now = time.monotonic()
+            if out.finish_reason is None and now - last_sent < interval_s:
+                async for merged_out in _pumped(outputs, interval_s, out, last_sent):
+                    yield merged_out
+                return
+            last_sent = now
+            yield out
+            if out.finish_reason is not None:
+                return
+
+
+async def _pumped(outputs: AsyncIterator[EngineOutput], interval_s: float, early: EngineOutput,
+                  last_sent: float) -> AsyncGenerator[EngineOutput, None]:
+    """Pacing for outputs that come faster than the interval, `early` first.
+
     A pump task reads the engine into a buffer (bounded by the request's max_tokens, one entry
     per engine output) so the engine never waits for the consumer; closing this generator
     cancels the pump, which ends the engine's generation (the engine aborts the request)."""
-    buffer: deque[EngineOutput] = deque()
+    buffer: deque[EngineOutput] = deque([early])
     ready = asyncio.Event()
     # Set once the engine has nothing more to give: a paced wait ends then, so the last tokens
     # are never held back.
@@ -70,7 +98,6 @@ async def paced(outputs: AsyncIterator[EngineOutput], interval_s: float) -> Asyn
             finished.set()
 
     task = asyncio.create_task(pump(), name="pace engine outputs")
-    last_sent = float("-inf")
     try:
         while True:
             if not buffer and not ended:
