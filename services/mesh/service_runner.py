@@ -141,6 +141,9 @@ class ServiceRunner:
             await self._teardown()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
+            # Frozen objects are never freed, not even at exit, where native extensions (triton's,
+            # under vLLM) then report them as leaked.
+            gc.unfreeze()
         return self.exit_code
 
     async def _beat(self) -> None:
