@@ -143,13 +143,13 @@ def replicas() -> Replicas:
     return Replicas(tokens_per_s, rps, _spread(used["frontend"]), _spread(used["processor"]))
 
 
-def _kvmesh(figures: Figures, by_service: Figures) -> None:
+def _kvmesh(figures: Figures, local: Figures) -> None:
     print("hot path: kvmesh, zero-compute mocker ...", flush=True)
     with launched_mesh("--engine", "mocker", "--speedup", "inf", "--decode-workers", "1") as mesh:
         _measure_with_cpu(mesh, figures)
-    print("hot path: kvmesh, zero-compute mocker, routing by the kv-router service ...", flush=True)
-    with launched_mesh("--engine", "mocker", "--speedup", "inf", "--decode-workers", "1", "--routing", "service") as mesh:
-        _measure_with_cpu(mesh, by_service)
+    print("hot path: kvmesh, zero-compute mocker, the processor routing in-process ...", flush=True)
+    with launched_mesh("--engine", "mocker", "--speedup", "inf", "--decode-workers", "1", "--routing", "local") as mesh:
+        _measure_with_cpu(mesh, local)
     print(f"hot path: kvmesh, {SLOW_STREAMS} streams on a {STEP_MS:.0f} ms step ...", flush=True)
     # Every stream runs at once (max-num-seqs): the engine makes SLOW_STREAMS tokens per step.
     with launched_mesh("--engine", "mocker", "--timing", "fixed-step-20ms", "--decode-workers", "1",
@@ -173,13 +173,13 @@ def _ratio(ours: float, theirs: float) -> str:
 
 
 def run(with_scale: bool = True) -> dict:
-    ours, by_service, theirs = Figures(), Figures(), Figures()
-    _kvmesh(ours, by_service)
+    ours, local, theirs = Figures(), Figures(), Figures()
+    _kvmesh(ours, local)
     _dynamo(theirs)
 
     def row(measure: str, pick: Callable[[Figures], float]) -> list[object]:
-        return [measure, pick(theirs), pick(ours), _ratio(pick(ours), pick(theirs)), pick(by_service),
-                _ratio(pick(by_service), pick(theirs))]
+        return [measure, pick(theirs), pick(ours), _ratio(pick(ours), pick(theirs)), pick(local),
+                _ratio(pick(local), pick(theirs))]
 
     nan = float("nan")
     rows = [row("streamed output tokens/s, 64 x 128", lambda f: f.tokens_per_s)]
@@ -189,8 +189,8 @@ def run(with_scale: bool = True) -> dict:
     rows.append(row("mesh CPU us per 1-token request", lambda f: f.cpu_us_per_request))
     rows.append(row("mesh CPU us per streamed token", lambda f: f.cpu_us_per_token))
     table("Hot path: kvmesh against NVIDIA Dynamo 1.6.1 (same machine, same run; ratio = kvmesh / Dynamo; "
-          "kvmesh routing in the processor (the default) and by the kv-router service (--routing service))",
-          ["measure", "Dynamo", "kvmesh", "ratio", "kvmesh, --routing service", "ratio"], rows)
+          "routing by the kv-router service (default) and inside the processor (--routing local))",
+          ["measure", "Dynamo", "kvmesh", "ratio", "kvmesh, local routing", "ratio"], rows)
     if theirs.note:
         print(f"(Dynamo: {theirs.note})")
     table("What the mesh's processes spend (kvmesh; etcd excluded), and apart the load generator's",
@@ -218,7 +218,7 @@ def run(with_scale: bool = True) -> dict:
         bar_plot("hot_path", "kvmesh relative to NVIDIA Dynamo (1.0 = equal)", ["tokens/s", "req/s c64", "req/s c16"],
                  {"kvmesh / Dynamo": [ours.tokens_per_s / theirs.tokens_per_s, ours.rps[64] / theirs.rps[64],
                                       ours.rps[16] / theirs.rps[16]]}, "ratio")
-    result = {"kvmesh": {**ours.__dict__, "slow": slow.__dict__}, "kvmesh_routing_service": by_service.__dict__,
+    result = {"kvmesh": {**ours.__dict__, "slow": slow.__dict__}, "kvmesh_local_routing": local.__dict__,
               "dynamo": theirs.__dict__, "replicas": rep.__dict__,
               **scale}
     save_json("hot_path", result)

@@ -141,9 +141,9 @@ def parse_route(header: str) -> dict[str, dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def explained(etcd: Etcd) -> Iterator[tuple[ServiceMesh, Proc, int]]:
-    """Two mocker workers behind an explaining gateway (the processor, which routes the decode pool
-    itself, logging at DEBUG), and a second gateway on the same mesh without --allow-explain."""
-    mesh = ServiceMesh(etcd.endpoint, frontend_flags=("--allow-explain",), processor_flags=("--log-level", "debug"))
+    """Two mocker workers behind an explaining gateway (the router logging at DEBUG), and a second
+    gateway on the same mesh without --allow-explain."""
+    mesh = ServiceMesh(etcd.endpoint, frontend_flags=("--allow-explain",), router_flags=("--log-level", "debug"))
     try:
         mesh.worker("--num-workers", "2")
         plain_port = free_port()
@@ -151,7 +151,7 @@ def explained(etcd: Etcd) -> Iterator[tuple[ServiceMesh, Proc, int]]:
                         "--http-port", str(plain_port), name="frontend-plain")
         mesh.procs.append(plain)
         plain.wait_for("listening on", 60)
-        yield mesh, mesh.processors[0], plain_port
+        yield mesh, mesh.procs[0], plain_port
     finally:
         mesh.stop()
 
@@ -164,7 +164,7 @@ def post(port: int, headers: dict[str, str], stream: bool = False) -> httpx.Resp
 @pytest.mark.parametrize("stream", [False, True])
 def test_an_explained_request_names_the_chosen_worker_and_the_runner_up(
         explained: tuple[ServiceMesh, Proc, int], stream: bool) -> None:
-    mesh, deciding_proc, _ = explained
+    mesh, router_proc, _ = explained
     r = post(mesh.port, {"x-kvmesh-explain": "1"}, stream)
     assert r.status_code == 200, r.text
     route = parse_route(r.headers["x-kvmesh-route"])
@@ -174,9 +174,9 @@ def test_an_explained_request_names_the_chosen_worker_and_the_runner_up(
     for terms_of in (route["chosen"], route["runner-up"]):
         assert re.fullmatch(r"\d+", terms_of["overlap"]) and re.fullmatch(r"\d+", terms_of["waiting"])
         assert 0 <= float(terms_of["usage"]) <= 1 and re.fullmatch(r"-?\d+\.\d{3}", terms_of["logit"])
-    # The process that decided logged the decision at DEBUG, with both candidates' terms.
+    # The router logged the decision at DEBUG, with both candidates' terms.
     chosen = route["chosen"]["chosen"]
-    line = deciding_proc.wait_for(rf"kv mode chose {chosen} among 2: {chosen} overlap=\d+ usage=\S+ waiting=\d+ "
+    line = router_proc.wait_for(rf"kv mode chose {chosen} among 2: {chosen} overlap=\d+ usage=\S+ waiting=\d+ "
                                 rf"logit=\S+, \w+ overlap=", 10).string
     assert re.search(r"request \w+", line)
 

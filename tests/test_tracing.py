@@ -245,8 +245,7 @@ def test_one_request_is_one_trace_across_every_service(traced_mesh: ServiceMesh,
     http = one("POST /v1/completions", "frontend")
     generate = one("generate", "processor")
     tokenize = one("tokenize", "processor")
-    # The processor routes the decode pool itself (--routing local); the prefill pool is the router's.
-    route = one("route", "processor", **{"kvmesh.route.pool": "decode-worker"})
+    route = one("route", "kv-router", **{"kvmesh.route.pool": "decode-worker"})
     decode = one("decode", "decode-worker")
     remote = one("remote prefill", "decode-worker")
     prefill_route = one("route", "kv-router", **{"kvmesh.route.pool": "prefill-worker"})
@@ -260,8 +259,7 @@ def test_one_request_is_one_trace_across_every_service(traced_mesh: ServiceMesh,
                           (remote, decode), (prefill_route, remote), (prefill, remote), (transfer, decode)]:
         assert child.parent_id == parent.span_id, f"{child.span.name} is not under {parent.span.name}"
     server, client = trace_pb2.Span.SPAN_KIND_SERVER, trace_pb2.Span.SPAN_KIND_CLIENT
-    assert [s.span.kind for s in (http, generate, decode, prefill_route, prefill)] == [server] * 5
-    assert route.span.kind == trace_pb2.Span.SPAN_KIND_INTERNAL
+    assert [s.span.kind for s in (http, generate, route, decode, prefill_route, prefill)] == [server] * 6
     assert remote.span.kind == client
 
     # What the spans say: where the request ran and why, and what crossed the wire.

@@ -7,7 +7,7 @@ import argparse
 from services.mesh.flags import non_negative_int, positive_float, positive_int
 from services.processor.service import ProcessorConfig
 
-ROUTING = ("local", "service")
+ROUTING = ("service", "local")
 
 
 def add_processor_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -19,8 +19,8 @@ def add_processor_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
                    help="times a request may move to another decode worker after its first token (0 = off)")
     g.add_argument("--default-max-tokens", type=positive_int, default=ProcessorConfig.default_max_tokens,
                    help="max_tokens of a request that sets none (the context's room left, if less)")
-    g.add_argument("--routing", choices=ROUTING, default="local",
-                   help="local: keep the decode pool's index in this process, fed by the workers' KV event and "
-                        "load streams, and route without a hop (the routing flags apply); service: ask the "
-                        "kv-router service (one router sees every processor's dispatches)")
+    g.add_argument("--routing", choices=ROUTING, default="service",
+                   help="service: ask the kv-router service (one router sees every processor's dispatches); "
+                        "local: keep the decode pool's index in this process and route without a hop "
+                        "(the routing flags apply)")
     return g
