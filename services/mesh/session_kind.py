@@ -54,9 +54,6 @@ class CallError(Exception):
         self.message = message
         self.final = final
 
-    def details(self) -> str:
-        return self.message
-
     def to_end(self, stream_id: int) -> common_pb2.StreamEnd:
         return common_pb2.StreamEnd(stream_id=stream_id, code=self.code.value[0], message=self.message,
                                     final=self.final)

@@ -50,10 +50,6 @@ class SessionHub:
         self._sessions: set[_ServerSession] = set()
         self.draining = False
 
-    @property
-    def open_calls(self) -> int:
-        return sum(len(s.calls) for s in self._sessions)
-
     async def serve(self, frames: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
         """The body of the service's `Session` method."""
         session = _ServerSession(self, context)
