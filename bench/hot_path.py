@@ -107,21 +107,16 @@ def _record_levels(figures: Figures, levels: dict[int, Level]) -> None:
 def _measure_with_cpu(mesh: LaunchedMesh, figures: Figures) -> None:
     """`measure`, with the CPU the mesh's processes spend per streamed token (every round, warm-up
     included) and per 1-token request at concurrency 64 (its warm-up included)."""
-    pids = [pid for name, pid in mesh.children if name != "etcd"]
-
-    def used() -> float:
-        return sum(cpu_seconds(pid) for pid in pids)
-
-    before, client = used(), time.process_time()
+    before, client = mesh.cpu(), time.process_time()
     figures.tokens_per_s = asyncio.run(streamed_tokens_per_s(mesh.base, "kvmesh-demo"))
     tokens = STREAM_ROUNDS * STREAMS * STREAM_TOKENS + 8
-    figures.cpu_us_per_token = (used() - before) / tokens * 1e6
+    figures.cpu_us_per_token = (mesh.cpu() - before) / tokens * 1e6
     figures.client_cpu_us_per_token = (time.process_time() - client) / tokens * 1e6
-    before, client = used(), time.process_time()
+    before, client = mesh.cpu(), time.process_time()
     first, *rest = RPS_LEVELS.items()
     levels = asyncio.run(one_token_levels(mesh.base, "kvmesh-demo", dict([first])))
     requests = levels[first[0]].requests + WARM_UP_REQUESTS
-    figures.cpu_us_per_request = (used() - before) / requests * 1e6
+    figures.cpu_us_per_request = (mesh.cpu() - before) / requests * 1e6
     figures.client_cpu_us_per_request = (time.process_time() - client) / requests * 1e6
     levels |= asyncio.run(one_token_levels(mesh.base, "kvmesh-demo", dict(rest), warm_up=0))
     _record_levels(figures, levels)

@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.mesh_overhead import drive
-from bench.mesh_process import LaunchedMesh, cpu_seconds, launched_mesh
+from bench.mesh_process import LaunchedMesh, launched_mesh
 from bench.report import table
 from bench.stream_load import StreamLoad, stream_load
 from services.tools.make_demo_model import DemoModelSpec, ensure_demo_model
@@ -90,11 +90,7 @@ def long_prompts(processors: int, text: str) -> LongPrompts:
 
 def _cpu(mesh: LaunchedMesh) -> dict[str, float]:
     """CPU seconds so far per component (replicas summed), and the load generator's as "client"."""
-    out: dict[str, float] = {"client": time.process_time()}
-    for name, pid in mesh.children:
-        if name != "etcd":
-            out[name] = out.get(name, 0.0) + cpu_seconds(pid)
-    return out
+    return {"client": time.process_time(), **mesh.cpu_by_component()}
 
 
 def run_scale() -> dict:

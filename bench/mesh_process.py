@@ -24,6 +24,18 @@ class LaunchedMesh:
     def pids(self, component: str) -> list[int]:
         return [pid for name, pid in self.children if name == component]
 
+    def cpu_by_component(self) -> dict[str, float]:
+        """CPU seconds so far of each component's processes (replicas summed), etcd left out."""
+        out: dict[str, float] = {}
+        for name, pid in self.children:
+            if name != "etcd":
+                out[name] = out.get(name, 0.0) + cpu_seconds(pid)
+        return out
+
+    def cpu(self) -> float:
+        """CPU seconds so far of all the mesh's processes, etcd left out."""
+        return sum(self.cpu_by_component().values())
+
 
 @contextmanager
 def launched_mesh(*flags: str, timeout_s: float = 180) -> Iterator[LaunchedMesh]:

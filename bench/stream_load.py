@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import aiohttp
 import msgspec
 
-from bench.mesh_process import LaunchedMesh, cpu_seconds
+from bench.mesh_process import LaunchedMesh
 from bench.report import median, percentile
 
 PROMPT = "The router keeps a tree of the cached blocks of every worker."
@@ -77,12 +77,11 @@ def stream_load(mesh: LaunchedMesh, model: str, streams: int, tokens: int, all_s
     """`all_started`: ITL from the gaps after every stream has its first token (the steady state);
     otherwise from each stream's gaps after its own first token (for loads whose ramp-up lasts
     longer than a stream)."""
-    pids = [pid for name, pid in mesh.children if name != "etcd"]
-    mesh_before = sum(cpu_seconds(pid) for pid in pids)
+    mesh_before = mesh.cpu()
     client_before = time.process_time()
     results = asyncio.run(_run(mesh.base, model, streams, tokens))
     client_cpu = time.process_time() - client_before
-    mesh_cpu = sum(cpu_seconds(pid) for pid in pids) - mesh_before
+    mesh_cpu = mesh.cpu() - mesh_before
     delivered = sum(t for t, _, _ in results)
     if delivered != streams * tokens:
         raise RuntimeError(f"expected {streams * tokens} tokens, usage says {delivered}")

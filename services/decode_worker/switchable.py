@@ -14,7 +14,7 @@ import grpc
 from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.decode_worker.service import DecodeServicer
 from services.engines.base import Engine
-from services.mesh.grpc_server import ServiceBinding
+from services.mesh.grpc_server import ServiceBinding, abort_with
 from services.mesh.session_kind import WORKER_SESSION, CallError, CallInfo
 from services.mesh.session_server import SessionHub
 from services.prefill_worker.servicer import PREFILLER_SERVICE, PrefillServicer
@@ -53,8 +53,7 @@ class _GatedPrefill(PrefillServicer):
             async with self.switch.work("prefill"):
                 return await super().Prefill(request, context)
         except CallError as exc:
-            await context.abort(exc.code, exc.message)
-            raise AssertionError("abort raises") from None
+            await abort_with(context, exc)
 
 
 def switchable_services(decode: DecodeServicer, engine: Engine, ctx: WorkerContext) -> WorkerServices:

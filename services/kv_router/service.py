@@ -33,7 +33,7 @@ from services.kv_router.pickers import PickContext, make_picker
 from services.kv_router.worker_pool import WorkerPool
 from services.mesh.flags import ConfigError
 from services.mesh.hashing import local_block_hashes
-from services.mesh.grpc_server import as_unary_rpc
+from services.mesh.grpc_server import abort_with, as_unary_rpc
 from services.mesh.session_kind import ROUTER_SESSION, CallError, CallInfo, call_info, final_error
 from services.mesh.session_server import SessionHub
 from services.mesh.tracing import TRACING_OFF, Tracing
@@ -158,8 +158,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             pool = self._pool(request.role)
         except CallError as exc:
-            await context.abort(exc.code, exc.message)
-            raise AssertionError("abort raises") from None
+            await abort_with(context, exc)
         serving = {w.info.instance_id for w in pool.candidates(request.model)}
         block_size = pool.block_size(request.model)
         if block_size is None:

@@ -83,14 +83,20 @@ def is_final(exc: grpc.aio.AioRpcError) -> bool:
     return any(key == FINAL_ERROR_KEY for key, _ in (exc.trailing_metadata() or ()))
 
 
+async def abort_with(context: grpc.aio.ServicerContext, exc: CallError) -> NoReturn:
+    """Ends a per-request RPC with a `CallError`'s status (final ones marked with FINAL_ERROR_KEY)."""
+    await context.abort(exc.code, exc.message, trailing_metadata=((FINAL_ERROR_KEY, "1"),) if exc.final else ())
+    raise AssertionError("abort raises")
+
+
 async def as_rpc(context: grpc.aio.ServicerContext, responses: AsyncIterator[T]) -> AsyncIterator[T]:
     """A session handler's responses as a per-request streaming RPC: a `CallError` becomes the
-    call's status (final ones marked with FINAL_ERROR_KEY)."""
+    call's status."""
     try:
         async for response in responses:
             yield response
     except CallError as exc:
-        await context.abort(exc.code, exc.message, trailing_metadata=((FINAL_ERROR_KEY, "1"),) if exc.final else ())
+        await abort_with(context, exc)
 
 
 async def as_unary_rpc(context: grpc.aio.ServicerContext, responses: AsyncIterator[T]) -> T:

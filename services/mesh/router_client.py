@@ -58,6 +58,11 @@ class RouteChoice:
     # Why this worker: set when the call asked to `explain`.
     explanation: common_pb2.RouteExplanation | None = None
 
+    @classmethod
+    def of(cls, reply: router_pb2.RouteResponse) -> RouteChoice:
+        return cls(reply.worker_id, reply.address, reply.overlap_blocks, reply.prefix_hit_rate, reply.pool_waiting,
+                   reply.explanation if reply.HasField("explanation") else None)
+
 
 class Members(Protocol):
     """The live instances of one component (a `ComponentView`)."""
@@ -107,6 +112,5 @@ class RouterClient:
                 log.debug("request %s: router %s could not answer (%s); trying the next", request_id,
                           router.instance_id, exc.code.name)
                 continue
-            return RouteChoice(reply.worker_id, reply.address, reply.overlap_blocks, reply.prefix_hit_rate,
-                               reply.pool_waiting, reply.explanation if reply.HasField("explanation") else None)
+            return RouteChoice.of(reply)
         raise RoutingUnavailable("routing failed: " + "; ".join(failures))

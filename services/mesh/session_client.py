@@ -182,21 +182,23 @@ class Session:
             self._cancelled.append(sid)
             self._wake.set()
 
+    def _fail(self, stream: SessionStream, error: CallError) -> None:
+        """Ends a call here and at the peer, dropping what it had not read: nobody will."""
+        self.buffered -= stream._drop_buffered()
+        stream._finish(error)
+        self._cancel(stream.stream_id)
+
     def _expire(self, stream: SessionStream, timeout_s: float) -> None:
         if not stream._ended:
-            self.buffered -= stream._drop_buffered()
-            stream._finish(CallError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                     f"no answer from {self.address} within the call's {timeout_s:.1f}s deadline"))
-            self._cancel(stream.stream_id)
+            self._fail(stream, CallError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                         f"no answer from {self.address} within the call's {timeout_s:.1f}s deadline"))
 
     def _overflow(self, stream: SessionStream) -> None:
-        unread = stream._drop_buffered()
-        self.buffered -= unread
+        unread = len(stream._items)
         log.warning("%s session to %s: call %d failed, %d responses unread", self.kind.name, self.address,
                     stream.stream_id, unread)
-        stream._finish(CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                 f"the response is read too slowly ({unread} messages waited unread)", final=True))
-        self._cancel(stream.stream_id)
+        self._fail(stream, CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     f"the response is read too slowly ({unread} messages waited unread)", final=True))
 
     def _break(self, code: grpc.StatusCode, message: str) -> None:
         """The session is over: every call still open fails (never final: the caller may retry)."""

@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from gen.kvmesh.v1 import common_pb2
-from services.mesh.session_kind import OK, CallError, CallInfo, SessionKind
+from services.mesh.session_kind import OK, CallError, CallInfo, SessionKind, final_error
 
 log = logging.getLogger(__name__)
 
@@ -99,27 +99,22 @@ class _ServerSession:
             for call in frame.calls:
                 self._open(call)
             for stream_id in frame.cancel:
-                task = self.calls.pop(stream_id, None)
+                task = self._forget(stream_id)
                 if task is not None:
                     task.cancel()
-                    timer = self._timers.pop(stream_id, None)
-                    if timer is not None:
-                        timer.cancel()
             if self._closing:
                 return
 
     def _open(self, call: Any) -> None:
         sid = call.stream_id
         if self.hub.draining:
-            self._end(common_pb2.StreamEnd(stream_id=sid, code=grpc.StatusCode.UNAVAILABLE.value[0],
-                                           message="the server is draining"))
+            self._end(CallError(grpc.StatusCode.UNAVAILABLE, "the server is draining").to_end(sid))
             self.maybe_close()
         elif len(self.calls) >= self.hub._max_calls:
-            self._end(common_pb2.StreamEnd(stream_id=sid, code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-                                           message=f"{len(self.calls)} calls already open on this session"))
+            self._end(CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{len(self.calls)} calls already open on this session").to_end(sid))
         elif sid in self.calls:
-            self._end(common_pb2.StreamEnd(stream_id=sid, code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                                           message=f"stream id {sid} is already open", final=True))
+            self._end(final_error(grpc.StatusCode.INVALID_ARGUMENT, f"stream id {sid} is already open").to_end(sid))
         else:
             self.calls[sid] = asyncio.create_task(self._serve_call(sid, call.request, dict(call.metadata)))
             if call.timeout_ms:
@@ -127,13 +122,19 @@ class _ServerSession:
                 self._timers[sid] = asyncio.get_running_loop().call_later(call.timeout_ms / 1000, self._expire, sid,
                                                                           call.timeout_ms)
 
+    def _forget(self, sid: int) -> asyncio.Task[None] | None:
+        """Drops a call and its deadline timer; returns its task, if it was still open."""
+        timer = self._timers.pop(sid, None)
+        if timer is not None:
+            timer.cancel()
+        return self.calls.pop(sid, None)
+
     def _expire(self, sid: int, timeout_ms: int) -> None:
-        self._timers.pop(sid, None)
-        task = self.calls.pop(sid, None)
+        task = self._forget(sid)
         if task is not None:
             task.cancel()
-            self._end(common_pb2.StreamEnd(stream_id=sid, code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
-                                           message=f"the call took longer than its {timeout_ms / 1000:.1f}s deadline"))
+            self._end(CallError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"the call took longer than its {timeout_ms / 1000:.1f}s deadline").to_end(sid))
 
     async def _serve_call(self, sid: int, request: Any, metadata: dict[str, str]) -> None:
         try:
@@ -144,15 +145,11 @@ class _ServerSession:
             end = exc.to_end(sid)
         except Exception as exc:  # noqa: BLE001 - a bug in one call must not end the others
             log.exception("%s session: call %d failed", self.hub.kind.name, sid)
-            end = common_pb2.StreamEnd(stream_id=sid, code=grpc.StatusCode.UNKNOWN.value[0],
-                                       message=f"{type(exc).__name__}: {exc}")
+            end = CallError(grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}").to_end(sid)
         finally:
             # Cancelled (by the caller, the session's end, or the deadline, which ends the call
             # itself): no end from here.
-            self.calls.pop(sid, None)
-            timer = self._timers.pop(sid, None)
-            if timer is not None:
-                timer.cancel()
+            self._forget(sid)
         self._end(end)
         self.maybe_close()
 

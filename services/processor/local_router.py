@@ -42,5 +42,4 @@ class LocalRouter:
             if exc.code == grpc.StatusCode.NOT_FOUND:
                 raise NoWorkerError(exc.message) from exc
             raise RoutingUnavailable(f"local routing failed: {exc.code.name} {exc.message}") from exc
-        return RouteChoice(reply.worker_id, reply.address, reply.overlap_blocks, reply.prefix_hit_rate,
-                           reply.pool_waiting, reply.explanation if reply.HasField("explanation") else None)
+        return RouteChoice.of(reply)
