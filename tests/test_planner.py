@@ -106,7 +106,9 @@ def test_local_planner_grows_the_prefill_pool_under_a_burst_and_shrinks_it_after
             statuses = load.result()
         assert grew, f"the prefill pool never grew: {mesh.launcher.tail()}"
         assert statuses and all(s == 200 for s in statuses), statuses
-        assert planner_metric(mesh, "kvmesh_planner_scale_events_total", role="prefill", direction="up") >= 1
+        # Counted when the launcher answers the start, which is just after the worker registers.
+        assert wait_until(lambda: planner_metric(mesh, "kvmesh_planner_scale_events_total", role="prefill",
+                                                 direction="up") >= 1, 30, interval_s=0.5)
         assert wait_until(lambda: pools(mesh) == (1, 1), 60, interval_s=0.5), f"never shrank back: {pools(mesh)}"
         # Counted once the stopped workers' processes have exited (after their drain).
         assert wait_until(lambda: planner_metric(mesh, "kvmesh_planner_scale_events_total", role="prefill",
