@@ -33,9 +33,9 @@ def test_token_by_token_streaming_never_shows_replacement_chars(tokenizer: Model
 
 
 def test_chat_template_wraps_messages_and_adds_the_assistant_turn(tokenizer: ModelTokenizer) -> None:
-    from services.processor.tokenizer import ChatTurn
+    from services.processor.chat_render import ChatPrompt
 
-    ids = tokenizer.encode_chat([ChatTurn("user", "hello")])
+    ids = tokenizer.encode_chat(ChatPrompt([{"role": "user", "content": "hello"}]))
     text = tokenizer._hf.decode(ids)
     assert text.startswith("<|begin_of_text|><|im_start|>user\nhello<|im_end|>")
     assert text.endswith("<|im_start|>assistant\n")

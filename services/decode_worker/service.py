@@ -19,12 +19,11 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
 
-import grpc
 
 from gen.kvmesh.v1 import worker_pb2
 from services.decode_worker.remote_prefill import DisaggMetrics, RemotePrefill, RemotePrefiller
 from services.engines.base import Engine
-from services.mesh.session_kind import CallInfo, final_error
+from services.mesh.session_kind import CallInfo
 from services.mesh.tasks import cancel_and_wait
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
@@ -35,6 +34,7 @@ from services.worker.servicer import (
     LOCAL_PREFILL,
     WorkerServicer,
     generate_attributes,
+    refused,
     remote_prefill,
     request_from_proto,
 )
@@ -71,7 +71,7 @@ class DecodeServicer(WorkerServicer):
                 async for msg in self._generate(request):
                     yield msg
             except ValueError as exc:
-                raise final_error(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+                raise refused(exc) from exc
 
     async def _generate(self, request: worker_pb2.WorkerGenerateRequest) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         rid = request.request_id

@@ -13,6 +13,17 @@ from services.mesh.hashing import LocalBlockHash, SequenceHash
 
 
 @dataclass(frozen=True, slots=True)
+class Structured:
+    """A constraint on the output: `kind` is json (a schema as JSON text), json_object, regex,
+    choice or grammar; `param` the request field it came from, for a refusal to name."""
+
+    kind: str
+    value: str | tuple[str, ...] | None = None
+    disable_any_whitespace: bool = False
+    param: str = "structured_outputs"
+
+
+@dataclass(frozen=True, slots=True)
 class Sampling:
     max_tokens: int = 16
     temperature: float | None = None
@@ -23,6 +34,31 @@ class Sampling:
     min_tokens: int = 0
     logprobs: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    bad_words: tuple[str, ...] = ()
+    structured: Structured | None = None
+
+    def shaping_fields(self) -> list[str]:
+        """The set fields that reshape the token distribution (penalties, biases, constraints),
+        by their API names: what an engine that does not sample from a distribution cannot honour."""
+        named = [name for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+                 if getattr(self, name) is not None]
+        named += [name for name in ("logit_bias", "bad_words") if getattr(self, name)]
+        if self.structured is not None:
+            named.append(self.structured.param)
+        return named
+
+
+class UnsupportedFieldError(ValueError):
+    """The engine cannot honour a request field; `param` names it (the HTTP error's `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True, slots=True)

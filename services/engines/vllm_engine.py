@@ -21,7 +21,10 @@ from services.engines.base import (
     EngineRequest,
     LoadSnapshot,
     PrefillResult,
+    Sampling,
+    Structured,
     TokenLogprobs,
+    UnsupportedFieldError,
 )
 from services.engines.mocker.engine import read_model_facts
 from services.engines.vllm_kv_events import VllmKvEventListener
@@ -184,10 +187,17 @@ class VllmEngine(Engine):
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
         )
-        for name in ("temperature", "top_p", "top_k", "seed", "logprobs"):
+        for name in ("temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "min_p"):
             value = getattr(s, name)
             if value is not None:
                 kwargs[name] = value
+        if s.logit_bias:
+            kwargs["logit_bias"] = dict(s.logit_bias)
+        if s.bad_words:
+            kwargs["bad_words"] = list(s.bad_words)
+        if s.structured is not None:
+            kwargs["structured_outputs"] = _structured_outputs(s.structured)
         if extra_args:
             kwargs["extra_args"] = extra_args
         return SamplingParams(**kwargs)
@@ -223,9 +233,10 @@ class VllmEngine(Engine):
             try:
                 first = await anext(stream)
             except VLLMClientError as exc:
-                # vLLM refused the request itself (a token out of vocabulary, ...): the Engine
-                # interface says ValueError, which workers answer with INVALID_ARGUMENT.
-                raise ValueError(str(exc)) from exc
+                # vLLM refused the request itself (a token out of vocabulary, a schema its grammar
+                # backend cannot compile, ...): the Engine interface says ValueError, which
+                # workers answer with INVALID_ARGUMENT, naming the field when vLLM names one.
+                raise UnsupportedFieldError(_param_of(exc, request.sampling), str(exc)) from exc
             except StopAsyncIteration:
                 return
             async for out in _prepend(first, stream):
@@ -239,6 +250,24 @@ class VllmEngine(Engine):
                 if keep_params and out.kv_transfer_params:
                     result.kv_transfer = dict(out.kv_transfer_params)
                 yield result
+
+
+def _structured_outputs(spec: Structured) -> Any:
+    from vllm.sampling_params import StructuredOutputsParams
+
+    field = {"json": "json", "json_object": "json_object", "regex": "regex", "choice": "choice",
+             "grammar": "grammar"}[spec.kind]
+    value: Any = True if spec.kind == "json_object" else list(spec.value or ()) if spec.kind == "choice" else spec.value
+    return StructuredOutputsParams(**{field: value}, disable_any_whitespace=spec.disable_any_whitespace)
+
+
+def _param_of(exc: Exception, sampling: Sampling) -> str:
+    """The request field a vLLM refusal names, in the API's terms: a constraint error names
+    the field the constraint came from."""
+    param = str(getattr(exc, "parameter", None) or "")
+    if sampling.structured is not None and ("structured" in param or "guided" in param or "grammar" in str(exc)):
+        return sampling.structured.param
+    return param
 
 
 async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:

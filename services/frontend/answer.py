@@ -25,6 +25,7 @@ from services.frontend.processor_stream import ProcessorStream
 from services.frontend.responses import (
     SSE_DONE,
     ChoiceAccumulator,
+    add_agent_delta,
     chat_logprobs,
     completion_logprobs,
     sse,
@@ -91,7 +92,7 @@ class Answer:
                 which = msg.WhichOneof("kind")
                 if which == "delta":
                     d = msg.delta
-                    if not (d.text or d.finish_reason or d.logprobs):
+                    if not (d.text or d.finish_reason or d.logprobs or d.reasoning or d.tool_calls):
                         continue  # tokens still forming a character: nothing to show yet
                     now = time.perf_counter()
                     if last is None:
@@ -126,6 +127,8 @@ class Answer:
             async for d in self._items():
                 if is_chat:
                     delta: dict = {"content": d.text}
+                    if d.reasoning or d.tool_calls:
+                        add_agent_delta(delta, d)
                     if d.index not in opened:
                         opened.add(d.index)
                         delta["role"] = "assistant"
@@ -147,6 +150,8 @@ class Answer:
         async for d in self._items():
             acc = choices.setdefault(d.index, ChoiceAccumulator())
             acc.text.append(d.text)
+            if d.reasoning or d.tool_calls:
+                acc.add_agent_parts(d)
             if d.logprobs:
                 acc.tokens.append(d)
             if d.finish_reason:
@@ -156,7 +161,7 @@ class Answer:
             acc = choices[index]
             text = "".join(acc.text)
             if self.kind is CHAT:
-                out.append({"index": index, "message": {"role": "assistant", "content": text},
+                out.append({"index": index, "message": acc.message(text),
                             "logprobs": chat_logprobs(acc.tokens) if self.req.logprobs else None,
                             "finish_reason": acc.finish_reason})
             else:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from gen.kvmesh.v1 import common_pb2, processor_pb2
-from services.frontend.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from services.frontend.agent_schemas import structured_from_format, structured_from_vllm, tool_choice_of
+from services.frontend.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest, GenerationRequest
 
 # The smallest positive float32: a smaller top_p would reach the engine as 0 (invalid) though
 # it means what this means, "the most likely token only".
@@ -31,9 +33,7 @@ def processor_requests(rid: str, req: GenerationRequest, explain: bool = False) 
     sampling = _sampling(req)
     if isinstance(req, ChatCompletionRequest):
         msg = _request(rid, req, sampling, 0, explain)
-        msg.chat.add_generation_prompt = True
-        msg.chat.messages.extend(processor_pb2.ChatMessage(role=m.role, content=m.text(), name=m.name or "")
-                                 for m in req.messages)
+        _chat_input(req, msg.chat)
         return [msg]
     assert isinstance(req, CompletionRequest)
     out = []
@@ -45,6 +45,29 @@ def processor_requests(rid: str, req: GenerationRequest, explain: bool = False) 
         else:
             msg.tokens.ids.extend(prompt)
         out.append(msg)
+    return out
+
+
+def _chat_input(req: ChatCompletionRequest, chat: processor_pb2.ChatInput) -> None:
+    chat.add_generation_prompt = req.add_generation_prompt
+    chat.continue_final_message = req.continue_final_message
+    chat.messages.extend(_message(m) for m in req.messages)
+    if req.tools:
+        chat.tools_json = json.dumps([t.model_dump(by_alias=True, exclude_none=True) for t in req.tools])
+        chat.tool_choice.CopyFrom(tool_choice_of(req.tool_choice, req.parallel_tool_calls))
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    if kwargs:
+        chat.template_kwargs_json = json.dumps(kwargs)
+
+
+def _message(m: ChatMessageIn) -> processor_pb2.ChatMessage:
+    out = processor_pb2.ChatMessage(role=m.role, content=m.text(), name=m.name or "", no_content=m.content is None,
+                                    tool_call_id=m.tool_call_id or "",
+                                    reasoning=m.reasoning_content or m.reasoning or "")
+    if m.tool_calls:
+        out.tool_calls_json = json.dumps([c.model_dump() for c in m.tool_calls])
     return out
 
 
@@ -70,4 +93,16 @@ def _sampling(req: GenerationRequest) -> common_pb2.SamplingParams:
     k = req.logprobs_k()
     if k is not None:
         sampling.logprobs = k
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+        value = getattr(req, name)
+        if value is not None:
+            setattr(sampling, name, value)
+    for token, bias in (req.logit_bias or {}).items():
+        sampling.logit_bias[int(token)] = bias
+    sampling.stop_token_ids.extend(req.stop_token_ids or ())
+    sampling.bad_words.extend(req.bad_words or ())
+    structured = (structured_from_vllm(req.structured_outputs) if req.structured_outputs is not None
+                  else structured_from_format(req.response_format) if req.response_format is not None else None)
+    if structured is not None:
+        sampling.structured.CopyFrom(structured)
     return sampling

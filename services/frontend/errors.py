@@ -69,7 +69,7 @@ _GRPC_TO_HTTP = {
 
 def from_grpc(exc: CallError) -> ApiError:
     status, code = _GRPC_TO_HTTP.get(exc.code, (500, "internal_error"))
-    return ApiError(status, exc.message or exc.code.name, code=code)
+    return ApiError(status, exc.message or exc.code.name, param=exc.param or None, code=code)
 
 
 def shown(exc: ApiError, hide_internals: bool) -> ApiError:

@@ -16,6 +16,55 @@ class ChoiceAccumulator:
     text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     tokens: list[processor_pb2.ChoiceDelta] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    # Tool calls by index: id, name and the arguments' pieces.
+    calls: dict[int, tuple[str, str, list[str]]] = field(default_factory=dict)
+
+    def add_agent_parts(self, d: processor_pb2.ChoiceDelta) -> None:
+        self.reasoning.append(d.reasoning)
+        for c in d.tool_calls:
+            call_id, name, args = self.calls.setdefault(c.index, (c.id, c.name, []))
+            self.calls[c.index] = (call_id or c.id, name or c.name, args)
+            args.append(c.arguments)
+
+    def message(self, text: str) -> dict:
+        """The chat message: content (None when the model only called tools), its reasoning and
+        tool calls when it has them."""
+        message: dict = {"role": "assistant", "content": text if text or not self.calls else None}
+        reasoning = "".join(self.reasoning)
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if self.calls:
+            message["tool_calls"] = [tool_call(call_id, name, "".join(args))
+                                     for call_id, name, args in (self.calls[i] for i in sorted(self.calls))]
+        return message
+
+
+def tool_call(call_id: str, name: str, arguments: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def add_agent_delta(delta: dict, d: processor_pb2.ChoiceDelta) -> None:
+    """A streamed chat delta's reasoning and tool calls, in OpenAI's shape: a call's id, type and
+    name on its first piece, its arguments in pieces."""
+    if d.reasoning:
+        delta["reasoning_content"] = d.reasoning
+    if d.tool_calls:
+        delta["tool_calls"] = [_call_delta(c) for c in d.tool_calls]
+    if not d.text:
+        delta["content"] = None
+
+
+def _call_delta(c: processor_pb2.ToolCallDelta) -> dict:
+    out: dict = {"index": c.index}
+    if c.id:
+        out["id"] = c.id
+        out["type"] = "function"
+    function: dict = {"arguments": c.arguments}
+    if c.name:
+        function["name"] = c.name
+    out["function"] = function
+    return out
 
 
 def usage_body(usage: processor_pb2.Usage, hide_cached: bool = False) -> dict:

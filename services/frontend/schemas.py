@@ -1,6 +1,7 @@
 """Request bodies of the OpenAI API, validated strictly but accepting what official clients send.
 
-Unknown fields are accepted and ignored (clients send `user`, `logit_bias`, ...); known fields
+OpenAI fields the mesh does not implement are refused by name (agent_schemas.REFUSED); fields
+nobody defined are accepted and ignored (clients send `user`, `metadata`, ...); known fields
 must have the right JSON type (strict mode: "5" is not an integer, `true` is not 1; 16.0 is the
 integer 16, as in JSON Schema) and a value that fits where it goes: every number is bounded by
 the protobuf field that carries it (uint32 token counts and ids, int32 top_k, int64 seed), floats
@@ -10,11 +11,21 @@ further in.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails
 
+from services.frontend.agent_schemas import (
+    REFUSED,
+    Bias,
+    NamedToolChoice,
+    Penalty,
+    ResponseFormat,
+    StructuredOutputsIn,
+    Tool,
+    ToolChoiceIn,
+)
 from services.frontend.errors import ApiError
 from services.processor.validation import INT64_MAX, MAX_LOGPROBS, MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, UINT32_MAX
 
@@ -64,10 +75,28 @@ class TextPart(_Strict):
     text: Text
 
 
+class CalledFunction(_Strict):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: Text
+    arguments: Text
+
+
+class ToolCallIn(_Strict):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: Text
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessageIn(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: Text | None = None
+    # An earlier answer's reasoning, for templates that render it (vLLM's name, and the newer one).
+    reasoning_content: Text | None = None
+    reasoning: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -90,6 +119,17 @@ class GenerationRequest(_Strict):
     min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX), Integral] = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    # Token id (as a JSON object key) -> bias.
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], Bias] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=256)] | None = None
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
+                         Field(max_length=256)] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsIn | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -114,6 +154,16 @@ class GenerationRequest(_Strict):
 
     def check_combined(self) -> None:
         """Rules across fields (pydantic names no single field for them): 400 naming the later one."""
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
+            raise _invalid("response_format.json_schema", "response_format of type json_schema needs `json_schema`")
+        if self.structured_outputs is not None:
+            kinds = self.structured_outputs.kinds()
+            if len(kinds) != 1:
+                raise _invalid("structured_outputs", f"structured_outputs needs exactly one of json, regex, choice, "
+                                                     f"grammar, json_object; got {kinds or 'none'}")
+            if fmt is not None and fmt.type != "text":
+                raise _invalid("structured_outputs", "send either response_format or structured_outputs, not both")
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -121,10 +171,41 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), Integral] | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: ToolChoiceIn | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # For reasoning models whose template takes it (passed to the template like chat_template_kwargs).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
     def check_combined(self) -> None:
+        super().check_combined()
         if self.top_logprobs and not self.logprobs:
             raise _invalid("top_logprobs", "top_logprobs requires logprobs to be true")
+        self._check_tools()
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise _invalid("continue_final_message", "continue_final_message needs add_generation_prompt: false")
+            if self.messages[-1].role != "assistant":
+                raise _invalid("continue_final_message", "continue_final_message needs a last assistant message")
+
+    def _check_tools(self) -> None:
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise _invalid("tool_choice", "tool_choice requires `tools`")
+        if isinstance(choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools or []}
+            if choice.function.name not in names:
+                raise _invalid("tool_choice", f"tool_choice names {choice.function.name!r}, which is not in `tools`")
+        if self.forces_tool_call() and (self.structured_outputs is not None or
+                                        (self.response_format is not None and self.response_format.type != "text")):
+            raise _invalid("tool_choice", "a required or named tool_choice cannot be combined with response_format "
+                                          "or structured_outputs: the tool's schema constrains the output")
+
+    def forces_tool_call(self) -> bool:
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -173,6 +254,7 @@ def parse(model: type[GenerationRequest], body: object) -> GenerationRequest:
     """The validated request, or a 400 naming the first offending field (`param`)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    refuse_unsupported(body)
     try:
         req = model.model_validate(body)
     except ValidationError as exc:
@@ -181,6 +263,22 @@ def parse(model: type[GenerationRequest], body: object) -> GenerationRequest:
         raise _invalid(param, f"invalid field {param}: {error['msg']}") from None
     req.check_combined()
     return req
+
+
+def refuse_unsupported(body: dict) -> None:
+    """A 400 naming an OpenAI field the mesh cannot honour (REFUSED), or a non-text content part:
+    checked before validation, so the error names the real cause, not a missing `text`."""
+    for name, (reason, refuses) in REFUSED.items():
+        if name in body and (refuses is None or refuses(body[name])):
+            raise ApiError(400, reason, param=name, code="unsupported_parameter")
+    messages = body.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else ()):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ApiError(400, f"content parts of type {kind[:40]!r} are not supported: this model takes text "
+                                    f"only", param=f"messages.{i}.content.{j}", code="unsupported_content")
 
 
 def _invalid(param: str | None, message: str) -> ApiError:

@@ -71,6 +71,8 @@ async def start_server(
 # can take it"), as opposed to one from a process that died or a connection that broke: a
 # caller must not try the same request on another instance.
 FINAL_ERROR_KEY = "kvmesh-final-error"
+# A refused request's field at fault (CallError.param) on a per-request RPC.
+PARAM_KEY = "kvmesh-param"
 
 
 async def abort_final(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
@@ -85,7 +87,10 @@ def is_final(exc: grpc.aio.AioRpcError) -> bool:
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: CallError) -> NoReturn:
     """Ends a per-request RPC with a `CallError`'s status (final ones marked with FINAL_ERROR_KEY)."""
-    await context.abort(exc.code, exc.message, trailing_metadata=((FINAL_ERROR_KEY, "1"),) if exc.final else ())
+    trailers: tuple[tuple[str, str], ...] = ((FINAL_ERROR_KEY, "1"),) if exc.final else ()
+    if exc.param:
+        trailers += ((PARAM_KEY, exc.param),)
+    await context.abort(exc.code, exc.message, trailing_metadata=trailers)
     raise AssertionError("abort raises")
 
 

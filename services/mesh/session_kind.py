@@ -46,25 +46,27 @@ class SessionKind:
 class CallError(Exception):
     """A call on a session (or the per-request RPC served by the same code) ended with a status.
 
-    `final`: the service chose this answer, so the caller must not try the request elsewhere."""
+    `final`: the service chose this answer, so the caller must not try the request elsewhere.
+    `param`: for a refused request, the request field at fault (the HTTP error's `param`)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, final: bool = False) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, final: bool = False, param: str = "") -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.final = final
+        self.param = param
 
     def to_end(self, stream_id: int) -> common_pb2.StreamEnd:
         return common_pb2.StreamEnd(stream_id=stream_id, code=self.code.value[0], message=self.message,
-                                    final=self.final)
+                                    final=self.final, param=self.param)
 
     @staticmethod
     def from_end(end: common_pb2.StreamEnd) -> CallError:
-        return CallError(CODES.get(end.code, grpc.StatusCode.UNKNOWN), end.message, end.final)
+        return CallError(CODES.get(end.code, grpc.StatusCode.UNKNOWN), end.message, end.final, end.param)
 
 
-def final_error(code: grpc.StatusCode, message: str) -> CallError:
-    return CallError(code, message, final=True)
+def final_error(code: grpc.StatusCode, message: str, param: str = "") -> CallError:
+    return CallError(code, message, final=True, param=param)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,9 +14,10 @@ import grpc
 
 from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.engines.base import Engine, EngineRequest
+from services.mesh.grpc_server import abort_with
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
-from services.worker.servicer import sampling_from_proto
+from services.worker.servicer import refused, sampling_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
         except NotImplementedError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await abort_with(context, refused(exc))
         log.info("request %s: prefilled %d tokens (%d cached) for remote decode", request.request_id,
                  len(request.token_ids), result.cached_tokens)
         return worker_pb2.PrefillResponse(kv_transfer_json=json.dumps(result.kv_transfer),

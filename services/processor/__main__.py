@@ -29,6 +29,7 @@ from services.mesh.service_runner import ServiceRunner, run_service
 from services.mesh.tracing import Tracing, start_tracing
 from services.processor.flags import add_processor_flags
 from services.processor.local_router import LocalRouter
+from services.processor.output_parsers import OutputParsers
 from services.processor.service import ProcessorConfig, ProcessorMetrics, ProcessorServicer
 from services.processor.tokenizer import ModelTokenizer
 
@@ -79,7 +80,9 @@ def main() -> None:
         await runner.connect_store()
         registry = CollectorRegistry()
         routers = await _routing(runner, args, registry, tracing)
-        servicer = ProcessorServicer(config, tokenizer, routers, runner.sessions, ProcessorMetrics(registry), tracing)
+        parsers = validated(lambda: OutputParsers(tokenizer.hf, args.tool_call_parser, args.reasoning_parser))
+        servicer = ProcessorServicer(config, tokenizer, routers, runner.sessions, ProcessorMetrics(registry), tracing,
+                                     parsers)
         binding = ServiceBinding(processor_pb2_grpc.add_ProcessorServicer_to_server, servicer,
                                  processor_pb2.DESCRIPTOR.services_by_name["Processor"].full_name)
         port, _ = await runner.serve_grpc([binding], args.port)

@@ -32,6 +32,7 @@ from services.mesh.session_client import SessionPool
 from services.mesh.session_kind import WORKER_SESSION, CallError
 from services.mesh.tracing import outgoing_metadata
 from services.processor.detokenizer import IncrementalDetokenizer, StopStrings
+from services.processor.output_parsers import OutputParser, ParserFactory
 from services.processor.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
@@ -44,10 +45,11 @@ WORKER_FAILED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLE
 class ChoiceFailure(Exception):
     """The choice cannot be completed; carries the status the processor answers with."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, param: str = "") -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param
 
 
 class _WorkerLost(Exception):
@@ -93,6 +95,8 @@ class ChoiceStream:
     route: Router
     on_worker_failed: Callable[[str], None]
     on_migration: Callable[[], None]
+    # Reads the text as content, reasoning and tool calls; None: it is all content.
+    parsers: ParserFactory | None = None
     generated: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     tried: list[str] = field(default_factory=list)
@@ -101,6 +105,7 @@ class ChoiceStream:
 
     def __post_init__(self) -> None:
         self.deadline = time.monotonic() + self.limits.request_timeout_s
+        self._parser: OutputParser | None = None
 
     async def run(self, first_route: RouteChoice, resumed: Sequence[int] = ()) -> AsyncIterator[object]:
         """The choice's items: `Started` once, its deltas (each in the GenerateResponse that carries it),
@@ -111,15 +116,19 @@ class ChoiceStream:
         choice continues after them as after a migration."""
         detok = IncrementalDetokenizer(self.tokenizer.decode)
         stopper = StopStrings(list(self.stops))
+        self._parser = self.parsers(self.rid, self.index) if self.parsers is not None else None
         if resumed:
             self.generated = list(resumed)
-            stopper.push(detok.push(list(resumed)))
+            seen, _ = stopper.push(detok.push(list(resumed)))
+            if self._parser is not None:
+                self._parser.push(seen, resumed)  # the client has what this yields already
             if len(self.generated) >= self.sampling.max_tokens:
                 # Every token was out already; only the last delta never arrived.
                 yield Started(first_route.worker_id, common_pb2.PrefillLocation(), first_route.explanation)
                 tail, _ = stopper.push(detok.flush())
-                yield processor_pb2.GenerateResponse(delta=processor_pb2.ChoiceDelta(
-                    index=self.index, text=tail + stopper.flush(), finish_reason="length"))
+                response = processor_pb2.GenerateResponse(delta=processor_pb2.ChoiceDelta(index=self.index))
+                self._fill(response.delta, tail + stopper.flush(), [], "length")
+                yield response
                 yield Finished(len(self.generated), 0)
                 return
         route: RouteChoice | None = first_route
@@ -199,7 +208,8 @@ class ChoiceStream:
             raise _WorkerLost(f"worker {route.worker_id} ended the stream before the choice finished")
         except CallError as exc:
             if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ChoiceFailure(grpc.StatusCode.INVALID_ARGUMENT, exc.message or "invalid request") from exc
+                raise ChoiceFailure(grpc.StatusCode.INVALID_ARGUMENT, exc.message or "invalid request",
+                                    exc.param) from exc
             if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise ChoiceFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"the request took longer than {self.limits.request_timeout_s:.0f}s") from exc
@@ -232,9 +242,12 @@ class ChoiceStream:
         response = processor_pb2.GenerateResponse()
         delta = response.delta
         delta.index = self.index
-        delta.text = out
+        if self._parser is None:
+            delta.text = out
+            delta.finish_reason = finish
+        else:
+            self._fill(delta, out, ids, finish)
         delta.token_ids.extend(ids)
-        delta.finish_reason = finish
         if want_logprobs:
             delta.logprobs.extend(msg.logprobs)
             for lp in delta.logprobs:
@@ -242,3 +255,22 @@ class ChoiceStream:
                     top.text = self.tokenizer.token_text(top.token_id)
             delta.token_texts.extend(self.tokenizer.token_text(t) for t in ids)
         return response
+
+    def _fill(self, delta: processor_pb2.ChoiceDelta, text: str, ids: list[int], finish: str) -> None:
+        """The delta's content, reasoning and tool calls as the choice's parser reads `text`;
+        on the last delta, what the parser still held, and "tool_calls" for a choice that
+        called tools and stopped by itself."""
+        parser = self._parser
+        assert parser is not None
+        parsed = parser.push(text, ids)
+        if finish:
+            rest = parser.finish()
+            parsed.content += rest.content
+            parsed.reasoning += rest.reasoning
+            parsed.calls += rest.calls
+            if finish == "stop" and parser.called:
+                finish = "tool_calls"
+        delta.text = parsed.content
+        delta.reasoning = parsed.reasoning
+        delta.tool_calls.extend(parsed.calls)
+        delta.finish_reason = finish

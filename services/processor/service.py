@@ -35,7 +35,9 @@ from services.mesh.streams import merge
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
 from services.processor.choice_stream import ChoiceFailure, ChoiceLimits, ChoiceStream, Finished, Started
-from services.processor.tokenizer import LARGE_TEXT_CHARS, ChatTurn, ContextLengthError, ModelTokenizer, PromptError
+from services.processor.chat_render import chat_prompt, forced_tool_output
+from services.processor.output_parsers import OutputParsers
+from services.processor.tokenizer import LARGE_TEXT_CHARS, ContextLengthError, ModelTokenizer, PromptError
 from services.processor.validation import check_request, context_error
 
 log = logging.getLogger(__name__)
@@ -83,8 +85,10 @@ class ProcessorMetrics:
 
 class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
     def __init__(self, config: ProcessorConfig, tokenizer: ModelTokenizer, routers: Routes,
-                 sessions: SessionPool, metrics: ProcessorMetrics, tracing: Tracing = TRACING_OFF) -> None:
+                 sessions: SessionPool, metrics: ProcessorMetrics, tracing: Tracing = TRACING_OFF,
+                 parsers: OutputParsers | None = None) -> None:
         self._config = config
+        self._parsers = parsers or OutputParsers(None)
         self._tracing = tracing
         self._tok = tokenizer
         self._routers = routers
@@ -131,7 +135,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
                 # Resumed ids go to an engine as they are: the same checks as a prompt's.
                 self._tok.check_ids(list(resumed.token_ids))
         except PromptError as exc:
-            raise final_error(_status_of(exc), _one_line(exc)) from None
+            raise final_error(_status_of(exc), _one_line(exc), exc.param) from None
         if request.model != self._config.served_model_name:
             raise final_error(grpc.StatusCode.NOT_FOUND, f"model {request.model[:200]!r} is not served here")
         if self.inflight >= self._config.max_inflight:
@@ -145,14 +149,14 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
                     if tokenizing.is_recording():
                         tokenizing.set_attributes({"kvmesh.prompt_tokens": len(tokens),
                                                    "kvmesh.prompt_kind": request.WhichOneof("input") or ""})
-                sampling = self._checked_sampling(request.sampling, len(tokens))
+                sampling = self._checked_sampling(request, len(tokens))
             except PromptError as exc:
-                raise final_error(_status_of(exc), _one_line(exc)) from None
+                raise final_error(_status_of(exc), _one_line(exc), exc.param) from None
             async for msg in self._generate(rid, request, tokens, sampling, span):
                 yield msg
         except ChoiceFailure as exc:
             log.warning("request %s failed: %s", rid, exc.message)
-            raise final_error(exc.code, exc.message) from None
+            raise final_error(exc.code, exc.message, exc.param) from None
         finally:
             self.inflight -= 1
 
@@ -168,8 +172,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
     def _tokenize_now(self, request: processor_pb2.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("input")
         if kind == "chat":
-            turns = [ChatTurn(m.role, m.content, m.name) for m in request.chat.messages]
-            tokens = self._tok.encode_chat(turns, request.chat.add_generation_prompt)
+            tokens = self._tok.encode_chat(chat_prompt(request.chat))
         elif kind == "text":
             tokens = self._tok.encode_text(request.text)
         elif kind == "tokens":
@@ -181,15 +184,25 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
             raise PromptError("the prompt is empty")
         return tokens
 
-    def _checked_sampling(self, sampling: common_pb2.SamplingParams, prompt_len: int) -> common_pb2.SamplingParams:
+    def _checked_sampling(self, request: processor_pb2.GenerateRequest, prompt_len: int) -> common_pb2.SamplingParams:
         """The sampling to run with, or refused when it does not fit. A request that sets no
         max_tokens gets `default_max_tokens` (or the room left, if less): a generation nobody
-        bounded must not pin a worker for minutes."""
+        bounded must not pin a worker for minutes. A required or named tool_choice becomes the
+        structured output that enforces it."""
         context = self._tok.max_model_len
         if prompt_len >= context:
             raise context_error(prompt_len, context)
         out = common_pb2.SamplingParams()
-        out.CopyFrom(sampling)
+        out.CopyFrom(request.sampling)
+        if request.WhichOneof("input") == "chat":
+            forced = forced_tool_output(request.chat)
+            if forced is not None:
+                out.structured.CopyFrom(forced)
+        for param, ids in (("logit_bias", list(out.logit_bias)), ("stop_token_ids", list(out.stop_token_ids))):
+            try:
+                self._tok.check_ids(ids)
+            except PromptError as exc:
+                raise PromptError(f"{param}: {exc}", param=param) from None
         room = context - prompt_len
         if not out.max_tokens:
             out.max_tokens = min(room, self._config.default_max_tokens)
@@ -228,10 +241,11 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         n = max(request.n, 1)
         # A takeover from a failed processor runs only the choices the client has not finished.
         resumed = {r.index: list(r.token_ids) for r in request.resume}
+        parsers = self._parsers.for_request(request)
         choices = [
             ChoiceStream(f"{rid}-{i}" if n > 1 else rid, request.choice_offset + i, tokens, _choice_sampling(sampling, i),
                          list(request.stop), self._tok, self._sessions, self._limits, route_fn, self._worker_failed,
-                         self._metrics.migrations.inc).run(route, resumed.get(request.choice_offset + i, []))
+                         self._metrics.migrations.inc, parsers).run(route, resumed.get(request.choice_offset + i, []))
             for i in range(n)
             if not resumed or request.choice_offset + i in resumed
         ]

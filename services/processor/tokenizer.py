@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from services.processor.chat_render import ChatPrompt
 
 # Texts longer than this are encoded with the Rust tokenizer's batch call, which releases the
 # GIL (its single-text `encode` holds it: 0.5M characters stall every other thread ~170 ms).
@@ -13,18 +15,16 @@ LARGE_TEXT_CHARS = 16_384
 
 
 class PromptError(ValueError):
-    """The prompt cannot be turned into tokens (bad template input, ids out of the vocabulary)."""
+    """The prompt cannot be turned into tokens (bad template input, ids out of the vocabulary);
+    `param` names the request field at fault, when one is."""
+
+    def __init__(self, message: str, param: str = "") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ContextLengthError(PromptError):
     """The prompt, or the prompt plus the tokens asked for, cannot fit the model's context."""
-
-
-@dataclass(frozen=True)
-class ChatTurn:
-    role: str
-    content: str
-    name: str = ""
 
 
 class ModelTokenizer:
@@ -32,6 +32,8 @@ class ModelTokenizer:
         from transformers import AutoTokenizer
 
         self._hf = AutoTokenizer.from_pretrained(model_dir)
+        # The Hugging Face tokenizer, for vLLM's output parsers.
+        self.hf: Any = self._hf
         # The Rust tokenizer decodes without Python overhead: it is on the per-token path.
         self._fast: Any = getattr(self._hf, "_tokenizer", None) or self._hf.backend_tokenizer
         config = json.loads((Path(model_dir) / "config.json").read_text())
@@ -43,16 +45,18 @@ class ModelTokenizer:
             ids.append(self._hf.eos_token_id)
         self.eos_token_ids = tuple(sorted({i for i in ids if i is not None}))
 
-    def encode_chat(self, turns: list[ChatTurn], add_generation_prompt: bool = True) -> list[int]:
-        messages = [{"role": t.role, "content": t.content, **({"name": t.name} if t.name else {})} for t in turns]
+    def encode_chat(self, prompt: ChatPrompt) -> list[int]:
         try:
-            text = self._hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            text = self._hf.apply_chat_template(prompt.messages, tools=prompt.tools, tokenize=False,  # type: ignore[arg-type]
+                                                add_generation_prompt=prompt.add_generation_prompt,
+                                                continue_final_message=prompt.continue_final_message,
+                                                **prompt.kwargs)
         except Exception as exc:
             # One line: a template error can quote the template across several.
             reason = " ".join(str(exc).split())[:300]
-            raise PromptError(f"chat template rejected the messages: {reason}") from exc
+            raise PromptError(f"chat template rejected the messages: {reason}", param="messages") from exc
         if not isinstance(text, str):
-            raise PromptError("the chat template did not render text")
+            raise PromptError("the chat template did not render text", param="messages")
         # The template already wrote BOS and the role markers.
         return self._encode(text, add_special_tokens=False)
 

@@ -18,10 +18,25 @@ from pathlib import Path
 
 CORPUS = Path(__file__).with_name("corpus.txt")
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
+# ChatML turns; tools (when a request has them) in a system turn first, and an assistant's tool
+# calls written as <tool_call>{"name": ..., "arguments": {...}}</tool_call>: the format vLLM's
+# `hermes` tool-call parser reads.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\nYou may call these tools. To call one, write <tool_call>{\"name\": <name>, "
+    "\"arguments\": <arguments object>}</tool_call>.\n<tools>\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ '</tools><|im_end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{{ '<tool_call>' }}{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "{{ '</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -109,9 +124,22 @@ def write_demo_model(out: Path, spec: DemoModelSpec = DemoModelSpec()) -> Path:
 def ensure_demo_model(path: Path = DEFAULT_DIR, spec: DemoModelSpec = DemoModelSpec()) -> Path:
     """Returns the demo model directory, creating it on first use."""
     if (path / "config.json").exists():
+        _refresh_template(path)
         return path.resolve()
     print(f"creating the demo model in {path} (first run only) ...", file=sys.stderr, flush=True)
     return write_demo_model(path, spec)
+
+
+def _refresh_template(path: Path) -> None:
+    """A demo model made by an older version gets the current chat template (the weights and
+    vocabulary are unchanged): replaced atomically, so a process reading it meanwhile sees the
+    old or the new one, never half."""
+    template = path / "chat_template.jinja"
+    if template.exists() and template.read_text() == CHAT_TEMPLATE:
+        return
+    staging = template.with_name(f".{template.name}.{os.getpid()}")
+    staging.write_text(CHAT_TEMPLATE)
+    os.replace(staging, template)
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ import grpc
 
 from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.mesh.grpc_server import as_rpc
-from services.mesh.session_kind import WORKER_SESSION, CallInfo, call_info, final_error
+from services.mesh.session_kind import WORKER_SESSION, CallError, CallInfo, call_info, final_error
 from services.mesh.session_server import SessionHub
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
@@ -32,6 +32,7 @@ from services.engines.base import (
     KvStored,
     LoadSnapshot,
     Sampling,
+    Structured,
 )
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,32 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> Sampling:
         min_tokens=p.min_tokens,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         stop_token_ids=tuple(p.stop_token_ids),
+        presence_penalty=p.presence_penalty if p.HasField("presence_penalty") else None,
+        frequency_penalty=p.frequency_penalty if p.HasField("frequency_penalty") else None,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else None,
+        min_p=p.min_p if p.HasField("min_p") else None,
+        logit_bias=tuple(sorted(p.logit_bias.items())),
+        bad_words=tuple(p.bad_words),
+        structured=structured_from_proto(p.structured) if p.HasField("structured") else None,
     )
+
+
+def structured_from_proto(p: common_pb2.StructuredOutput) -> Structured:
+    kind = p.WhichOneof("kind")
+    value: str | tuple[str, ...] | None
+    if kind == "choice":
+        value = tuple(p.choice.choices)
+    elif kind == "json_object" or kind is None:
+        kind, value = "json_object", None
+    else:
+        value = getattr(p, kind)
+    return Structured("json" if kind == "json_schema" else kind, value, p.disable_any_whitespace,
+                      p.param or "structured_outputs")
+
+
+def refused(exc: ValueError) -> CallError:
+    """An engine's refusal of a request, as the final INVALID_ARGUMENT that names its field."""
+    return final_error(grpc.StatusCode.INVALID_ARGUMENT, str(exc), getattr(exc, "param", ""))
 
 
 def output_to_proto(out: EngineOutput) -> worker_pb2.WorkerGenerateResponse:
@@ -177,7 +203,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 async for msg in self.stream(engine_request, LOCAL_PREFILL):
                     yield msg
             except ValueError as exc:
-                raise final_error(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+                raise refused(exc) from exc
 
     async def stream(self, engine_request: EngineRequest,
                      prefill: common_pb2.PrefillLocation) -> AsyncGenerator[worker_pb2.WorkerGenerateResponse, None]:

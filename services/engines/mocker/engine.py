@@ -33,6 +33,7 @@ from services.engines.base import (
     EngineRequest,
     LoadSnapshot,
     PrefillResult,
+    UnsupportedFieldError,
 )
 from services.engines.mocker.block_manager import BlockManager
 from services.engines.mocker.kv_transfer import KvTransferError, NixlKvEndpoint
@@ -152,6 +153,13 @@ class MockerEngine(Engine):
         return self.kv_endpoint is not None and self.kv_endpoint.release(request_id)
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+        shaping = request.sampling.shaping_fields()
+        if shaping:
+            # Its tokens are a hash of prompt and position, not a draw from a distribution:
+            # a penalty, bias or grammar has nothing to act on, and ignoring it would be a
+            # silent wrong answer.
+            raise UnsupportedFieldError(shaping[0], f"the mocker engine cannot honour {shaping[0]} (its tokens are "
+                                                    f"not sampled from a distribution); serve this with vLLM")
         max_blocks = -(-(len(request.token_ids) + request.sampling.max_tokens) // self.config.block_size)
         if max_blocks > self.config.num_gpu_blocks:
             raise ValueError(

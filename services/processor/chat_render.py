@@ -1,0 +1,101 @@
+"""A chat request as its template sees it, and the constraint a forced tool call puts on the output.
+
+The template gets what Hugging Face chat templates expect (the same as vLLM hands them): each
+message's role, content (None for an assistant message that only calls tools), name, tool calls
+with their arguments as objects, the tool call a tool message answers, an earlier answer's
+reasoning; `tools` as OpenAI's list; `chat_template_kwargs` as extra keyword arguments.
+
+`tool_choice` "required" and a named function are enforced by structured output, so any model,
+even one with random weights, produces calls that parse:
+- required: a JSON array of one or more `{"name", "parameters"}` objects, each naming a tool and
+  holding arguments valid for its schema (at most one item without parallel tool calls);
+- named: the function's arguments object itself.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from gen.kvmesh.v1 import common_pb2, processor_pb2
+from services.processor.tokenizer import PromptError
+
+Mode = processor_pb2.ToolChoice.Mode
+# Keyword arguments the renderer sets itself: a request may not override them.
+RESERVED_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize",
+                             "conversation", "chat_template"})
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+def chat_prompt(chat: processor_pb2.ChatInput) -> ChatPrompt:
+    tools = _json(chat.tools_json, "tools") if chat.tools_json else None
+    kwargs = _json(chat.template_kwargs_json, "chat_template_kwargs") if chat.template_kwargs_json else {}
+    if not isinstance(kwargs, dict):
+        raise PromptError("chat_template_kwargs must be a JSON object", param="chat_template_kwargs")
+    clash = RESERVED_KWARGS.intersection(kwargs)
+    if clash:
+        raise PromptError(f"chat_template_kwargs may not set {sorted(clash)}", param="chat_template_kwargs")
+    return ChatPrompt([_message(m, i) for i, m in enumerate(chat.messages)], tools, kwargs,
+                      chat.add_generation_prompt, chat.continue_final_message)
+
+
+def _message(m: processor_pb2.ChatMessage, index: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": None if m.no_content else m.content}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.reasoning:
+        out["reasoning_content"] = m.reasoning
+    if m.tool_calls_json:
+        calls = _json(m.tool_calls_json, f"messages.{index}.tool_calls")
+        for call in calls:
+            function = call.get("function", {})
+            # Templates render arguments as an object (`arguments | tojson`); a string that is
+            # not JSON stays as sent.
+            try:
+                function["arguments"] = json.loads(function.get("arguments", ""))
+            except ValueError:
+                pass
+        out["tool_calls"] = calls
+    return out
+
+
+def _json(text: str, param: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise PromptError(f"{param} is not valid JSON: {exc}", param=param) from None
+
+
+def forced_tool_output(chat: processor_pb2.ChatInput) -> common_pb2.StructuredOutput | None:
+    """The structured output that enforces a required or named tool_choice; None otherwise."""
+    choice = chat.tool_choice
+    if not chat.tools_json or choice.mode not in (Mode.MODE_REQUIRED, Mode.MODE_NAMED):
+        return None
+    functions = {t["function"]["name"]: t["function"].get("parameters") for t in _json(chat.tools_json, "tools")}
+    if choice.mode == Mode.MODE_NAMED:
+        if choice.function not in functions:
+            raise PromptError(f"tool_choice names {choice.function!r}, which is not in tools", param="tool_choice")
+        schema: dict[str, Any] = _parameters(functions[choice.function])
+    else:
+        schema = {"type": "array", "minItems": 1,
+                  "items": {"type": "object", "anyOf": [
+                      {"properties": {"name": {"type": "string", "enum": [name]}, "parameters": _parameters(params)},
+                       "required": ["name", "parameters"]} for name, params in functions.items()]}}
+        if not choice.parallel:
+            schema["maxItems"] = 1
+    return common_pb2.StructuredOutput(json_schema=json.dumps(schema), param="tool_choice")
+
+
+def _parameters(params: dict[str, Any] | None) -> dict[str, Any]:
+    return params if params else {"type": "object", "properties": {}}
