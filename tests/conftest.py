@@ -36,8 +36,9 @@ def mocker_mesh(etcd: Etcd) -> Iterator[Mesh]:
 
 @pytest.fixture(scope="session")
 def vllm_mesh(etcd: Etcd) -> Iterator[Mesh]:
+    # The demo model's chat template writes tool calls in the format of vLLM's `hermes` parser.
     mesh = Mesh.launch(etcd.endpoint, "vllm", "vllm", "--decode-workers", "2", "--drain-timeout", str(TEST_DRAIN_S),
-                       timeout_s=400)
+                       "--tool-call-parser", "hermes", timeout_s=400)
     yield mesh
     assert mesh.stop() == 0, mesh.launcher.tail()
 

@@ -17,7 +17,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gen.kvmesh.v1 import processor_pb2
-from services.frontend.endpoints import CHAT, Kind
+from services.frontend.endpoints import CHAT, COMPLETION, Kind
 from services.frontend.errors import ApiError, shown
 from services.frontend.inflight import Lease
 from services.frontend.metrics import FrontendMetrics
@@ -84,7 +84,8 @@ class Answer:
         metrics.completion_tokens.inc(self.usage.completion_tokens)
         metrics.prompt_tokens.inc(self.usage.prompt_tokens)
 
-    async def _items(self) -> AsyncIterator[processor_pb2.ChoiceDelta]:
+    async def items(self) -> AsyncIterator[processor_pb2.ChoiceDelta]:
+        """The choices' deltas that show something; usage is complete when they end."""
         metrics = self.metrics
         last = None
         try:
@@ -124,7 +125,7 @@ class Answer:
         is_chat = self.kind is CHAT
         opened: set[int] = set()
         try:
-            async for d in self._items():
+            async for d in self.items():
                 if is_chat:
                     delta: dict = {"content": d.text}
                     if d.reasoning or d.tool_calls:
@@ -147,7 +148,7 @@ class Answer:
 
     async def collect(self) -> dict:
         choices: dict[int, ChoiceAccumulator] = {}
-        async for d in self._items():
+        async for d in self.items():
             acc = choices.setdefault(d.index, ChoiceAccumulator())
             acc.text.append(d.text)
             if d.reasoning or d.tool_calls:
@@ -160,7 +161,7 @@ class Answer:
         for index in sorted(choices):
             acc = choices[index]
             text = "".join(acc.text)
-            if self.kind is CHAT:
+            if self.kind is not COMPLETION:
                 out.append({"index": index, "message": acc.message(text),
                             "logprobs": chat_logprobs(acc.tokens) if self.req.logprobs else None,
                             "finish_reason": acc.finish_reason})

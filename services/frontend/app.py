@@ -19,7 +19,7 @@ from services.frontend import openapi
 from services.frontend.answer import Answer, SseResponse, collect_unless_gone, first_route, unless_gone
 from services.frontend.auth import check_api_key
 from services.frontend.body import read_json
-from services.frontend.endpoints import CHAT, COMPLETION, Kind, processor_requests
+from services.frontend.endpoints import CHAT, COMPLETION, RESPONSES, Kind, processor_requests
 from services.frontend.errors import ApiError, shown
 from services.frontend.fast_paths import FastPaths
 from services.frontend.inflight import InflightLimit, Lease
@@ -28,6 +28,7 @@ from services.frontend.metrics import FrontendMetrics
 from services.frontend.processor_stream import ProcessorStream
 from services.frontend.route_header import EXPLAIN_HEADER, ROUTE_HEADER, route_header, wants_explanation
 from services.frontend.responses import prefill_header
+from services.frontend.responses_api import ResponseBuilder, chat_body, response_events
 from services.frontend.schemas import ChatCompletionRequest, CompletionRequest, parse
 from services.mesh.flags import ConfigError
 from services.mesh.logs import REQUEST_ID
@@ -105,7 +106,12 @@ def create_app(config: FrontendConfig, mesh: MeshView, metrics: FrontendMetrics)
     async def completions(request: Request) -> Response:
         return await gateway.handle(request, COMPLETION)
 
-    return FastPaths(app, {"/v1/chat/completions": chat, "/v1/completions": completions})
+    @app.post("/v1/responses", responses=openapi.ERROR_RESPONSES)
+    async def responses(request: Request) -> Response:
+        """OpenAI's Responses API, stateless (store: false): text, tools and streaming events."""
+        return await gateway.handle(request, RESPONSES)
+
+    return FastPaths(app, {"/v1/chat/completions": chat, "/v1/completions": completions, "/v1/responses": responses})
 
 
 def create_admin_app(mesh: MeshView, metrics: FrontendMetrics) -> FastAPI:
@@ -165,7 +171,9 @@ class _Gateway:
         lease: Lease | None = None
         try:
             check_api_key(request.headers.get("authorization"), self.config.api_keys)
-            req = parse(kind.schema, await read_json(request, self.config.max_body_bytes))
+            body = await read_json(request, self.config.max_body_bytes)
+            original = body if kind is RESPONSES and isinstance(body, dict) else None
+            req = parse(kind.schema, chat_body(original) if original is not None else body)
             if not self.mesh.knows_model(req.model):
                 raise ApiError(404, f"the model {req.model[:200]!r} does not exist", param="model",
                                code="model_not_found")
@@ -196,14 +204,17 @@ class _Gateway:
                  f" client id {headers['x-request-id'][:64]!r}" if headers["x-request-id"] != rid else "")
         answer = Answer(self.metrics, kind, req, rid, streams, started, lease,
                         hide_details=self.config.hide_routing_details)
+        builder = ResponseBuilder(rid, req.model, original) if original is not None else None
         if req.stream:
-            return SseResponse(answer.sse(), answer.close, media_type="text/event-stream", headers=headers)
-        body = await collect_unless_gone(answer, request.receive)
-        if body is None:
+            events = (response_events(builder, answer.items(), answer.usage) if builder is not None
+                      else answer.sse())
+            return SseResponse(events, answer.close, media_type="text/event-stream", headers=headers)
+        out = await collect_unless_gone(answer, request.receive)
+        if out is None:
             return Response(status_code=499)  # nobody is there to read it
-        if isinstance(body, ApiError):
-            return shown(body, self.config.hide_routing_details).response(headers)
-        return JSONResponse(body, headers=headers)
+        if isinstance(out, ApiError):
+            return shown(out, self.config.hide_routing_details).response(headers)
+        return JSONResponse(builder.from_chat(out) if builder is not None else out, headers=headers)
 
     def _refuse(self, exc: ApiError, rid: str, kind: Kind, headers: dict[str, str]) -> Response:
         self.metrics.requests.labels(kind.endpoint, str(exc.status)).inc()

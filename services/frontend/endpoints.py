@@ -25,6 +25,8 @@ class Kind:
 
 CHAT = Kind("chat", ChatCompletionRequest, "chat.completion", "chat.completion.chunk", "chatcmpl-")
 COMPLETION = Kind("completions", CompletionRequest, "text_completion", "text_completion", "cmpl-")
+# The Responses API: a chat request underneath (responses_api.py translates both ways).
+RESPONSES = Kind("responses", ChatCompletionRequest, "response", "response", "resp_")
 
 
 def processor_requests(rid: str, req: GenerationRequest, explain: bool = False) -> list[processor_pb2.GenerateRequest]:

@@ -118,6 +118,9 @@ class ChoiceStream:
         stopper = StopStrings(list(self.stops))
         self._parser = self.parsers(self.rid, self.index) if self.parsers is not None else None
         if resumed:
+            if self.sampling.HasField("structured") and len(resumed) < self.sampling.max_tokens:
+                raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE, "a structured-output choice cannot be taken over "
+                                    "mid-stream: its grammar cannot be resumed after the tokens already sent")
             self.generated = list(resumed)
             seen, _ = stopper.push(detok.push(list(resumed)))
             if self._parser is not None:
@@ -158,6 +161,13 @@ class ChoiceStream:
                                 self.rid, route.worker_id, exc)
                 else:
                     migrations += 1
+                    if self.sampling.HasField("structured"):
+                        # The next worker's grammar would start at the beginning of the output,
+                        # not after the tokens the client has: an error, never invalid output.
+                        raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE,
+                                            f"worker {route.worker_id} failed mid-stream ({exc}); a structured-output "
+                                            f"choice cannot continue on another worker (its grammar cannot be "
+                                            f"resumed there)") from exc
                     if migrations > self.limits.migration_limit:
                         raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE,
                                             f"worker {route.worker_id} failed mid-stream ({exc}) and the request "
