@@ -19,7 +19,6 @@ class Structured:
 
     kind: str
     value: str | tuple[str, ...] | None = None
-    disable_any_whitespace: bool = False
     param: str = "structured_outputs"
 
 

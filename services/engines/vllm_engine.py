@@ -115,6 +115,7 @@ class VllmEngine(Engine):
         self._events: VllmKvEventListener | None = None
 
     async def start(self) -> None:
+        from vllm.config import StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -129,6 +130,9 @@ class VllmEngine(Engine):
             enable_prefix_caching=True,
             disable_log_stats=False,
             enforce_eager=on_cpu(),
+            # JSON output without insignificant whitespace (vLLM sets this per engine, not per
+            # request): a model can otherwise pad an object with spaces until max_tokens.
+            structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
         )
         if not on_cpu():
             kwargs["gpu_memory_utilization"] = self.config.gpu_memory_utilization
@@ -258,7 +262,7 @@ def _structured_outputs(spec: Structured) -> Any:
     field = {"json": "json", "json_object": "json_object", "regex": "regex", "choice": "choice",
              "grammar": "grammar"}[spec.kind]
     value: Any = True if spec.kind == "json_object" else list(spec.value or ()) if spec.kind == "choice" else spec.value
-    return StructuredOutputsParams(**{field: value}, disable_any_whitespace=spec.disable_any_whitespace)
+    return StructuredOutputsParams(**{field: value})
 
 
 def _param_of(exc: Exception, sampling: Sampling) -> str:

@@ -89,7 +89,6 @@ class StructuredOutputsIn(_Closed):
     choice: Annotated[list[str], Field(min_length=1)] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    disable_any_whitespace: bool = False
 
     def kinds(self) -> list[str]:
         return [k for k, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
@@ -108,7 +107,7 @@ def structured_from_format(fmt: ResponseFormat) -> common_pb2.StructuredOutput |
 
 
 def structured_from_vllm(so: StructuredOutputsIn) -> common_pb2.StructuredOutput:
-    out = common_pb2.StructuredOutput(disable_any_whitespace=so.disable_any_whitespace, param="structured_outputs")
+    out = common_pb2.StructuredOutput(param="structured_outputs")
     if so.json_ is not None:
         out.json_schema = so.json_ if isinstance(so.json_, str) else json.dumps(so.json_)
     elif so.regex is not None:

@@ -72,8 +72,7 @@ def structured_from_proto(p: common_pb2.StructuredOutput) -> Structured:
         kind, value = "json_object", None
     else:
         value = getattr(p, kind)
-    return Structured("json" if kind == "json_schema" else kind, value, p.disable_any_whitespace,
-                      p.param or "structured_outputs")
+    return Structured("json" if kind == "json_schema" else kind, value, p.param or "structured_outputs")
 
 
 def refused(exc: ValueError) -> CallError:

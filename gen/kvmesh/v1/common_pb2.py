@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/common.proto\x12\tkvmesh.v1\"\xfe\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x02H\x08\x88\x01\x01\x12<\n\nlogit_bias\x18\x0e \x03(\x0b\x32(.kvmesh.v1.SamplingParams.LogitBiasEntry\x12\x11\n\tbad_words\x18\x0f \x03(\t\x12/\n\nstructured\x18\x10 \x01(\x0b\x32\x1b.kvmesh.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_p\"\xee\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x35\n\x06\x63hoice\x18\x04 \x01(\x0b\x32#.kvmesh.v1.StructuredOutput.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x12\r\n\x05param\x18\x07 \x01(\t\x1a\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tB\x06\n\x04kind\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.kvmesh.v1.TopLogprob\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"\x9a\x01\n\x0fPrefillLocation\x12-\n\x04site\x18\x01 \x01(\x0e\x32\x1f.kvmesh.v1.PrefillLocation.Site\x12\x19\n\x11prefill_worker_id\x18\x02 \x01(\t\"=\n\x04Site\x12\x14\n\x10SITE_UNSPECIFIED\x10\x00\x12\x0e\n\nSITE_LOCAL\x10\x01\x12\x0f\n\x0bSITE_REMOTE\x10\x02\"O\n\x10RouteExplanation\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12-\n\ncandidates\x18\x02 \x03(\x0b\x32\x19.kvmesh.v1.RouteCandidate\"p\n\x0eRouteCandidate\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0eoverlap_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_usage\x18\x03 \x01(\x01\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\r\n\x05logit\x18\x05 \x01(\x01\"[\n\tStreamEnd\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\x12\r\n\x05param\x18\x05 \x01(\t*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/common.proto\x12\tkvmesh.v1\"\xfe\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x02H\x08\x88\x01\x01\x12<\n\nlogit_bias\x18\x0e \x03(\x0b\x32(.kvmesh.v1.SamplingParams.LogitBiasEntry\x12\x11\n\tbad_words\x18\x0f \x03(\t\x12/\n\nstructured\x18\x10 \x01(\x0b\x32\x1b.kvmesh.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_p\"\xd4\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x35\n\x06\x63hoice\x18\x04 \x01(\x0b\x32#.kvmesh.v1.StructuredOutput.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\r\n\x05param\x18\x07 \x01(\t\x1a\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tB\x06\n\x04kindJ\x04\x08\x06\x10\x07\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.kvmesh.v1.TopLogprob\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"\x9a\x01\n\x0fPrefillLocation\x12-\n\x04site\x18\x01 \x01(\x0e\x32\x1f.kvmesh.v1.PrefillLocation.Site\x12\x19\n\x11prefill_worker_id\x18\x02 \x01(\t\"=\n\x04Site\x12\x14\n\x10SITE_UNSPECIFIED\x10\x00\x12\x0e\n\nSITE_LOCAL\x10\x01\x12\x0f\n\x0bSITE_REMOTE\x10\x02\"O\n\x10RouteExplanation\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12-\n\ncandidates\x18\x02 \x03(\x0b\x32\x19.kvmesh.v1.RouteCandidate\"p\n\x0eRouteCandidate\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x16\n\x0eoverlap_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_usage\x18\x03 \x01(\x01\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\r\n\x05logit\x18\x05 \x01(\x01\"[\n\tStreamEnd\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05\x66inal\x18\x04 \x01(\x08\x12\r\n\x05param\x18\x05 \x01(\t*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,28 +33,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_WORKERROLE']._serialized_start=1514
-  _globals['_WORKERROLE']._serialized_end=1604
+  _globals['_WORKERROLE']._serialized_start=1488
+  _globals['_WORKERROLE']._serialized_end=1578
   _globals['_SAMPLINGPARAMS']._serialized_start=38
   _globals['_SAMPLINGPARAMS']._serialized_end=676
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=494
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=542
   _globals['_STRUCTUREDOUTPUT']._serialized_start=679
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=917
-  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_start=883
-  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_end=909
-  _globals['_TOKENLOGPROB']._serialized_start=919
-  _globals['_TOKENLOGPROB']._serialized_end=1004
-  _globals['_TOPLOGPROB']._serialized_start=1006
-  _globals['_TOPLOGPROB']._serialized_end=1067
-  _globals['_PREFILLLOCATION']._serialized_start=1070
-  _globals['_PREFILLLOCATION']._serialized_end=1224
-  _globals['_PREFILLLOCATION_SITE']._serialized_start=1163
-  _globals['_PREFILLLOCATION_SITE']._serialized_end=1224
-  _globals['_ROUTEEXPLANATION']._serialized_start=1226
-  _globals['_ROUTEEXPLANATION']._serialized_end=1305
-  _globals['_ROUTECANDIDATE']._serialized_start=1307
-  _globals['_ROUTECANDIDATE']._serialized_end=1419
-  _globals['_STREAMEND']._serialized_start=1421
-  _globals['_STREAMEND']._serialized_end=1512
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=891
+  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_start=851
+  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_end=877
+  _globals['_TOKENLOGPROB']._serialized_start=893
+  _globals['_TOKENLOGPROB']._serialized_end=978
+  _globals['_TOPLOGPROB']._serialized_start=980
+  _globals['_TOPLOGPROB']._serialized_end=1041
+  _globals['_PREFILLLOCATION']._serialized_start=1044
+  _globals['_PREFILLLOCATION']._serialized_end=1198
+  _globals['_PREFILLLOCATION_SITE']._serialized_start=1137
+  _globals['_PREFILLLOCATION_SITE']._serialized_end=1198
+  _globals['_ROUTEEXPLANATION']._serialized_start=1200
+  _globals['_ROUTEEXPLANATION']._serialized_end=1279
+  _globals['_ROUTECANDIDATE']._serialized_start=1281
+  _globals['_ROUTECANDIDATE']._serialized_end=1393
+  _globals['_STREAMEND']._serialized_start=1395
+  _globals['_STREAMEND']._serialized_end=1486
 # @@protoc_insertion_point(module_scope)
