@@ -187,3 +187,13 @@ async def test_a_structured_choice_is_not_taken_over_mid_output(tokenizer: Model
         async for _ in choice.run(RouteChoice("w1", "127.0.0.1:1", 0, 0.0, 0), [94, 5]):
             pass
     await channels.close()
+
+
+def test_a_parser_the_model_cannot_use_is_refused_at_start_with_one_line(tokenizer: ModelTokenizer) -> None:
+    from services.mesh.config_error import ConfigError
+
+    with pytest.raises(ConfigError, match="--tool-call-parser 'nope' is not one of vLLM's"):
+        OutputParsers(tokenizer.hf, "nope")
+    # The demo tokenizer has no <think> token for this parser to find.
+    with pytest.raises(ConfigError, match="--reasoning-parser 'deepseek_r1' cannot read this model's output"):
+        OutputParsers(tokenizer.hf, reasoning_parser="deepseek_r1")

@@ -23,10 +23,10 @@ def add_processor_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
                    help="service: ask the kv-router service (one router sees every processor's dispatches); "
                         "local: keep the decode pool's index in this process and route without a hop "
                         "(the routing flags apply)")
-    g.add_argument("--tool-call-parser", default="",
+    g.add_argument("--tool-call-parser", default=None,
                    help="vLLM tool-call parser that reads tool calls from the model's text for tool_choice auto "
                         "(hermes, llama3_json, mistral, qwen3_xml, ...; default: none, the text stays content)")
-    g.add_argument("--reasoning-parser", default="",
+    g.add_argument("--reasoning-parser", default=None,
                    help="vLLM reasoning parser that splits the model's reasoning into reasoning_content "
                         "(deepseek_r1, qwen3, granite, ...; default: none)")
     return g

@@ -156,7 +156,7 @@ class VllmParsers:
 class OutputParsers:
     """The processor's parser configuration (`--tool-call-parser`, `--reasoning-parser`)."""
 
-    def __init__(self, hf_tokenizer: Any, tool_parser: str = "", reasoning_parser: str = "") -> None:
+    def __init__(self, hf_tokenizer: Any, tool_parser: str | None = None, reasoning_parser: str | None = None) -> None:
         self._hf = hf_tokenizer
         self._tool_cls = self._reasoning_cls = None
         if tool_parser:
@@ -168,7 +168,9 @@ class OutputParsers:
 
             self._reasoning_cls = _named(ReasoningParserManager, "get_reasoning_parser", reasoning_parser,
                                          "--reasoning-parser")
-            self._reasoning_cls(hf_tokenizer)  # a tokenizer without the parser's markers fails here, at start
+            _try(lambda: self._reasoning_cls(hf_tokenizer), "--reasoning-parser", reasoning_parser)  # type: ignore[misc]
+        if self._tool_cls is not None:
+            _try(lambda: self._tool_cls(hf_tokenizer, []), "--tool-call-parser", tool_parser)  # type: ignore[misc]
 
     def for_request(self, request: processor_pb2.GenerateRequest) -> ParserFactory | None:
         """A parser per choice of the request; None when its text is just content."""
@@ -197,6 +199,15 @@ def _named(manager: Any, getter: str, name: str, flag: str) -> Any:
         return getattr(manager, getter)(name)
     except KeyError:
         raise ConfigError(f"{flag} {name!r} is not one of vLLM's: {', '.join(manager.list_registered())}") from None
+
+
+def _try(build: Callable[[], object], flag: str, name: str | None) -> None:
+    """Builds a parser once at start-up: a model whose tokenizer lacks the parser's markers
+    (`<think>` for a reasoning parser, say) is refused with one line, not on its first request."""
+    try:
+        build()
+    except Exception as exc:  # noqa: BLE001 - any parser's constructor error means the same
+        raise ConfigError(f"{flag} {name!r} cannot read this model's output: {' '.join(str(exc).split())[:200]}") from None
 
 
 def _vllm_request(tools_json: str) -> Any:
