@@ -197,3 +197,23 @@ def test_a_parser_the_model_cannot_use_is_refused_at_start_with_one_line(tokeniz
     # The demo tokenizer has no <think> token for this parser to find.
     with pytest.raises(ConfigError, match="--reasoning-parser 'deepseek_r1' cannot read this model's output"):
         OutputParsers(tokenizer.hf, reasoning_parser="deepseek_r1")
+
+
+def test_reasoning_is_split_from_the_answer_by_vllms_parser() -> None:
+    """The demo tokenizer with the markers a reasoning model's has (`<think>`, `</think>`)."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(ensure_demo_model()))
+    hf.add_tokens(["<think>", "</think>"], special_tokens=True)
+    request = processor_pb2.GenerateRequest(request_id="r1")
+    request.chat.messages.add(role="user", content="hi")
+    factory = OutputParsers(hf, reasoning_parser="deepseek_r1").for_request(request)
+    assert factory is not None
+    parser = factory("r1", 0)
+    reasoning, content = [], []
+    for piece in ("<think>", "the user", " says hi", "</think>", "Hello", " there"):
+        out = parser.push(piece, hf.encode(piece, add_special_tokens=False))
+        reasoning.append(out.reasoning)
+        content.append(out.content)
+    assert "".join(reasoning) == "the user says hi"
+    assert "".join(content) == "Hello there"
