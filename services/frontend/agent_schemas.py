@@ -12,10 +12,22 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from gen.kvmesh.v1 import common_pb2, processor_pb2
 
+
+
+def valid_unicode(value: str) -> str:
+    """JSON may escape a lone surrogate (\\ud800); no UTF-8 wire format can carry one."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode text (it has an unpaired surrogate escape)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(valid_unicode)]
 FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
@@ -47,7 +59,7 @@ class _Closed(BaseModel):
 
 class FunctionDef(_Closed):
     name: FunctionName
-    description: str | None = None
+    description: Text | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
@@ -84,10 +96,10 @@ class ResponseFormat(_Closed):
 class StructuredOutputsIn(_Closed):
     """vLLM's `structured_outputs`: exactly one constraint."""
 
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: Annotated[list[str], Field(min_length=1)] | None = None
-    grammar: str | None = None
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    grammar: Text | None = None
     json_object: bool | None = None
 
     def kinds(self) -> list[str]:

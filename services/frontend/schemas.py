@@ -23,8 +23,10 @@ from services.frontend.agent_schemas import (
     Penalty,
     ResponseFormat,
     StructuredOutputsIn,
+    Text,
     Tool,
     ToolChoiceIn,
+    valid_unicode,
 )
 from services.frontend.errors import ApiError
 from services.processor.validation import INT64_MAX, MAX_LOGPROBS, MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, UINT32_MAX
@@ -34,15 +36,6 @@ INT64_MIN = -(2**63)
 # Prompts in one completions request, and the streams (prompts x n) it may open.
 MAX_PROMPTS = 64
 MAX_STREAMS = 128
-
-
-def _valid_unicode(value: str) -> str:
-    """JSON may escape a lone surrogate (\\ud800); no UTF-8 wire format can carry one."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("must be valid Unicode text (it has an unpaired surrogate escape)") from None
-    return value
 
 
 def _integral(value: object) -> object:
@@ -55,8 +48,7 @@ def _integral(value: object) -> object:
 
 # The bounds go before the validator, so they show in the JSON schema as minimum/maximum.
 Integral = BeforeValidator(_integral)
-Text = Annotated[str, AfterValidator(_valid_unicode)]
-StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS), AfterValidator(_valid_unicode)]
+StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS), AfterValidator(valid_unicode)]
 TokenCount = Annotated[int, Field(ge=1, le=UINT32_MAX), Integral]
 TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX), Integral]
 UnitFloat = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
@@ -107,7 +99,7 @@ class ChatMessageIn(_Strict):
 
 
 class GenerationRequest(_Strict):
-    model: Annotated[str, Field(min_length=1), AfterValidator(_valid_unicode)]
+    model: Annotated[str, Field(min_length=1), AfterValidator(valid_unicode)]
     max_tokens: TokenCount | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
     top_p: UnitFloat | None = None
@@ -126,7 +118,8 @@ class GenerationRequest(_Strict):
     # Token id (as a JSON object key) -> bias.
     logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], Bias] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=256)] | None = None
-    bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS),
+                                        AfterValidator(valid_unicode)]],
                          Field(max_length=256)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsIn | None = None
@@ -154,6 +147,8 @@ class GenerationRequest(_Strict):
 
     def check_combined(self) -> None:
         """Rules across fields (pydantic names no single field for them): 400 naming the later one."""
+        if any(int(token) > UINT32_MAX for token in self.logit_bias or ()):
+            raise _invalid("logit_bias", "logit_bias keys must be token ids (at most 4294967295)")
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
             raise _invalid("response_format.json_schema", "response_format of type json_schema needs `json_schema`")
@@ -226,6 +221,7 @@ class CompletionRequest(GenerationRequest):
     max_tokens: TokenCount | None = 16
 
     def check_combined(self) -> None:
+        super().check_combined()
         if self.streams() > MAX_STREAMS:
             raise _invalid("n", f"{self._prompt_count()} prompts x n={self.n} would open {self.streams()} "
                                 f"completions; at most {MAX_STREAMS} are allowed per request")

@@ -130,7 +130,10 @@ class ChoiceStream:
                 yield Started(first_route.worker_id, common_pb2.PrefillLocation(), first_route.explanation)
                 tail, _ = stopper.push(detok.flush())
                 response = processor_pb2.GenerateResponse(delta=processor_pb2.ChoiceDelta(index=self.index))
-                self._fill(response.delta, tail + stopper.flush(), [], "length")
+                if self._parser is None:
+                    response.delta.text, response.delta.finish_reason = tail + stopper.flush(), "length"
+                else:
+                    self._fill(response.delta, tail + stopper.flush(), [], "length")
                 yield response
                 yield Finished(len(self.generated), 0)
                 return

@@ -58,7 +58,13 @@ class ModelTokenizer:
         if not isinstance(text, str):
             raise PromptError("the chat template did not render text", param="messages")
         # The template already wrote BOS and the role markers.
-        return self._encode(text, add_special_tokens=False)
+        try:
+            return self._encode(text, add_special_tokens=False)
+        except (UnicodeEncodeError, TypeError):
+            # The Rust tokenizer takes no lone surrogate (TypeError): one escaped in a tool
+            # schema or a template argument reached the text.
+            raise PromptError("the rendered prompt is not valid Unicode (an unpaired surrogate escape in tools or "
+                              "chat_template_kwargs)", param="tools") from None
 
     def encode_text(self, text: str) -> list[int]:
         return self._encode(text, add_special_tokens=True)
