@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench import disagg_serving, hot_path, indexer, mesh_overhead, nixl_transfer, planner, routing_quality
+from bench import disagg_serving, hot_path, indexer, mesh_overhead, nixl_transfer, planner, routing_quality, tiers
 
 BENCHMARKS = {
     "mesh": mesh_overhead.run,
@@ -14,6 +14,7 @@ BENCHMARKS = {
     "disagg": disagg_serving.run,
     "hot-path": hot_path.run,
     "planner": planner.run,
+    "tiers": tiers.run,
 }
 
 

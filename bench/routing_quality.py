@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from bench.client import stream_completion
+from bench.client import ReuseTally, stream_completion
 from bench.mesh_process import launched
 from bench.report import bar_plot, percentile, save_json, table
 
@@ -36,17 +36,9 @@ TIME_LIMIT_S = 120.0
 
 
 @dataclass
-class ModeResult:
-    mode: str
-    ttft_ms: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
+class ModeResult(ReuseTally):
+    mode: str = ""
     per_worker: Counter = field(default_factory=Counter)
-    failures: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def max_over_mean(self) -> float:
@@ -61,20 +53,13 @@ def prompts(seed: int) -> tuple[list[list[int]], random.Random]:
 
 async def one(session: aiohttp.ClientSession, tokens: list[int], result: ModeResult | None) -> None:
     outcome = await stream_completion(session, tokens, OUTPUT_TOKENS)
-    if result is None:
-        return
-    if not outcome.ok:
-        result.failures += 1
-        return
-    result.ttft_ms.append(outcome.ttft_s * 1000)
-    result.prompt_tokens += outcome.prompt_tokens
-    result.cached_tokens += outcome.cached_tokens
-    result.per_worker[outcome.worker] += 1
+    if result is not None and result.add(outcome):
+        result.per_worker[outcome.worker] += 1
 
 
 async def drive(base: str, mode: str) -> ModeResult:
     prefixes, rng = prompts(seed=1)
-    result = ModeResult(mode)
+    result = ModeResult(mode=mode)
     limit = asyncio.Semaphore(MAX_INFLIGHT)
     async with aiohttp.ClientSession(base, timeout=aiohttp.ClientTimeout(total=60)) as session:
         for p in prefixes:  # warm-up: every prefix once

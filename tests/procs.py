@@ -274,6 +274,12 @@ class ServiceMesh:
 
 def find_matches(etcd: str, namespace: str, token_ids: list[int], model: str = MODEL) -> dict[str, int]:
     """Asks the mesh's router (over gRPC, as any client could) which workers cache these tokens."""
+    return find_matches_by_tier(etcd, namespace, token_ids, model)[0]
+
+
+def find_matches_by_tier(etcd: str, namespace: str, token_ids: list[int],
+                         model: str = MODEL) -> tuple[dict[str, int], dict[str, int]]:
+    """The router's scores per worker: device-held prompt blocks, and host-memory-only ones."""
     import grpc
 
     from gen.kvmesh.v1 import router_pb2, router_pb2_grpc
@@ -282,7 +288,7 @@ def find_matches(etcd: str, namespace: str, token_ids: list[int], model: str = M
     with grpc.insecure_channel(router.address) as channel:
         reply = router_pb2_grpc.RouterStub(channel).FindMatches(
             router_pb2.FindMatchesRequest(model=model, token_ids=token_ids), timeout=10)
-    return dict(reply.scores)
+    return dict(reply.scores), dict(reply.host_scores)
 
 
 

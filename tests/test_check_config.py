@@ -35,6 +35,8 @@ MORE_BAD = [
     ("services.planner", ["--connector", "kubernetes", "--k8s-namespace", "Not_A_Name"], "--k8s-namespace"),
     ("services.decode_worker", [*WORKER, "--start-as", "prefill"], "--switchable"),
     ("services.decode_worker", [*WORKER, "--switchable"], "--kv-transfer nixl"),
+    ("services.decode_worker", [*WORKER, "--host-kv-gbps", "0"], "--host-kv-gbps"),
+    ("services.kv_router", ["--host-overlap-weight", "1.5"], "--host-overlap-weight"),
 ]
 
 

@@ -37,7 +37,8 @@ async def test_a_subscriber_behind_the_buffer_gets_a_snapshot_of_current_blocks(
     assert snapshot
     assert isinstance(events[0].data, KvCleared)
     stored = [(e.data.parent_hash, e.data.blocks[0]) for e in events[1:]]
-    assert stored == [(None, (1, 11)), (1, (2, 12)), (None, (4, 14)), (None, (5, 15))]
+    # Shallowest first, so every block's parent is stored before it.
+    assert stored == [(None, (1, 11)), (None, (4, 14)), (None, (5, 15)), (1, (2, 12))]
     assert {e.event_id for e in events} == {5}
 
 

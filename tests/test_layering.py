@@ -11,8 +11,9 @@ import pytest
 from tests.procs import ROOT
 
 SERVICE_PACKAGES = ("frontend", "processor", "kv_router", "decode_worker", "prefill_worker", "launch", "planner")
-# Pure helpers of the mesh package that engines may use: the wire-level block hash and a free port.
-ENGINE_MAY_USE = ("services.mesh.hashing", "services.mesh.net")
+# Pure helpers of the mesh package that engines may use: the wire-level block hash, the KV tier and
+# a free port.
+ENGINE_MAY_USE = ("services.mesh.hashing", "services.mesh.kv_tier", "services.mesh.net")
 
 
 def imports_of(path: Path) -> set[str]:

@@ -28,7 +28,7 @@ def seq(tokens: list[int]) -> tuple[list[int], list[int]]:
 def test_full_blocks_are_cached_and_announced_with_their_parent() -> None:
     bm, events = make_blocks(8)
     chain, locals_ = seq(list(range(10)))  # 2 full blocks + 2 tokens
-    blocks, hit = bm.allocate(chain, locals_, 10)
+    blocks, hit, _ = bm.allocate(chain, locals_, 10)
     assert hit == 0 and len(blocks) == 3
     assert events == [KvStored(None, ((chain[0], locals_[0]), (chain[1], locals_[1])))]
     assert bm.active_blocks == 3
@@ -41,7 +41,7 @@ def test_a_shared_prefix_is_reused_and_only_new_blocks_are_announced() -> None:
     ca, la = seq(a)
     bm.allocate(ca, la, 8)
     cb, lb = seq(b)
-    blocks, hit = bm.allocate(cb, lb, 8)
+    blocks, hit, _ = bm.allocate(cb, lb, 8)
     assert hit == 1
     assert events[-1] == KvStored(ca[0], ((cb[1], lb[1]),))
     assert bm.active_blocks == 3  # the shared first block is counted once
@@ -51,9 +51,9 @@ def test_freed_blocks_stay_cached_until_space_is_needed_then_lru_goes_first() ->
     bm, events = make_blocks(4)
     c1, l1 = seq(list(range(8)))
     c2, l2 = seq(list(range(100, 108)))
-    b1, _ = bm.allocate(c1, l1, 8)
+    b1, _, _ = bm.allocate(c1, l1, 8)
     bm.free(b1)
-    b2, _ = bm.allocate(c2, l2, 8)
+    b2, _, _ = bm.allocate(c2, l2, 8)
     bm.free(b2)
     assert bm.active_blocks == 0 and bm.cached_prefix_blocks(c1) == 2
     c3, l3 = seq(list(range(200, 208)))

@@ -17,6 +17,7 @@ from services.kv_router.kv_index import KvIndex
 from services.kv_router.radix_tree import EventError, RadixTree
 from services.kv_router.reference_index import ReferenceIndex
 from services.mesh.hashing import LocalBlockHash, SequenceHash, chain_from
+from services.mesh.kv_tier import Tier
 
 WORKERS = list(range(6))
 ALPHABET = st.integers(min_value=1, max_value=3)  # few local hashes: many shared prefixes and hits
@@ -52,15 +53,24 @@ def events(draw, odd_hashes: bool = True):  # noqa: ANN001, ANN201
     return (kind, worker)
 
 
+@st.composite
+def tiered_events(draw):  # noqa: ANN001, ANN201
+    """Events as above, each stored or removed one in a drawn tier (device or host memory)."""
+    event = draw(events())
+    if event[0] in ("store", "remove"):
+        return (*event, draw(st.sampled_from([Tier.DEVICE, Tier.HOST])))
+    return event
+
+
 def apply(tree, event) -> None:  # noqa: ANN001
     kind, worker, *rest = event
     if kind == "store":
         try:
-            tree.store(worker, rest[0], rest[1])
+            tree.store(worker, *rest)
         except EventError:
             pass
     elif kind == "remove":
-        tree.remove(worker, rest[0])
+        tree.remove(worker, *rest)
     elif kind == "clear":
         tree.clear(worker)
     else:
@@ -70,15 +80,44 @@ def apply(tree, event) -> None:  # noqa: ANN001
 @settings(max_examples=1500, deadline=None, derandomize=True, database=None)
 @given(st.lists(events(), max_size=60), st.lists(PATHS, min_size=1, max_size=12))
 def test_scores_equal_the_reference_model_after_any_event_stream(stream, queries) -> None:  # noqa: ANN001
+    assert_same_after(stream, queries)
+
+
+def assert_same_after(stream, queries) -> None:  # noqa: ANN001
+    """Both indexes fed `stream`: equal scores, per tier too, and equal block counts."""
     fast, ref = RadixTree(), ReferenceIndex()
     for event in stream:
         apply(fast, event)
         apply(ref, event)
     for query in queries:
         assert fast.find_matches(query) == ref.find_matches(query), (stream, query)
+        assert fast.find_matches_by_tier(query) == ref.find_matches_by_tier(query), (stream, query)
     for worker in WORKERS:
         assert fast.block_count(worker) == ref.block_count(worker), (stream, worker)
     assert fast.block_count() == ref.block_count()
+
+
+@settings(max_examples=800, deadline=None, derandomize=True, database=None)
+@given(st.lists(tiered_events(), max_size=60), st.lists(PATHS, min_size=1, max_size=12))
+def test_scores_per_tier_equal_the_reference_model_after_any_event_stream(stream, queries) -> None:  # noqa: ANN001
+    assert_same_after(stream, queries)
+
+
+def test_a_block_moved_to_host_memory_scores_apart_and_keeps_what_hangs_below_it() -> None:
+    for index in (RadixTree(), ReferenceIndex()):
+        index.store("a", None, [(101, 1), (102, 2), (103, 3)])
+        # Evicted tail first, each stored in host memory before the device lets go of it.
+        index.store("a", 102, [(103, 3)], Tier.HOST)
+        index.remove("a", [103])
+        index.store("a", 101, [(102, 2)], Tier.HOST)
+        index.remove("a", [102])
+        assert index.find_matches_by_tier([1, 2, 3]) == ({"a": 1}, {"a": 2}), type(index).__name__
+        assert index.find_matches([1, 2, 3]) == {"a": 1}
+        # The device takes the prefix back: a level held in both tiers is a device hit.
+        index.store("a", 101, [(102, 2)])
+        assert index.find_matches_by_tier([1, 2, 3]) == ({"a": 2}, {"a": 1})
+        index.remove_worker("a")
+        assert index.find_matches_by_tier([1, 2, 3]) == ({}, {}) and index.block_count() == 0
 
 
 def test_both_indexes_implement_the_whole_kv_index_protocol() -> None:

@@ -10,6 +10,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 from services.mesh.hashing import LocalBlockHash, SequenceHash
+from services.mesh.kv_tier import Tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +113,27 @@ class LoadSnapshot:
     num_requests_waiting: int = 0
     gpu_cache_usage_perc: float = 0.0
     gpu_prefix_cache_hit_rate: float = 0.0
+    host_tier: HostTierLoad | None = None
+    prefill_cost: PrefillCost | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HostTierLoad:
+    """A worker's host-memory KV tier: its fill, the link a load-back crosses, and its hits."""
+
+    active_blocks: int
+    total_blocks: int
+    load_gbps: float
+    kv_bytes_per_token: int
+    hit_blocks_total: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCost:
+    """What a prompt token costs to prefill on this worker: `kv_tier.prefill_seconds` states the rule."""
+
+    us_per_token: float
+    us_per_token_per_1k: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,11 +141,14 @@ class KvStored:
     parent_hash: SequenceHash | None
     # (engine block hash, local tokens hash) per block, parent first.
     blocks: tuple[tuple[SequenceHash, LocalBlockHash], ...]
+    # The tier that now holds them; the parent may be in either.
+    tier: Tier = Tier.DEVICE
 
 
 @dataclass(frozen=True, slots=True)
 class KvRemoved:
     block_hashes: tuple[SequenceHash, ...]
+    tier: Tier = Tier.DEVICE
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,11 +6,13 @@ touches them, and the pinned version in scripts/install.sh is the one it is test
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from services.mesh.net import port_for_later
@@ -43,6 +45,17 @@ class VllmConfig:
     cpu_kv_cache_gib: int = 1
     gpu_memory_utilization: float = 0.85
     kv_transfer: dict[str, Any] | None = None
+    # vLLM's native CPU offloading, sized to this many KV blocks (0: off; GPU only).
+    host_kv_blocks: int = 0
+
+
+def kv_bytes_per_token(model_dir: str, dtype_bytes: int = 2) -> int:
+    """KV bytes one token occupies across every layer (keys and values), from config.json."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    return 2 * int(config["num_hidden_layers"]) * kv_heads * head_dim * dtype_bytes
 
 
 def nixl_transfer_config(advertise_host: str) -> dict[str, Any]:
@@ -143,6 +156,9 @@ class VllmEngine(Engine):
         kwargs["kv_events_config"] = KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=self._events.publisher_endpoint
         )
+        if self.config.host_kv_blocks:
+            nbytes = self.config.host_kv_blocks * self.config.block_size * kv_bytes_per_token(self.config.model_dir)
+            kwargs["kv_offloading_size"] = nbytes / (1 << 30)  # GiB, vLLM's unit
         if self.config.kv_transfer:
             from vllm.config import KVTransferConfig
 

@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 
 from services.mesh.hashing import SequenceHash, local_block_hashes
-from services.engines.base import KvCleared, KvEventData, KvRemoved, KvStored
+from services.engines.base import KvCleared, KvEventData, KvRemoved, KvStored, Tier
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +27,24 @@ def fold_hash(value: int | bytes) -> SequenceHash:
     return SequenceHash(value & 0xFFFF_FFFF_FFFF_FFFF)
 
 
+def tier_of(medium: str | None) -> Tier | None:
+    """vLLM's `medium` on an event as the mesh's tier: GPU (or none, from engines without
+    offloading) is the device, CPU the host; other media (disk) are not tracked (None)."""
+    if medium is None or medium.upper() == "GPU":
+        return Tier.DEVICE
+    if medium.upper() == "CPU":
+        return Tier.HOST
+    return None
+
+
 def convert(event: object) -> KvEventData | None:
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
+    if not isinstance(event, (BlockStored, BlockRemoved)):
+        return KvCleared() if isinstance(event, AllBlocksCleared) else None
+    tier = tier_of(getattr(event, "medium", None))
+    if tier is None:
+        return None
     if isinstance(event, BlockStored):
         locals_ = local_block_hashes(event.token_ids, event.block_size)
         hashes = [fold_hash(h) for h in event.block_hashes]
@@ -37,12 +52,8 @@ def convert(event: object) -> KvEventData | None:
             log.warning("vLLM stored event with %d hashes for %d full blocks; skipped", len(hashes), len(locals_))
             return None
         parent = None if event.parent_block_hash is None else fold_hash(event.parent_block_hash)
-        return KvStored(parent, tuple(zip(hashes, locals_)))
-    if isinstance(event, BlockRemoved):
-        return KvRemoved(tuple(fold_hash(h) for h in event.block_hashes))
-    if isinstance(event, AllBlocksCleared):
-        return KvCleared()
-    return None
+        return KvStored(parent, tuple(zip(hashes, locals_)), tier)
+    return KvRemoved(tuple(fold_hash(h) for h in event.block_hashes), tier)
 
 
 class VllmKvEventListener:

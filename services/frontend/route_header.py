@@ -8,7 +8,9 @@ prefix is otherwise nobody's business). The value is `; `-separated sections of 
     mode=kv; chosen=<id> overlap=3 usage=0.125 waiting=0 logit=1.375; runner-up=<id> overlap=0 usage=0.000 waiting=1 logit=-1.000
 
 `<id>` is a worker's instance id (as in `x-kvmesh-worker`), `overlap` the prompt blocks the
-worker already caches, `usage` its KV cache usage (0..1), `waiting` its queued requests as the
+worker already caches on its device; a worker that holds further prompt blocks in host memory
+only adds `host=N credit=C` after it (those blocks, and what each is worth against a device block,
+services/kv_router/host_credit.py); `usage` its KV cache usage (0..1), `waiting` its queued requests as the
 router counted them, `logit` the cost function's score (services/kv_router/cost_function.py).
 There is no runner-up section when only one worker could take the request; `round-robin` and
 `random` weigh nothing and say only `mode=...; chosen=<id>`.
@@ -17,6 +19,7 @@ There is no runner-up section when only one worker could take the request; `roun
 from __future__ import annotations
 
 from gen.kvmesh.v1 import common_pb2
+from services.mesh.kv_tier import host_terms
 
 EXPLAIN_HEADER = "x-kvmesh-explain"
 ROUTE_HEADER = "x-kvmesh-route"
@@ -38,5 +41,5 @@ def route_header(explanation: common_pb2.RouteExplanation) -> str:
 
 
 def _terms(role: str, c: common_pb2.RouteCandidate) -> str:
-    return (f"{role}={c.worker_id} overlap={c.overlap_blocks} usage={c.cache_usage:.3f} waiting={c.waiting} "
-            f"logit={c.logit:.3f}")
+    return (f"{role}={c.worker_id} overlap={c.overlap_blocks}{host_terms(c.host_overlap_blocks, c.host_credit)} "
+            f"usage={c.cache_usage:.3f} waiting={c.waiting} logit={c.logit:.3f}")

@@ -5,7 +5,9 @@ The rule (the same as NVIDIA Dynamo's KV router), per candidate worker:
     logit = 2 * overlap_ratio - gpu_cache_usage - normalized_waiting
 
 where overlap_ratio is the share of the prompt's tokens the worker already caches and
-normalized_waiting its queue length over the longest queue among the candidates. The best
+normalized_waiting its queue length over the longest queue among the candidates. A block the
+worker holds in host memory only counts as `host_credit` of a cached block (`host_credit.py`:
+what loading it back saves against recomputing it). The best
 logit wins; among equal logits the worker caching the fewest blocks (so new prefixes spread over
 the pool's cache), then chance. With a temperature > 0 the choice is sampled from softmax(logit / T).
 
@@ -28,6 +30,8 @@ class CostWeights:
     cache_usage: float = 1.0
     waiting: float = 1.0
     temperature: float = 0.0
+    # A fixed credit for every host-held block instead of the derived one (None: derived).
+    host_overlap: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +46,13 @@ class Candidate:
     pending_blocks: int = 0
     # Blocks the router's index holds for this worker: the tie-breaker.
     indexed_blocks: int = 0
+    # Prompt blocks after the device-held prefix that the worker holds in host memory, and what
+    # each is worth against a device block.
+    host_overlap_blocks: int = 0
+    host_credit: float = 0.0
+
+    def cached_blocks(self) -> float:
+        return self.overlap_blocks + self.host_credit * self.host_overlap_blocks
 
     def cache_usage(self) -> float:
         if self.kv_total_blocks <= 0:
@@ -69,9 +80,11 @@ class Terms:
     cache_usage: float
     waiting: int
     logit: float
+    host_overlap_blocks: int = 0
+    host_credit: float = 0.0
 
 
-def overlap_ratio(overlap_blocks: int, block_size: int, num_tokens: int) -> float:
+def overlap_ratio(overlap_blocks: float, block_size: int, num_tokens: int) -> float:
     """The share of the prompt's tokens held in the matched blocks (the prefix hit rate)."""
     return min(1.0, overlap_blocks * block_size / num_tokens) if num_tokens else 0.0
 
@@ -81,7 +94,7 @@ def logits(candidates: Sequence[Candidate], block_size: int, num_tokens: int, w:
     out = []
     for c in candidates:
         normalized_waiting = c.waiting() / max_waiting if max_waiting else 0.0
-        cached = overlap_ratio(c.overlap_blocks, block_size, num_tokens)
+        cached = overlap_ratio(c.cached_blocks(), block_size, num_tokens)
         out.append(w.overlap * cached - w.cache_usage * c.cache_usage() - w.waiting * normalized_waiting)
     return out
 
@@ -89,7 +102,8 @@ def logits(candidates: Sequence[Candidate], block_size: int, num_tokens: int, w:
 def terms(candidates: Sequence[Candidate], block_size: int, num_tokens: int, w: CostWeights) -> list[Terms]:
     """Each candidate's terms and logit, in the candidates' order (the numbers `choose` weighs)."""
     scores = logits(candidates, block_size, num_tokens, w)
-    return [Terms(c.worker_id, c.overlap_blocks, c.cache_usage(), c.waiting(), s) for c, s in zip(candidates, scores)]
+    return [Terms(c.worker_id, c.overlap_blocks, c.cache_usage(), c.waiting(), s, c.host_overlap_blocks,
+                  c.host_credit) for c, s in zip(candidates, scores)]
 
 
 def ranked(all_terms: Sequence[Terms], chosen_id: str) -> list[Terms]:
@@ -114,5 +128,5 @@ def choose(candidates: Sequence[Candidate], block_size: int, num_tokens: int, w:
         fewest = min(candidates[i].indexed_blocks for i in tied)
         index = rng.choice([i for i in tied if candidates[i].indexed_blocks == fewest])
     chosen = candidates[index]
-    return Decision(chosen.worker_id, chosen.overlap_blocks, overlap_ratio(chosen.overlap_blocks, block_size, num_tokens),
+    return Decision(chosen.worker_id, chosen.overlap_blocks, overlap_ratio(chosen.cached_blocks(), block_size, num_tokens),
                     scores[index])

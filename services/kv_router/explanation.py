@@ -1,7 +1,8 @@
 """Why the router chose a worker: one decision's terms, told three ways.
 
-- a DEBUG log line per routing decision, with every candidate's overlap blocks, cache usage,
-  waiting requests and logit (`log_line`);
+- a DEBUG log line per routing decision, with every candidate's overlap blocks (and, where it
+  holds some in host memory only, those and their credit), cache usage, waiting requests and
+  logit (`log_line`);
 - attributes of the router's `route` span, for the winner and the runner-up (`span_attributes`);
 - `RouteResponse.explanation` when the caller asked to `explain` (`to_proto`), which the gateway
   renders as its `x-kvmesh-route` header.
@@ -20,6 +21,7 @@ from opentelemetry.util.types import AttributeValue
 
 from gen.kvmesh.v1 import common_pb2
 from services.kv_router.cost_function import Terms, ranked
+from services.mesh.kv_tier import host_terms
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,9 @@ class Explanation:
                 out.update({f"{prefix}.worker_id": t.worker_id, f"{prefix}.overlap_blocks": t.overlap_blocks,
                             f"{prefix}.cache_usage": t.cache_usage, f"{prefix}.waiting": t.waiting,
                             f"{prefix}.logit": t.logit})
+                if t.host_overlap_blocks:
+                    out.update({f"{prefix}.host_overlap_blocks": t.host_overlap_blocks,
+                                f"{prefix}.host_credit": t.host_credit})
         return out
 
     def to_proto(self) -> common_pb2.RouteExplanation:
@@ -55,7 +60,8 @@ class Explanation:
             return common_pb2.RouteExplanation(mode=self.mode, candidates=[common_pb2.RouteCandidate(worker_id=self.chosen)])
         return common_pb2.RouteExplanation(mode=self.mode, candidates=[
             common_pb2.RouteCandidate(worker_id=t.worker_id, overlap_blocks=t.overlap_blocks, cache_usage=t.cache_usage,
-                                      waiting=t.waiting, logit=t.logit)
+                                      waiting=t.waiting, logit=t.logit, host_overlap_blocks=t.host_overlap_blocks,
+                                      host_credit=t.host_credit)
             for t in self.ranked])
 
 
@@ -65,4 +71,6 @@ def explain(mode: str, chosen: str, terms: Sequence[Terms]) -> Explanation:
 
 
 def _describe(t: Terms) -> str:
-    return f"{t.worker_id} overlap={t.overlap_blocks} usage={t.cache_usage:.3f} waiting={t.waiting} logit={t.logit:.3f}"
+    return (f"{t.worker_id} overlap={t.overlap_blocks}{host_terms(t.host_overlap_blocks, t.host_credit)} "
+            f"usage={t.cache_usage:.3f} waiting={t.waiting} logit={t.logit:.3f}")
+

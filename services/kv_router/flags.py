@@ -24,10 +24,15 @@ def add_router_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
                    help="cost function: weight of the normalized queue")
     g.add_argument("--router-temperature", type=non_negative_float, default=_WEIGHTS.temperature,
                    help="0 = best logit wins; > 0 = sample from softmax(logit / T)")
+    g.add_argument("--host-overlap-weight", type=non_negative_float, default=None,
+                   help="cost function: a fixed credit for a prefix block held in a worker's host memory "
+                        "(0 = ignore the host tier; default: derived from what loading it back saves "
+                        "against recomputing it)")
     return g
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
     weights = CostWeights(overlap=args.overlap_weight, cache_usage=args.cache_usage_weight,
-                          waiting=args.waiting_weight, temperature=args.router_temperature)
+                          waiting=args.waiting_weight, temperature=args.router_temperature,
+                          host_overlap=args.host_overlap_weight)
     return validated(lambda: RouterConfig(mode=args.router_mode, seed=args.seed, weights=weights))

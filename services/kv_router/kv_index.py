@@ -9,12 +9,30 @@ Dynamo's `RadixTree`, so the same events give Dynamo's `find_matches` numbers.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from services.mesh.hashing import LocalBlockHash, SequenceHash
+from services.mesh.kv_tier import Tier
 
 # One stored block as a KV event carries it: its sequence hash and its local (tokens) hash.
 StoredBlock = tuple[SequenceHash, LocalBlockHash]
+
+
+@dataclass(frozen=True, slots=True)
+class HostCopy:
+    """The index's name for a worker's host tier: a holder of its own beside the worker, so a
+    node one tier holds keeps its children while the other tier lets go of it."""
+
+    worker: Hashable
+
+
+def holder(worker: Hashable, tier: Tier) -> Hashable:
+    return worker if tier == Tier.DEVICE else HostCopy(worker)
+
+
+def other_holder(worker: Hashable, tier: Tier) -> Hashable:
+    return HostCopy(worker) if tier == Tier.DEVICE else worker
 
 
 class EventError(Exception):
@@ -46,13 +64,20 @@ class KvIndex(Protocol):
       no use to any prompt.
     - cleared: the worker holds nothing, but stays known.
     - remove_worker: the worker's lease is gone: all its blocks, then the worker itself.
+
+    Tiers: stored and removed events name the tier (device or host memory) that gains or loses
+    the blocks. Each tier of a worker holds nodes as a holder of its own (`HostCopy` for the
+    host), so a node held in either tier keeps its children; a stored event's parent may be
+    held in either tier (its own first). `find_matches` scores the device tier alone (Dynamo's
+    numbers); `find_matches_by_tier` adds, per worker, the levels held in host memory only.
     """
 
-    def store(self, worker: Hashable, parent_hash: SequenceHash | None, blocks: Iterable[StoredBlock]) -> int:
+    def store(self, worker: Hashable, parent_hash: SequenceHash | None, blocks: Iterable[StoredBlock],
+              tier: Tier = Tier.DEVICE) -> int:
         """Applies a stored event; returns the number of blocks applied."""
         ...
 
-    def remove(self, worker: Hashable, block_hashes: Iterable[SequenceHash]) -> int:
+    def remove(self, worker: Hashable, block_hashes: Iterable[SequenceHash], tier: Tier = Tier.DEVICE) -> int:
         """Applies a removed event; returns how many of the named blocks the worker held."""
         ...
 
@@ -65,9 +90,16 @@ class KvIndex(Protocol):
         ...
 
     def find_matches(self, local_hashes: Sequence[LocalBlockHash]) -> dict[Hashable, int]:
-        """Per worker, the number of matched levels (walking from the root) that it holds."""
+        """Per worker, the number of matched levels (walking from the root) that its device holds."""
+        ...
+
+    def find_matches_by_tier(self, local_hashes: Sequence[LocalBlockHash]
+                             ) -> tuple[dict[Hashable, int], dict[Hashable, int]]:
+        """`find_matches`, and per worker the matched levels its host tier holds and its device
+        does not."""
         ...
 
     def block_count(self, worker: Hashable | None = None) -> int:
-        """Blocks the worker holds by sequence hash (all workers' added up when None)."""
+        """Blocks the worker's device holds by sequence hash (every holder's, both tiers, added up
+        when None)."""
         ...

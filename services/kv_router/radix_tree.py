@@ -15,7 +15,8 @@ How it stays fast:
   at once (Dynamo keeps such empty leaves until the parent empties: invisible to scores, but
   memory that grows with every evicted conversation). Only a node's latest link is known, so a
   node an engine re-linked elsewhere under a reused block hash stays until its parents go;
-- workers are bits of an int mask per node (a slot per worker, reused once no node holds it);
+- workers are bits of an int mask per node (a slot per worker, reused once no node holds it); a
+  worker's host tier is a holder with a slot of its own (`HostCopy`);
 - a node keeps its first child inline; only a node with several children gets a dict (of ints,
   which the collector does not track either);
 - scoring walks the path once and adds a *run* of equal masks at once, so a match costs
@@ -26,8 +27,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-from services.kv_router.kv_index import EventError, KvIndex, StoredBlock
+from services.kv_router.kv_index import EventError, HostCopy, KvIndex, StoredBlock, holder, other_holder
 from services.mesh.hashing import LocalBlockHash, SequenceHash
+from services.mesh.kv_tier import Tier
 
 ROOT = 0
 NO_KEY = -1  # local hashes are u64, never negative
@@ -55,6 +57,8 @@ class RadixTree(KvIndex):
         self._free_slots: list[int] = []
         # Slots of removed workers whose bit is still set on stale nodes, with the worker's name.
         self._retired: dict[int, Hashable] = {}
+        # Whether any host tier was ever stored: until then every holder is a device.
+        self._tiered = False
 
     # -- workers -------------------------------------------------------------------------------
 
@@ -158,8 +162,13 @@ class RadixTree(KvIndex):
 
     # -- events --------------------------------------------------------------------------------
 
-    def store(self, worker: Hashable, parent_hash: SequenceHash | None, blocks: Iterable[StoredBlock]) -> int:
+    def store(self, worker: Hashable, parent_hash: SequenceHash | None, blocks: Iterable[StoredBlock],
+              tier: Tier = Tier.DEVICE) -> int:
         """Applies a stored event; returns the number of blocks applied."""
+        name = worker
+        if tier != Tier.DEVICE:
+            worker = HostCopy(name)
+            self._tiered = True
         slot = self._slot(worker)
         bit = 1 << slot
         lookup = self._lookup[slot]
@@ -167,8 +176,11 @@ class RadixTree(KvIndex):
             current = ROOT
         else:
             found = lookup.get(parent_hash)
+            if found is None and self._tiered:
+                other = self._slot_of.get(other_holder(name, tier))
+                found = None if other is None else self._lookup[other].get(parent_hash)
             if found is None:
-                raise EventError(f"worker {worker}: parent block {parent_hash} unknown; store skipped")
+                raise EventError(f"worker {name}: parent block {parent_hash} unknown; store skipped")
             current = found
         keys, kids, more_of, masks, refs = self._key, self._child, self._more, self._mask, self._refs
         parents, edges, free_nodes = self._parent, self._edge, self._free_nodes
@@ -223,9 +235,9 @@ class RadixTree(KvIndex):
         self._nodes_with_bit[slot] += added
         return applied
 
-    def remove(self, worker: Hashable, block_hashes: Iterable[SequenceHash]) -> int:
+    def remove(self, worker: Hashable, block_hashes: Iterable[SequenceHash], tier: Tier = Tier.DEVICE) -> int:
         """Applies a removed event; unknown blocks are skipped. Returns the number removed."""
-        slot = self._slot_of.get(worker)
+        slot = self._slot_of.get(holder(worker, tier))
         if slot is None:
             return 0
         bit = 1 << slot
@@ -251,13 +263,19 @@ class RadixTree(KvIndex):
         return removed
 
     def clear(self, worker: Hashable) -> None:
-        """Applies a cleared event: the worker holds nothing, but stays known."""
-        slot = self._slot_of.get(worker)
-        if slot is not None:
-            self._drop_blocks(slot)
+        """Applies a cleared event: the worker holds nothing in either tier, but stays known."""
+        for key in (worker, HostCopy(worker)) if self._tiered else (worker,):
+            slot = self._slot_of.get(key)
+            if slot is not None:
+                self._drop_blocks(slot)
 
     def remove_worker(self, worker: Hashable) -> None:
-        """Forgets a worker (its lease is gone): all its blocks, then its slot."""
+        """Forgets a worker (its lease is gone): all its blocks in both tiers, then its slots."""
+        self._forget(worker)
+        if self._tiered:
+            self._forget(HostCopy(worker))
+
+    def _forget(self, worker: Hashable) -> None:
         slot = self._slot_of.pop(worker, None)
         if slot is None:
             return
@@ -292,12 +310,47 @@ class RadixTree(KvIndex):
     # -- queries -------------------------------------------------------------------------------
 
     def find_matches(self, local_hashes: Sequence[LocalBlockHash]) -> dict[Hashable, int]:
-        """Per worker, the number of matched levels (walking from the root) that contain it."""
+        """Per worker, the number of matched levels (walking from the root) its device holds."""
+        counts: dict[int, int] = {}
+        for mask, run in self._runs(local_hashes):
+            _add_run(counts, mask, run)
+        names = self._worker_of_slot
+        found = {(names[slot] if slot in names else self._retired[slot]): n for slot, n in counts.items()}
+        if self._tiered:
+            return {w: n for w, n in found.items() if not isinstance(w, HostCopy)}
+        return found
+
+    def find_matches_by_tier(self, local_hashes: Sequence[LocalBlockHash]
+                             ) -> tuple[dict[Hashable, int], dict[Hashable, int]]:
+        """`find_matches`, and per worker the matched levels held in its host tier only."""
+        if not self._tiered:
+            return self.find_matches(local_hashes), {}
+        runs = self._runs(local_hashes)
+        device: dict[Hashable, int] = {}
+        host: dict[Hashable, int] = {}
+        names, retired, slot_of = self._worker_of_slot, self._retired, self._slot_of
+        for mask, run in runs:
+            rest = mask
+            while rest:
+                low = rest & -rest
+                rest ^= low
+                slot = low.bit_length() - 1
+                name = names[slot] if slot in names else retired[slot]
+                if not isinstance(name, HostCopy):
+                    device[name] = device.get(name, 0) + run
+                    continue
+                own = slot_of.get(name.worker)
+                if own is None or not mask >> own & 1:  # on the device too: a device hit
+                    host[name.worker] = host.get(name.worker, 0) + run
+        return device, host
+
+    def _runs(self, local_hashes: Sequence[LocalBlockHash]) -> list[tuple[int, int]]:
+        """The walk from the root along the prompt, as runs of levels with equal holder masks."""
         keys, kids, more_of, masks = self._key, self._child, self._more, self._mask
         node = ROOT
         run_mask = 0
         run = 0
-        counts: dict[int, int] = {}
+        runs: list[tuple[int, int]] = []
         for h in local_hashes:
             if keys[node] == h:
                 node = kids[node]
@@ -314,13 +367,12 @@ class RadixTree(KvIndex):
                 run += 1
                 continue
             if run_mask:
-                _add_run(counts, run_mask, run)
+                runs.append((run_mask, run))
             run_mask = mask
             run = 1
         if run_mask:
-            _add_run(counts, run_mask, run)
-        names = self._worker_of_slot
-        return {(names[slot] if slot in names else self._retired[slot]): n for slot, n in counts.items()}
+            runs.append((run_mask, run))
+        return runs
 
 
 def _add_run(counts: dict[int, int], mask: int, run: int) -> None:

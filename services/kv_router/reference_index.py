@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-from services.kv_router.kv_index import EventError, KvIndex, StoredBlock
+from services.kv_router.kv_index import EventError, HostCopy, KvIndex, StoredBlock, holder, other_holder
 from services.mesh.hashing import LocalBlockHash, SequenceHash
+from services.mesh.kv_tier import Tier
 
 
 class RefNode:
@@ -25,14 +26,20 @@ class ReferenceIndex(KvIndex):
         # Per worker, the node of every block it holds, by the block's sequence hash.
         self.lookup: dict[Hashable, dict[SequenceHash, RefNode]] = {}
 
-    def store(self, worker: Hashable, parent_hash: SequenceHash | None, blocks: Iterable[StoredBlock]) -> int:
+    def store(self, worker: Hashable, parent_hash: SequenceHash | None, blocks: Iterable[StoredBlock],
+              tier: Tier = Tier.DEVICE) -> int:
+        name = worker
+        worker = holder(name, tier)
         lookup = self.lookup.setdefault(worker, {})
+        other = self.lookup.get(other_holder(name, tier), {})
         if parent_hash is None:
             current = self.root
         elif parent_hash in lookup:
             current = lookup[parent_hash]
+        elif parent_hash in other:
+            current = other[parent_hash]
         else:
-            raise EventError(f"worker {worker}: parent block {parent_hash} unknown; store skipped")
+            raise EventError(f"worker {name}: parent block {parent_hash} unknown; store skipped")
         applied = 0
         for block_hash, tokens_hash in blocks:
             if tokens_hash in current.children:
@@ -48,7 +55,8 @@ class ReferenceIndex(KvIndex):
             applied += 1
         return applied
 
-    def remove(self, worker: Hashable, block_hashes: Iterable[SequenceHash]) -> int:
+    def remove(self, worker: Hashable, block_hashes: Iterable[SequenceHash], tier: Tier = Tier.DEVICE) -> int:
+        worker = holder(worker, tier)
         lookup = self.lookup.get(worker, {})
         removed = 0
         for block_hash in block_hashes:
@@ -60,14 +68,16 @@ class ReferenceIndex(KvIndex):
         return removed
 
     def clear(self, worker: Hashable) -> None:
-        for node in self.lookup.get(worker, {}).values():
-            self._let_go(worker, node)
-        if worker in self.lookup:
-            self.lookup[worker] = {}
+        for key in (worker, HostCopy(worker)):
+            for node in self.lookup.get(key, {}).values():
+                self._let_go(key, node)
+            if key in self.lookup:
+                self.lookup[key] = {}
 
     def remove_worker(self, worker: Hashable) -> None:
         self.clear(worker)
         self.lookup.pop(worker, None)
+        self.lookup.pop(HostCopy(worker), None)
 
     def block_count(self, worker: Hashable | None = None) -> int:
         if worker is None:
@@ -75,15 +85,23 @@ class ReferenceIndex(KvIndex):
         return len(self.lookup.get(worker, {}))
 
     def find_matches(self, local_hashes: Sequence[LocalBlockHash]) -> dict[Hashable, int]:
-        scores: dict[Hashable, int] = {}
+        return self.find_matches_by_tier(local_hashes)[0]
+
+    def find_matches_by_tier(self, local_hashes: Sequence[LocalBlockHash]
+                             ) -> tuple[dict[Hashable, int], dict[Hashable, int]]:
+        device: dict[Hashable, int] = {}
+        host: dict[Hashable, int] = {}
         current = self.root
         for h in local_hashes:
             if h not in current.children:
                 break
             current = current.children[h]
             for worker in current.workers:
-                scores[worker] = scores.get(worker, 0) + 1
-        return scores
+                if not isinstance(worker, HostCopy):
+                    device[worker] = device.get(worker, 0) + 1
+                elif worker.worker not in current.workers:
+                    host[worker.worker] = host.get(worker.worker, 0) + 1
+        return device, host
 
     @staticmethod
     def _let_go(worker: Hashable, node: RefNode) -> None:

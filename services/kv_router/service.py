@@ -55,6 +55,10 @@ class RouterConfig:
             raise ConfigError(f"--router-mode {self.mode!r} is not one of {', '.join(ROUTER_MODES)}")
         if self.weights.temperature < 0:
             raise ConfigError(f"--router-temperature must be >= 0, got {self.weights.temperature}")
+        host = self.weights.host_overlap
+        if host is not None and not 0 <= host <= 1:
+            raise ConfigError(f"--host-overlap-weight must be within 0..1 (a host hit is worth at most a device "
+                              f"hit), got {host}")
 
 
 class RouterMetrics:
@@ -124,8 +128,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise final_error(grpc.StatusCode.NOT_FOUND, f"no {pool.view.component} serves model {request.model!r}")
         block_size = pool.block_size(request.model) or candidates[0].info.block_size
         tokens = request.token_ids
-        overlaps = pool.index.find_matches(local_block_hashes(tokens, block_size))
-        pick_context = PickContext(overlaps, block_size, len(tokens), pool.index.block_count)
+        overlaps, host_overlaps = pool.index.find_matches_by_tier(local_block_hashes(tokens, block_size))
+        pick_context = PickContext(overlaps, block_size, len(tokens), pool.index.block_count, host_overlaps)
         chosen = self._picker.pick(candidates, pick_context)
         # Explained only when someone looks: the terms cost a second pass over the candidates. Taken
         # before the pending work below is added, so they are the numbers the pick weighed.
@@ -135,14 +139,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # The pool's queue as this request finds it (the disaggregation rule's prefill queue size).
         pool_waiting = sum(w.load.num_requests_waiting + len(w.pending) for w in candidates)
         overlap = overlaps.get(chosen.info.instance_id, 0)
+        host_overlap = host_overlaps.get(chosen.info.instance_id, 0)
         prompt_blocks = -(-len(tokens) // block_size)
+        # Blocks loaded back from host memory take device blocks as recomputed ones do.
         chosen.add_pending(max(0, prompt_blocks - overlap))
-        hit = overlap_ratio(overlap, block_size, len(tokens))
+        # What the prompt need not compute, from either tier (the disaggregation rule's input).
+        hit = overlap_ratio(overlap + host_overlap, block_size, len(tokens))
         self._metrics.routed.labels(chosen.info.instance_id, pool.view.component).inc()
-        self._metrics.record(len(tokens), min(len(tokens), overlap * block_size))
+        self._metrics.record(len(tokens), min(len(tokens), (overlap + host_overlap) * block_size))
         self._metrics.decision_seconds.observe(time.perf_counter() - started)
         reply = router_pb2.RouteResponse(worker_id=chosen.info.instance_id, address=chosen.info.address,
-                                         overlap_blocks=overlap, prefix_hit_rate=hit, pool_waiting=pool_waiting)
+                                         overlap_blocks=overlap, prefix_hit_rate=hit, pool_waiting=pool_waiting,
+                                         host_overlap_blocks=host_overlap)
         if explanation is not None:
             log.debug("request %s (%s): %s", request.request_id, pool.view.component, explanation.log_line())
             if span.is_recording():
@@ -163,6 +171,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         block_size = pool.block_size(request.model)
         if block_size is None:
             return router_pb2.FindMatchesResponse()
-        scores = pool.index.find_matches(local_block_hashes(request.token_ids, block_size))
+        scores, host = pool.index.find_matches_by_tier(local_block_hashes(request.token_ids, block_size))
         return router_pb2.FindMatchesResponse(
-            scores={w: n for w, n in scores.items() if w in serving}, block_size=block_size)
+            scores={w: n for w, n in scores.items() if w in serving}, block_size=block_size,
+            host_scores={w: n for w, n in host.items() if w in serving})

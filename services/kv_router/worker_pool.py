@@ -22,6 +22,7 @@ from services.mesh.discovery import ComponentView, InstanceInfo
 from services.mesh.channels import ChannelPool
 from services.mesh.tasks import cancel_and_wait
 from services.mesh.hashing import SequenceHash
+from services.mesh.kv_tier import Tier
 from services.kv_router.kv_index import EventError, KvIndex, StoredBlock
 from services.kv_router.radix_tree import RadixTree
 
@@ -181,11 +182,12 @@ class WorkerPool:
             parent = cast(SequenceHash, stored.parent_hash) if stored.HasField("parent_hash") else None
             blocks = cast("list[StoredBlock]", [(b.block_hash, b.tokens_hash) for b in stored.blocks])
             try:
-                self.index.store(worker, parent, blocks)
+                self.index.store(worker, parent, blocks, Tier.from_wire(stored.tier))
             except EventError as exc:
                 log.debug("%s", exc)
         elif kind == "removed":
-            self.index.remove(worker, cast("Iterable[SequenceHash]", event.removed.block_hashes))
+            removed = event.removed
+            self.index.remove(worker, cast("Iterable[SequenceHash]", removed.block_hashes), Tier.from_wire(removed.tier))
         elif kind == "cleared":
             self.index.clear(worker)
 

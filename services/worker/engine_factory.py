@@ -50,6 +50,8 @@ def _mocker(config: EngineConfig, instance_id: str, store: KeyValueStore, namesp
             max_num_seqs=config.max_num_seqs or MOCKER_MAX_NUM_SEQS,
             timing=TimingModel.preset(config.timing, config.speedup),
             kv_bytes_per_token=config.kv_bytes_per_token,
+            host_kv_blocks=config.host_kv_blocks,
+            host_kv_gbps=config.host_kv_gbps,
         ),
         kv_endpoint=endpoint,
     )
@@ -68,5 +70,6 @@ def _vllm(config: EngineConfig) -> Engine:
             max_num_seqs=config.max_num_seqs or VLLM_MAX_NUM_SEQS,
             cpu_kv_cache_gib=int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")),
             kv_transfer=nixl_transfer_config(config.advertise_host) if config.kv_transfer == "nixl" else None,
+            host_kv_blocks=config.host_kv_blocks,
         )
     )

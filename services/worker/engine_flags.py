@@ -18,6 +18,7 @@ from services.mesh.flags import (
     add_model_flags,
     model_ref,
     non_negative_float,
+    non_negative_int,
     positive_float,
     positive_int,
     validated,
@@ -30,6 +31,7 @@ KV_TRANSFERS = ("none", "nixl")
 DEFAULT_TIMING = DEFAULT_PRESET
 DEFAULT_NUM_GPU_BLOCKS = MockerConfig.num_gpu_blocks
 DEFAULT_KV_BYTES_PER_TOKEN = MockerConfig.kv_bytes_per_token
+DEFAULT_HOST_KV_GBPS = MockerConfig.host_kv_gbps
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,9 @@ class EngineConfig:
     kv_transfer: str = "none"
     # The address NIXL peers use to reach this worker.
     advertise_host: str = "127.0.0.1"
+    # A host-memory KV tier of this many blocks (0: none), and its host -> device link in GB/s.
+    host_kv_blocks: int = 0
+    host_kv_gbps: float = DEFAULT_HOST_KV_GBPS
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -64,6 +69,23 @@ class EngineConfig:
             raise ConfigError(f"--speedup must be > 0, got {self.speedup}")
         if self.engine == "vllm" and self.block_size % 32 and default_block_size("vllm") == 32:
             raise ConfigError(f"--block-size {self.block_size}: vLLM on CPU needs a multiple of 32")
+        if self.host_kv_blocks < 0:
+            raise ConfigError(f"--host-kv-blocks must be >= 0, got {self.host_kv_blocks}")
+        if not self.host_kv_gbps > 0:
+            raise ConfigError(f"--host-kv-gbps must be > 0, got {self.host_kv_gbps}")
+        if self.engine == "vllm" and self.host_kv_blocks:
+            self._check_vllm_host_tier()
+
+    def _check_vllm_host_tier(self) -> None:
+        """vLLM's native offloading copies KV between accelerator and host memory: there is
+        nothing to offload to where the cache already lives in host memory (vLLM on CPU), and it
+        would need a second KV connector beside NIXL, which is not validated."""
+        if default_block_size("vllm") == 32:
+            raise ConfigError("--host-kv-blocks: vLLM on a CPU-only machine keeps its KV cache in host memory "
+                              "already and cannot offload it; use --engine mocker for a host tier here")
+        if self.kv_transfer != "none":
+            raise ConfigError("--host-kv-blocks: vLLM's host offloading beside NIXL KV transfer is not supported; "
+                              "use it on aggregated workers (--prefill-workers 0)")
 
     @property
     def served_model_name(self) -> str:
@@ -87,6 +109,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     g.add_argument("--max-model-len", type=positive_int, default=None)
     g.add_argument("--kv-bytes-per-token", type=positive_int, default=DEFAULT_KV_BYTES_PER_TOKEN,
                    help="mocker: size of the synthetic KV moved per prompt token")
+    g.add_argument("--host-kv-blocks", type=non_negative_int, default=0,
+                   help="a host-memory KV tier of this many blocks below the device cache: evicted blocks "
+                        "move there and are loaded back on a prefix hit (0 = off; vLLM: its CPU offloading)")
+    g.add_argument("--host-kv-gbps", type=positive_float, default=DEFAULT_HOST_KV_GBPS,
+                   help="host -> device bandwidth of a load-back, GB/s (mocker: its timing; the router "
+                        "weighs host hits by it)")
     g.add_argument("--stream-interval-ms", type=non_negative_float, default=DEFAULT_INTERVAL_S * 1000,
                    help="a stream sends at most one message per this many ms; faster tokens ride together "
                         "(0: send each engine output at once)")
@@ -121,4 +149,6 @@ def engine_config(args: argparse.Namespace, advertise_host: str = "127.0.0.1") -
         kv_bytes_per_token=args.kv_bytes_per_token,
         kv_transfer=getattr(args, "kv_transfer", "none"),
         advertise_host=advertise_host,
+        host_kv_blocks=args.host_kv_blocks,
+        host_kv_gbps=args.host_kv_gbps,
     ))

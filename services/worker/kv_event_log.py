@@ -12,11 +12,8 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from services.engines.base import KvCleared, KvEventData, KvRemoved, KvStored
+from services.engines.base import KvCleared, KvEventData, KvRemoved, KvStored, Tier
 from services.mesh.hashing import LocalBlockHash, SequenceHash
-
-# Whole snapshots are cut into batches so no single message grows past the gRPC limit.
-SNAPSHOT_BATCH_BLOCKS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,8 +26,10 @@ class KvEventLog:
     def __init__(self, capacity: int = 65536, subscriber_queue: int = 8192) -> None:
         self._buffer: deque[NumberedEvent] = deque(maxlen=capacity)
         self._last_id = 0
-        # block hash -> (parent hash, local hash), in store order (parents first).
-        self._blocks: dict[SequenceHash, tuple[SequenceHash | None, LocalBlockHash]] = {}
+        # (block hash, tier) -> (parent hash, local hash, depth in its chain). A block may sit in
+        # both tiers (vLLM keeps the device copy of what it offloads).
+        self._blocks: dict[tuple[SequenceHash, Tier], tuple[SequenceHash | None, LocalBlockHash, int]] = {}
+        self._depth: dict[SequenceHash, int] = {}  # per block hash, whichever tier holds it
         self._subscribers: set[asyncio.Queue[NumberedEvent | None]] = set()
         self._subscriber_queue = subscriber_queue
 
@@ -53,24 +52,33 @@ class KvEventLog:
             queue.put_nowait(event)
 
     def _track(self, data: KvEventData) -> None:
+        blocks, depths = self._blocks, self._depth
         if isinstance(data, KvStored):
             parent = data.parent_hash
+            depth = 0 if parent is None else depths.get(parent, 0) + 1
             for block_hash, local in data.blocks:
-                self._blocks[block_hash] = (parent, local)
+                blocks[(block_hash, data.tier)] = (parent, local, depth)
+                depths[block_hash] = depth
                 parent = block_hash
+                depth += 1
         elif isinstance(data, KvRemoved):
+            other = Tier.HOST if data.tier == Tier.DEVICE else Tier.DEVICE
             for block_hash in data.block_hashes:
-                self._blocks.pop(block_hash, None)
+                if blocks.pop((block_hash, data.tier), None) is not None and (block_hash, other) not in blocks:
+                    depths.pop(block_hash, None)
         elif isinstance(data, KvCleared):
-            self._blocks.clear()
+            blocks.clear()
+            depths.clear()
 
     def snapshot(self) -> list[NumberedEvent]:
-        """The current cache as `cleared` plus stored events, all carrying the current id."""
+        """The current cache as `cleared` plus stored events, all carrying the current id.
+
+        Blocks go shallowest first, so each one's parent is stored before it whichever tier
+        holds either (a block that moved to host memory after its child is younger than it)."""
         events = [NumberedEvent(self._last_id, KvCleared())]
-        items = list(self._blocks.items())
-        for i in range(0, len(items), SNAPSHOT_BATCH_BLOCKS):
-            for block_hash, (parent, local) in items[i : i + SNAPSHOT_BATCH_BLOCKS]:
-                events.append(NumberedEvent(self._last_id, KvStored(parent, ((block_hash, local),))))
+        items = sorted(self._blocks.items(), key=lambda item: item[1][2])
+        for (block_hash, tier), (parent, local, _) in items:
+            events.append(NumberedEvent(self._last_id, KvStored(parent, ((block_hash, local),), tier)))
         return events
 
     async def subscribe(self, from_event_id: int) -> AsyncIterator[tuple[list[NumberedEvent], bool]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import cast
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 
@@ -104,8 +105,10 @@ def event_to_proto(event: NumberedEvent) -> worker_pb2.KvEvent:
         if data.parent_hash is not None:
             stored.parent_hash = data.parent_hash
         stored.blocks.extend(worker_pb2.StoredBlock(block_hash=b, tokens_hash=t) for b, t in data.blocks)
+        stored.tier = cast(worker_pb2.KvTier, int(data.tier))
     elif isinstance(data, KvRemoved):
         msg.removed.block_hashes.extend(data.block_hashes)
+        msg.removed.tier = cast(worker_pb2.KvTier, int(data.tier))
     elif isinstance(data, KvCleared):
         msg.cleared.SetInParent()
     return msg
@@ -120,6 +123,11 @@ def load_to_proto(load: LoadSnapshot) -> worker_pb2.LoadMetrics:
         num_requests_waiting=load.num_requests_waiting,
         gpu_cache_usage_perc=load.gpu_cache_usage_perc,
         gpu_prefix_cache_hit_rate=load.gpu_prefix_cache_hit_rate,
+        host_tier=None if (h := load.host_tier) is None else worker_pb2.HostKvTier(
+            active_blocks=h.active_blocks, total_blocks=h.total_blocks, load_gbps=h.load_gbps,
+            kv_bytes_per_token=h.kv_bytes_per_token, hit_blocks_total=h.hit_blocks_total),
+        prefill_cost=None if (p := load.prefill_cost) is None else worker_pb2.PrefillCost(
+            us_per_token=p.us_per_token, us_per_token_per_1k=p.us_per_token_per_1k),
     )
 
 

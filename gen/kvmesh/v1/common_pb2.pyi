@@ -125,18 +125,22 @@ class RouteExplanation(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ...) -> None: ...
 
 class RouteCandidate(_message.Message):
-    __slots__ = ("worker_id", "overlap_blocks", "cache_usage", "waiting", "logit")
+    __slots__ = ("worker_id", "overlap_blocks", "cache_usage", "waiting", "logit", "host_overlap_blocks", "host_credit")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     LOGIT_FIELD_NUMBER: _ClassVar[int]
+    HOST_OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_CREDIT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     overlap_blocks: int
     cache_usage: float
     waiting: int
     logit: float
-    def __init__(self, worker_id: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., cache_usage: _Optional[float] = ..., waiting: _Optional[int] = ..., logit: _Optional[float] = ...) -> None: ...
+    host_overlap_blocks: int
+    host_credit: float
+    def __init__(self, worker_id: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., cache_usage: _Optional[float] = ..., waiting: _Optional[int] = ..., logit: _Optional[float] = ..., host_overlap_blocks: _Optional[int] = ..., host_credit: _Optional[float] = ...) -> None: ...
 
 class StreamEnd(_message.Message):
     __slots__ = ("stream_id", "code", "message", "final", "param")

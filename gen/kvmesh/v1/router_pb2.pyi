@@ -24,20 +24,22 @@ class RouteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., explain: _Optional[bool] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("worker_id", "address", "overlap_blocks", "prefix_hit_rate", "pool_waiting", "explanation")
+    __slots__ = ("worker_id", "address", "overlap_blocks", "prefix_hit_rate", "pool_waiting", "explanation", "host_overlap_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     POOL_WAITING_FIELD_NUMBER: _ClassVar[int]
     EXPLANATION_FIELD_NUMBER: _ClassVar[int]
+    HOST_OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     overlap_blocks: int
     prefix_hit_rate: float
     pool_waiting: int
     explanation: _common_pb2.RouteExplanation
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., pool_waiting: _Optional[int] = ..., explanation: _Optional[_Union[_common_pb2.RouteExplanation, _Mapping]] = ...) -> None: ...
+    host_overlap_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., pool_waiting: _Optional[int] = ..., explanation: _Optional[_Union[_common_pb2.RouteExplanation, _Mapping]] = ..., host_overlap_blocks: _Optional[int] = ...) -> None: ...
 
 class FindMatchesRequest(_message.Message):
     __slots__ = ("model", "token_ids", "role")
@@ -50,8 +52,15 @@ class FindMatchesRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ...) -> None: ...
 
 class FindMatchesResponse(_message.Message):
-    __slots__ = ("scores", "block_size")
+    __slots__ = ("scores", "block_size", "host_scores")
     class ScoresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class HostScoresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -60,9 +69,11 @@ class FindMatchesResponse(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     SCORES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HOST_SCORES_FIELD_NUMBER: _ClassVar[int]
     scores: _containers.ScalarMap[str, int]
     block_size: int
-    def __init__(self, scores: _Optional[_Mapping[str, int]] = ..., block_size: _Optional[int] = ...) -> None: ...
+    host_scores: _containers.ScalarMap[str, int]
+    def __init__(self, scores: _Optional[_Mapping[str, int]] = ..., block_size: _Optional[int] = ..., host_scores: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class RouterCall(_message.Message):
     __slots__ = ("stream_id", "timeout_ms", "metadata", "request")

@@ -1,11 +1,21 @@
 from gen.kvmesh.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class KvTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TIER_UNSPECIFIED: _ClassVar[KvTier]
+    KV_TIER_DEVICE: _ClassVar[KvTier]
+    KV_TIER_HOST: _ClassVar[KvTier]
+KV_TIER_UNSPECIFIED: KvTier
+KV_TIER_DEVICE: KvTier
+KV_TIER_HOST: KvTier
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling")
@@ -82,18 +92,22 @@ class StoredBlock(_message.Message):
     def __init__(self, block_hash: _Optional[int] = ..., tokens_hash: _Optional[int] = ...) -> None: ...
 
 class BlocksStored(_message.Message):
-    __slots__ = ("parent_hash", "blocks")
+    __slots__ = ("parent_hash", "blocks", "tier")
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     parent_hash: int
     blocks: _containers.RepeatedCompositeFieldContainer[StoredBlock]
-    def __init__(self, parent_hash: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[StoredBlock, _Mapping]]] = ...) -> None: ...
+    tier: KvTier
+    def __init__(self, parent_hash: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[StoredBlock, _Mapping]]] = ..., tier: _Optional[_Union[KvTier, str]] = ...) -> None: ...
 
 class BlocksRemoved(_message.Message):
-    __slots__ = ("block_hashes",)
+    __slots__ = ("block_hashes", "tier")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    tier: KvTier
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[_Union[KvTier, str]] = ...) -> None: ...
 
 class AllBlocksCleared(_message.Message):
     __slots__ = ()
@@ -124,7 +138,7 @@ class SubscribeMetricsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadMetrics(_message.Message):
-    __slots__ = ("request_active_slots", "request_total_slots", "kv_active_blocks", "kv_total_blocks", "num_requests_waiting", "gpu_cache_usage_perc", "gpu_prefix_cache_hit_rate")
+    __slots__ = ("request_active_slots", "request_total_slots", "kv_active_blocks", "kv_total_blocks", "num_requests_waiting", "gpu_cache_usage_perc", "gpu_prefix_cache_hit_rate", "host_tier", "prefill_cost")
     REQUEST_ACTIVE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_TOTAL_SLOTS_FIELD_NUMBER: _ClassVar[int]
     KV_ACTIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +146,8 @@ class LoadMetrics(_message.Message):
     NUM_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     GPU_CACHE_USAGE_PERC_FIELD_NUMBER: _ClassVar[int]
     GPU_PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COST_FIELD_NUMBER: _ClassVar[int]
     request_active_slots: int
     request_total_slots: int
     kv_active_blocks: int
@@ -139,7 +155,31 @@ class LoadMetrics(_message.Message):
     num_requests_waiting: int
     gpu_cache_usage_perc: float
     gpu_prefix_cache_hit_rate: float
-    def __init__(self, request_active_slots: _Optional[int] = ..., request_total_slots: _Optional[int] = ..., kv_active_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., gpu_cache_usage_perc: _Optional[float] = ..., gpu_prefix_cache_hit_rate: _Optional[float] = ...) -> None: ...
+    host_tier: HostKvTier
+    prefill_cost: PrefillCost
+    def __init__(self, request_active_slots: _Optional[int] = ..., request_total_slots: _Optional[int] = ..., kv_active_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., gpu_cache_usage_perc: _Optional[float] = ..., gpu_prefix_cache_hit_rate: _Optional[float] = ..., host_tier: _Optional[_Union[HostKvTier, _Mapping]] = ..., prefill_cost: _Optional[_Union[PrefillCost, _Mapping]] = ...) -> None: ...
+
+class HostKvTier(_message.Message):
+    __slots__ = ("active_blocks", "total_blocks", "load_gbps", "kv_bytes_per_token", "hit_blocks_total")
+    ACTIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_GBPS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    active_blocks: int
+    total_blocks: int
+    load_gbps: float
+    kv_bytes_per_token: int
+    hit_blocks_total: int
+    def __init__(self, active_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., load_gbps: _Optional[float] = ..., kv_bytes_per_token: _Optional[int] = ..., hit_blocks_total: _Optional[int] = ...) -> None: ...
+
+class PrefillCost(_message.Message):
+    __slots__ = ("us_per_token", "us_per_token_per_1k")
+    US_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    US_PER_TOKEN_PER_1K_FIELD_NUMBER: _ClassVar[int]
+    us_per_token: float
+    us_per_token_per_1k: float
+    def __init__(self, us_per_token: _Optional[float] = ..., us_per_token_per_1k: _Optional[float] = ...) -> None: ...
 
 class SwitchRoleRequest(_message.Message):
     __slots__ = ("role", "drain_timeout_s")

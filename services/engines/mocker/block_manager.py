@@ -1,8 +1,18 @@
-"""The mocker's paged KV cache: fixed-size blocks, prefix caching by chained hash, LRU eviction.
+"""The mocker's paged KV cache: fixed-size blocks, prefix caching by chained hash, LRU eviction,
+and an optional host-memory tier below it.
 
 It behaves like vLLM's block pool where it matters to the router: a full block is cached under the
 hash of its tokens and everything before it; blocks nobody references stay cached until space is
 needed, and the least recently freed goes first. Every cache change is reported as a KV event.
+
+The host tier (`host_blocks` > 0) keeps what the device evicts, as vLLM's CPU offloading and
+Dynamo's KVBM do: an evicted block moves to host memory (least recently moved leaves first, for
+good); a prompt whose prefix continues in host memory loads those blocks back into fresh device
+blocks instead of recomputing them. A block lives in one tier at a time. Events keep the router's
+view whole at every step: a block is stored in its new tier before it is removed from the old one,
+so no index node is ever left empty in between (an empty node would drop everything below it).
+A block is moved to host only while its parent is still cached somewhere: a block whose prefix is
+gone can never be hit again.
 """
 
 from __future__ import annotations
@@ -10,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from services.engines.base import KvEventData, KvRemoved, KvStored
+from services.engines.base import KvEventData, KvRemoved, KvStored, Tier
 from services.mesh.hashing import LocalBlockHash, SequenceHash
 
 # Marks a block that caches nothing; sequence hashes are u64, never negative.
@@ -22,23 +32,36 @@ class BlockManager:
         "_by_hash",
         "_emit",
         "_hash_of",
+        "_host",
+        "_local_of",
         "_lru",
         "_never_used",
+        "_parent_of",
         "_refs",
         "block_size",
+        "host_blocks",
+        "host_hit_blocks",
         "num_blocks",
     )
 
-    def __init__(self, num_blocks: int, block_size: int, emit: Callable[[KvEventData], None]) -> None:
+    def __init__(self, num_blocks: int, block_size: int, emit: Callable[[KvEventData], None],
+                 host_blocks: int = 0) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.host_blocks = host_blocks
         self._emit = emit
         self._never_used: list[int] = list(range(num_blocks - 1, -1, -1))
         self._by_hash: dict[SequenceHash, int] = {}
         self._hash_of: list[SequenceHash] = [NO_HASH] * num_blocks
+        # What a cached device block needs to move to host: its parent's hash and its local hash.
+        self._parent_of: list[SequenceHash | None] = [None] * num_blocks
+        self._local_of: list[LocalBlockHash] = [LocalBlockHash(0)] * num_blocks
         self._refs: list[int] = [0] * num_blocks
         # Cached blocks with no reference, oldest first: the eviction order.
         self._lru: OrderedDict[int, None] = OrderedDict()
+        # The host tier: block hash -> (parent hash, local hash), oldest first.
+        self._host: OrderedDict[SequenceHash, tuple[SequenceHash | None, LocalBlockHash]] = OrderedDict()
+        self.host_hit_blocks = 0
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -50,6 +73,10 @@ class BlockManager:
     def free_blocks(self) -> int:
         return len(self._never_used) + len(self._lru)
 
+    @property
+    def host_active_blocks(self) -> int:
+        return len(self._host)
+
     def cached_prefix_blocks(self, chain: Sequence[SequenceHash]) -> int:
         n = 0
         for h in chain:
@@ -58,14 +85,28 @@ class BlockManager:
             n += 1
         return n
 
+    def host_prefix_blocks(self, chain: Sequence[SequenceHash], start: int) -> int:
+        """How many blocks of `chain` from `start` on continue the prefix in host memory."""
+        host = self._host
+        if not host:
+            return 0
+        n = 0
+        for h in chain[start:]:
+            if h not in host:
+                break
+            n += 1
+        return n
+
     # -- allocation ----------------------------------------------------------------------------
 
     def allocate(self, chain: list[SequenceHash], locals_: list[LocalBlockHash],
-                 num_tokens: int) -> tuple[list[int], int] | None:
+                 num_tokens: int) -> tuple[list[int], int, int] | None:
         """Blocks for a sequence of `num_tokens` whose full blocks hash to `chain`.
 
-        Reuses the cached prefix, takes fresh blocks for the rest and caches the new full ones.
-        Returns (block ids, cached blocks) or None when the cache cannot hold it now.
+        Reuses the cached prefix, loads the part of it that continues in host memory back into
+        fresh blocks, takes fresh blocks for the rest and caches the new full ones. Returns
+        (block ids, device-cached blocks, blocks loaded from host) or None when the cache cannot
+        hold it now.
         """
         hit = self.cached_prefix_blocks(chain)
         needed = -(-num_tokens // self.block_size) - hit
@@ -73,13 +114,20 @@ class BlockManager:
         if needed > self.free_blocks - reusable_from_lru:
             return None
         blocks = [self._ref_cached(self._by_hash[h]) for h in chain[:hit]]
+        # Taken out of the host tier before any eviction below can push them out of it.
+        loaded = [chain[i] for i in range(hit, hit + self.host_prefix_blocks(chain, hit))]
+        for h in loaded:
+            del self._host[h]
         evicted: list[SequenceHash] = []
         for _ in range(needed):
             blocks.append(self._take_block(evicted))
         if evicted:
             self._emit(KvRemoved(tuple(evicted)))
         self._cache_full_blocks(blocks, chain, locals_, hit)
-        return blocks, hit
+        if loaded:  # on the device now (stored above): the host copies go
+            self.host_hit_blocks += len(loaded)
+            self._emit(KvRemoved(tuple(loaded), Tier.HOST))
+        return blocks, hit, len(loaded)
 
     def append_block(self) -> int | None:
         """One more block for a growing sequence, or None when every block is referenced."""
@@ -98,7 +146,11 @@ class BlockManager:
             return
         self._by_hash[chain_hash] = block
         self._hash_of[block] = chain_hash
+        self._parent_of[block] = parent_hash
+        self._local_of[block] = local_hash
         self._emit(KvStored(parent_hash, ((chain_hash, local_hash),)))
+        if self._host.pop(chain_hash, None) is not None:
+            self._emit(KvRemoved((chain_hash,), Tier.HOST))
 
     def free(self, blocks: list[int]) -> None:
         """Drops one reference to each block; cached ones stay reusable until evicted."""
@@ -125,11 +177,27 @@ class BlockManager:
         else:
             block, _ = self._lru.popitem(last=False)
             old = self._hash_of[block]
+            if self.host_blocks:
+                self._to_host(old, self._parent_of[block], self._local_of[block])
             del self._by_hash[old]
             self._hash_of[block] = NO_HASH
             evicted.append(old)
         self._refs[block] = 1
         return block
+
+    def _to_host(self, block_hash: SequenceHash, parent: SequenceHash | None, local: LocalBlockHash) -> None:
+        """Keeps a block the device evicts in host memory (stored there before the device removal
+        is reported), making room by dropping the host tier's oldest blocks for good."""
+        host = self._host
+        if len(host) >= self.host_blocks:
+            dropped = []
+            while len(host) >= self.host_blocks:
+                dropped.append(host.popitem(last=False)[0])
+            self._emit(KvRemoved(tuple(dropped), Tier.HOST))
+        if parent is not None and parent not in self._by_hash and parent not in host:
+            return  # its prefix is gone: it could never be hit again
+        host[block_hash] = (parent, local)
+        self._emit(KvStored(parent, ((block_hash, local),), Tier.HOST))
 
     def _cache_full_blocks(self, blocks: list[int], chain: list[SequenceHash], locals_: list[LocalBlockHash],
                            start: int) -> None:
@@ -138,9 +206,16 @@ class BlockManager:
             h = chain[i]
             if h in self._by_hash:
                 break
-            self._by_hash[h] = blocks[i]
-            self._hash_of[blocks[i]] = h
+            block = blocks[i]
+            self._by_hash[h] = block
+            self._hash_of[block] = h
+            self._parent_of[block] = chain[i - 1] if i > 0 else None
+            self._local_of[block] = locals_[i]
             stored.append((h, locals_[i]))
         if stored:
             parent = chain[start - 1] if start > 0 else None
             self._emit(KvStored(parent, tuple(stored)))
+            # Recomputed although a copy sat in host memory past a gap in the prefix: one tier.
+            stale = [h for h, _ in stored if self._host.pop(h, None) is not None] if self._host else []
+            if stale:
+                self._emit(KvRemoved(tuple(stale), Tier.HOST))

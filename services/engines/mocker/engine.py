@@ -31,7 +31,9 @@ from services.engines.base import (
     EngineInfo,
     EngineOutput,
     EngineRequest,
+    HostTierLoad,
     LoadSnapshot,
+    PrefillCost,
     PrefillResult,
     UnsupportedFieldError,
 )
@@ -53,6 +55,10 @@ class MockerConfig:
     timing: TimingModel = field(default_factory=TimingModel)
     # Synthetic KV size moved between prefill and decode workers (an 8B model holds ~128 KiB).
     kv_bytes_per_token: int = 4096
+    # The host-memory tier below the device cache, in blocks (0: none), and the host -> device
+    # link a load-back crosses (GB/s; a PCIe 5.0 x16 link moves about 50 in practice).
+    host_kv_blocks: int = 0
+    host_kv_gbps: float = 50.0
 
 
 @dataclass(eq=False, slots=True)
@@ -93,7 +99,8 @@ class MockerEngine(Engine):
         # Generated ids skip the lowest ids, where byte-level tokenizers keep special tokens.
         self._token_low = min(8, vocab - 1)
         self._token_span = max(1, vocab - self._token_low)
-        self.blocks = BlockManager(config.num_gpu_blocks, config.block_size, self.emit_kv_event)
+        self.blocks = BlockManager(config.num_gpu_blocks, config.block_size, self.emit_kv_event,
+                                   config.host_kv_blocks)
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
         self._wake = asyncio.Event()
@@ -137,7 +144,23 @@ class MockerEngine(Engine):
             num_requests_waiting=len(self._waiting),
             gpu_cache_usage_perc=active / total if total else 0.0,
             gpu_prefix_cache_hit_rate=self._prompt_tokens_hit / seen if seen else 0.0,
+            host_tier=self._host_tier_load(),
+            prefill_cost=self._prefill_cost(),
         )
+
+    def _host_tier_load(self) -> HostTierLoad | None:
+        c = self.config
+        if not c.host_kv_blocks:
+            return None
+        return HostTierLoad(self.blocks.host_active_blocks, c.host_kv_blocks, c.host_kv_gbps,
+                            c.kv_bytes_per_token, self.blocks.host_hit_blocks)
+
+    def _prefill_cost(self) -> PrefillCost:
+        """What a prompt token costs on the machine the timing model imitates. `speedup` divides
+        compute and host-tier transfers alike, so it is left out: the router weighs the two
+        against each other, and that ratio is the imitated machine's whatever the speedup."""
+        t = self.config.timing
+        return PrefillCost(t.prefill_per_token_us, t.prefill_us_per_token_per_1k())
 
     async def prefill(self, request: EngineRequest) -> PrefillResult:
         if self.kv_endpoint is None:
@@ -200,8 +223,12 @@ class MockerEngine(Engine):
                 step_end = None  # idle: the next step starts its own clock
                 await self._wake.wait()
             decode_seqs = len(self._running)
-            admitted, prefill_tokens = self._admit()
-            duration = self.config.timing.step_seconds(prefill_tokens, decode_seqs)
+            admitted, prefill_tokens, loaded_blocks = self._admit()
+            timing = self.config.timing
+            duration = timing.step_seconds(prefill_tokens, decode_seqs)
+            if loaded_blocks:
+                kv_bytes = loaded_blocks * self.config.block_size * self.config.kv_bytes_per_token
+                duration += timing.load_seconds(kv_bytes, self.config.host_kv_gbps)
             now = loop.time()
             # Back-to-back steps keep the engine's own clock: a step ends `duration` after the
             # previous one ended, not after this process got round to starting it, so time the
@@ -214,10 +241,12 @@ class MockerEngine(Engine):
             await asyncio.sleep(max(0.0, step_end - now))
             self._emit_tokens(admitted)
 
-    def _admit(self) -> tuple[list[_Seq], int]:
+    def _admit(self) -> tuple[list[_Seq], int, int]:
+        """Admits waiting sequences; returns them, the prompt tokens the step computes, and the
+        blocks it loads back from the host tier."""
         admitted: list[_Seq] = []
         budget = self.config.max_num_batched_tokens
-        used = 0
+        used = loaded = 0
         while self._waiting and len(self._running) + len(admitted) < self.config.max_num_seqs:
             seq = self._waiting[0]
             bs = self.config.block_size
@@ -225,7 +254,11 @@ class MockerEngine(Engine):
                 seq.locals_ = local_block_hashes(seq.tokens, bs)
                 seq.chain = chain_from(seq.locals_)
             chain = seq.chain
-            uncached = 0 if seq.remote_kv else len(seq.tokens) - self.blocks.cached_prefix_blocks(chain) * bs
+            if seq.remote_kv:
+                uncached = 0
+            else:
+                hit = self.blocks.cached_prefix_blocks(chain)
+                uncached = len(seq.tokens) - (hit + self.blocks.host_prefix_blocks(chain, hit)) * bs
             # A prompt longer than the budget runs alone in its step (chunked prefill, collapsed).
             if used and used + uncached > budget:
                 break
@@ -233,15 +266,17 @@ class MockerEngine(Engine):
             if allocation is None:
                 break
             self._waiting.popleft()
-            seq.blocks, hit_blocks = allocation
+            seq.blocks, hit_blocks, host_blocks = allocation
+            reused = hit_blocks + host_blocks
             if seq.generated == 0:
-                seq.cached_tokens = min(hit_blocks * bs, seq.prompt_len)
+                seq.cached_tokens = min(reused * bs, seq.prompt_len)
                 self._prompt_tokens_seen += seq.prompt_len
                 self._prompt_tokens_hit += seq.cached_tokens
             if not seq.remote_kv:
-                used += len(seq.tokens) - hit_blocks * bs
+                used += len(seq.tokens) - reused * bs
+                loaded += host_blocks
             admitted.append(seq)
-        return admitted, used
+        return admitted, used, loaded
 
     def _emit_tokens(self, admitted: list[_Seq]) -> None:
         running = self._running

@@ -36,6 +36,17 @@ class TimingModel:
             ms += self.decode_base_ms + decode_seqs * self.decode_per_seq_us / 1000.0
         return ms / 1000.0 / self.speedup
 
+    def load_seconds(self, nbytes: int, gbps: float) -> float:
+        """Moving `nbytes` of KV over a `gbps` GB/s link (a host-tier load-back)."""
+        if self.speedup == float("inf") or nbytes <= 0:
+            return 0.0
+        return nbytes / (gbps * 1e9) / self.speedup
+
+    def prefill_us_per_token_per_1k(self) -> float:
+        """The growth of one prompt token's cost per 1k tokens before it: the derivative of the
+        quadratic term, whose integral over a prompt of n tokens is n * n / 1000 * the term."""
+        return 2.0 * self.prefill_quadratic_us_per_1k
+
 
 DEFAULT_PRESET = "h100-8b"
 PRESETS: dict[str, TimingModel] = {

@@ -9,7 +9,7 @@ minus exclusions), scores the prompt against the index, and does the pending acc
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.kv_router.cost_function import Terms
@@ -27,6 +27,8 @@ class PickContext:
     # Blocks the index holds for a worker id: the cost function's tie-breaker. A function, not a
     # table, so modes that never break ties pay nothing for it.
     indexed_blocks: Callable[[str], int]
+    # Per worker id, the prompt's blocks it holds in host memory only (`find_matches_by_tier`).
+    host_overlaps: Mapping[Hashable, int] = field(default_factory=dict)
 
 
 class Picker(Protocol):

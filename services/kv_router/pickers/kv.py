@@ -11,6 +11,7 @@ import random
 from collections.abc import Sequence
 
 from services.kv_router.cost_function import Candidate, CostWeights, Terms, choose, terms
+from services.kv_router.host_credit import host_credit
 from services.kv_router.pickers.base import PickContext
 from services.kv_router.worker_pool import WorkerState
 
@@ -21,24 +22,28 @@ class KvPicker:
         self._weights = weights
 
     def pick(self, candidates: Sequence[WorkerState], context: PickContext) -> WorkerState:
-        scored = [candidate(w, context) for w in candidates]
+        scored = [candidate(w, context, self._weights.host_overlap) for w in candidates]
         decision = choose(scored, context.block_size, context.num_tokens, self._weights, self._rng)
         return next(w for w in candidates if w.info.instance_id == decision.worker_id)
 
     def terms(self, candidates: Sequence[WorkerState], context: PickContext) -> list[Terms]:
         # The same inputs `pick` scores; asked before the pick's pending work is added.
-        return terms([candidate(w, context) for w in candidates], context.block_size, context.num_tokens,
-                     self._weights)
+        return terms([candidate(w, context, self._weights.host_overlap) for w in candidates], context.block_size,
+                     context.num_tokens, self._weights)
 
 
-def candidate(worker: WorkerState, context: PickContext) -> Candidate:
-    """The cost function's view of one worker: reported load plus this router's pending work."""
+def candidate(worker: WorkerState, context: PickContext, host_weight: float | None = None) -> Candidate:
+    """The cost function's view of one worker: reported load plus this router's pending work, and
+    what its host-held blocks of the prompt are worth (`host_weight`: a fixed credit instead)."""
     pending_requests, pending_blocks = worker.pending_counts()
     load = worker.load
     worker_id = worker.info.instance_id
+    overlap = context.overlaps.get(worker_id, 0)
+    host = context.host_overlaps.get(worker_id, 0)
+    credit = host_credit(load, overlap, host, context.block_size, host_weight) if host else 0.0
     return Candidate(
-        worker_id=worker_id, overlap_blocks=context.overlaps.get(worker_id, 0),
+        worker_id=worker_id, overlap_blocks=overlap,
         kv_active_blocks=load.kv_active_blocks, kv_total_blocks=load.kv_total_blocks,
         num_requests_waiting=load.num_requests_waiting, gpu_cache_usage_perc=load.gpu_cache_usage_perc,
         pending_requests=pending_requests, pending_blocks=pending_blocks,
-        indexed_blocks=context.indexed_blocks(worker_id))
+        indexed_blocks=context.indexed_blocks(worker_id), host_overlap_blocks=host, host_credit=credit)
