@@ -1,9 +1,9 @@
 """Loader for the Mooncake conversation trace slice in bench/traces/ (see bench/traces/README.md).
 
 Rule: the trace gives, per request, ids of 512-token blocks (equal ids mean an equal prefix), not text. Each id
-becomes the same 512 pseudo-random token ids every time (numpy default_rng(seed=id), integers in [10, 2000) as
+becomes the same 512 pseudo-random token ids every time (numpy default_rng(seed=id), integers in [10, 1000) as
 uint32), and a prompt is its blocks' tokens concatenated and cut to input_length, so requests that share leading
-block ids share exactly that token prefix. Ids stay below 2000 (the demo model's vocabulary is 2k) and at or above
+block ids share exactly that token prefix. Ids stay below 1000 (the demo tokenizer holds about 1.1k) and at or above
 10 (clear of special tokens).
 """
 
@@ -21,7 +21,7 @@ import numpy as np
 DEFAULT_PATH = Path(__file__).resolve().parent / "traces" / "mooncake_conversation_1500.jsonl"
 TRACE_BLOCK_TOKENS = 512
 TOKEN_LOW = 10
-TOKEN_HIGH = 2000  # exclusive
+TOKEN_HIGH = 1000  # exclusive
 
 # One shared int object per token value: prompts are tuples of references into this, not millions of new ints.
 _TOKENS = tuple(range(TOKEN_HIGH))

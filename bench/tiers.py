@@ -3,8 +3,8 @@
 Workload: the first 1,500 requests of Mooncake's public conversation trace (bench/traces/, loaded by
 bench/mooncake_trace.py), prompts cut to MAX_INPUT_TOKENS, replayed in arrival order with the trace's clock
 compressed TIME_SCALE times, each a streamed completion of min(its output length, OUTPUT_CAP) tokens. Mesh: 4 mocker
-decode workers timed as an 8B model on a large GPU (sped up SPEEDUP times), each with 4,096 device blocks of 16
-tokens (65,536 tokens) and 128 KiB of KV per token; the "host 8x" configurations give each worker 8x that in host
+decode workers timed as an 8B model on a large GPU (sped up SPEEDUP times), each with 4,096 device blocks of 64
+tokens (262,144 tokens) and 128 KiB of KV per token; the "host 8x" configurations give each worker 8x that in host
 memory. Each configuration gets a fresh mesh. Reuse is the cached share of prompt tokens as the workers report it,
 set against the ideal: what one infinite prefix cache would reuse on the same prompts (mooncake_trace.ideal_reuse).
 """
@@ -34,15 +34,16 @@ MAX_INFLIGHT = 128
 TIME_LIMIT_S = 240.0  # per configuration: arrivals after it are not sent, requests still open are cut
 OUTPUT_CAP = 16
 REQUESTS = 1500
-MAX_INPUT_TOKENS = 32_768  # half a worker's device cache
+MAX_INPUT_TOKENS = 131_072  # the model's context; the trace's longest prompt has 123,192
 WORKERS = 4
 NUM_GPU_BLOCKS = 4096
 HOST_KV_BLOCKS = 8 * NUM_GPU_BLOCKS
-BLOCK_SIZE = 16
+# NVIDIA Dynamo's mocker default: 4,096 blocks hold 262,144 tokens, a few of the trace's conversations.
+BLOCK_SIZE = 64
 KV_BYTES_PER_TOKEN = 131_072
-# The demo model's 4k context refuses most of the trace's prompts; the same model rebuilt with a 40k one serves them.
-MODEL_DIR = Path(".cache/models/kvmesh-demo-40k")
-MODEL = "kvmesh-demo-40k"
+# The demo model's 4k context refuses most of the trace's prompts; the same model rebuilt with a 128k one serves them.
+MODEL_DIR = Path(".cache/models/kvmesh-demo-128k")
+MODEL = "kvmesh-demo-128k"
 
 HOST = ("--host-kv-blocks", str(HOST_KV_BLOCKS))
 CONFIGS: dict[str, tuple[str, ...]] = {
@@ -149,7 +150,7 @@ def _address(hex_address: str) -> str:
 
 
 def run() -> dict:
-    model = ensure_demo_model(MODEL_DIR, DemoModelSpec(max_context=40_960))
+    model = ensure_demo_model(MODEL_DIR, DemoModelSpec(max_context=MAX_INPUT_TOKENS))
     requests = load(limit=REQUESTS, max_input_tokens=MAX_INPUT_TOKENS)
     ideal = ideal_reuse(requests, BLOCK_SIZE)
     print(f"tiers: {len(requests)} requests, {sum(len(r.token_ids) for r in requests):,} prompt tokens, "

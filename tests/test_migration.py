@@ -29,11 +29,13 @@ class Streamed:
     error: str | None = None
 
 
-def stream(mesh: ServiceMesh, prompt: str, on_chunk: Callable[[Streamed], None] = lambda s: None) -> Streamed:
-    """A streamed completion, read chunk by chunk; `on_chunk` is called after each text chunk."""
+def stream(mesh: ServiceMesh, prompt: str, on_chunk: Callable[[Streamed], None] = lambda s: None,
+           max_tokens: int = MAX_TOKENS, **fields: object) -> Streamed:
+    """A streamed completion, read chunk by chunk; `on_chunk` is called after each text chunk.
+    `fields` go into the request body as they are."""
     out = Streamed()
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, **fields}
     with httpx.stream("POST", mesh.url("/v1/completions"), json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
         out.worker = r.headers["x-kvmesh-worker"]

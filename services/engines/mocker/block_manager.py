@@ -25,6 +25,28 @@ from services.mesh.hashing import LocalBlockHash, SequenceHash
 
 # Marks a block that caches nothing; sequence hashes are u64, never negative.
 NO_HASH = SequenceHash(-1)
+# A block that left the device: its hash, its parent's hash and its local hash.
+_Evicted = tuple[SequenceHash, SequenceHash | None, LocalBlockHash]
+
+
+def _parents_first(batch: list[_Evicted]) -> list[_Evicted]:
+    """The batch ordered so that a block whose parent is also in it comes after that parent."""
+    by_hash = {entry[0]: entry for entry in batch}
+    done: set[SequenceHash] = set()
+    out: list[_Evicted] = []
+    for entry in reversed(batch):  # tail-first evictions reversed: mostly in order already
+        stack, on_stack = [entry], {entry[0]}
+        while stack:
+            h, parent, _ = stack[-1]
+            if parent in by_hash and parent not in done and parent not in on_stack:
+                stack.append(by_hash[parent])
+                on_stack.add(parent)
+                continue
+            stack.pop()
+            if h not in done:
+                done.add(h)
+                out.append(by_hash[h])
+    return out
 
 
 class BlockManager:
@@ -118,11 +140,10 @@ class BlockManager:
         loaded = [chain[i] for i in range(hit, hit + self.host_prefix_blocks(chain, hit))]
         for h in loaded:
             del self._host[h]
-        evicted: list[SequenceHash] = []
+        evicted: list[_Evicted] = []
         for _ in range(needed):
             blocks.append(self._take_block(evicted))
-        if evicted:
-            self._emit(KvRemoved(tuple(evicted)))
+        self._evict(evicted)
         self._cache_full_blocks(blocks, chain, locals_, hit)
         if loaded:  # on the device now (stored above): the host copies go
             self.host_hit_blocks += len(loaded)
@@ -133,10 +154,9 @@ class BlockManager:
         """One more block for a growing sequence, or None when every block is referenced."""
         if self.free_blocks == 0:
             return None
-        evicted: list[SequenceHash] = []
+        evicted: list[_Evicted] = []
         block = self._take_block(evicted)
-        if evicted:
-            self._emit(KvRemoved(tuple(evicted)))
+        self._evict(evicted)
         return block
 
     def cache_block(self, block: int, parent_hash: SequenceHash | None, chain_hash: SequenceHash,
@@ -171,33 +191,46 @@ class BlockManager:
         self._refs[block] += 1
         return block
 
-    def _take_block(self, evicted: list[SequenceHash]) -> int:
+    def _take_block(self, evicted: list[_Evicted]) -> int:
         if self._never_used:
             block = self._never_used.pop()
         else:
             block, _ = self._lru.popitem(last=False)
             old = self._hash_of[block]
-            if self.host_blocks:
-                self._to_host(old, self._parent_of[block], self._local_of[block])
             del self._by_hash[old]
             self._hash_of[block] = NO_HASH
-            evicted.append(old)
+            evicted.append((old, self._parent_of[block], self._local_of[block]))
         self._refs[block] = 1
         return block
 
-    def _to_host(self, block_hash: SequenceHash, parent: SequenceHash | None, local: LocalBlockHash) -> None:
-        """Keeps a block the device evicts in host memory (stored there before the device removal
-        is reported), making room by dropping the host tier's oldest blocks for good."""
+    def _evict(self, evicted: list[_Evicted]) -> None:
+        """Reports blocks that left the device, first moving them to the host tier if there is one."""
+        if not evicted:
+            return
+        if self.host_blocks:
+            self._to_host(evicted)
+        self._emit(KvRemoved(tuple(h for h, _, _ in evicted)))
+
+    def _to_host(self, evicted: list[_Evicted]) -> None:
+        """Keeps blocks the device evicted in host memory, stored there before the device removal is
+        reported; room is made by dropping the host tier's oldest blocks for good. One stored event
+        per chain, parents first (an engine evicts a chain tail first)."""
         host = self._host
-        if len(host) >= self.host_blocks:
-            dropped = []
-            while len(host) >= self.host_blocks:
-                dropped.append(host.popitem(last=False)[0])
+        batch = evicted[-self.host_blocks:]  # more than the tier holds: the latest evicted stay
+        dropped = [host.popitem(last=False)[0] for _ in range(len(host) + len(batch) - self.host_blocks)]
+        if dropped:
             self._emit(KvRemoved(tuple(dropped), Tier.HOST))
-        if parent is not None and parent not in self._by_hash and parent not in host:
-            return  # its prefix is gone: it could never be hit again
-        host[block_hash] = (parent, local)
-        self._emit(KvStored(parent, ((block_hash, local),), Tier.HOST))
+        chains: list[tuple[SequenceHash | None, list[tuple[SequenceHash, LocalBlockHash]]]] = []
+        for block_hash, parent, local in _parents_first(batch):
+            if parent is not None and parent not in self._by_hash and parent not in host:
+                continue  # its prefix is gone: it could never be hit again
+            host[block_hash] = (parent, local)
+            if chains and chains[-1][1][-1][0] == parent:
+                chains[-1][1].append((block_hash, local))
+            else:
+                chains.append((parent, [(block_hash, local)]))
+        for parent, blocks in chains:
+            self._emit(KvStored(parent, tuple(blocks), Tier.HOST))
 
     def _cache_full_blocks(self, blocks: list[int], chain: list[SequenceHash], locals_: list[LocalBlockHash],
                            start: int) -> None:
