@@ -58,6 +58,9 @@ REFUSED = [
     ({"logit_bias": {"999999": 1}}, "logit_bias"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
     ({"continue_final_message": True}, "continue_final_message"),
+    # Past the end of the structure the engine would generate free text.
+    ({"ignore_eos": True, "structured_outputs": {"regex": "[ab]+"}}, "ignore_eos"),
+    ({"ignore_eos": True, "tools": [WEATHER], "tool_choice": "required"}, "ignore_eos"),
 ]
 
 

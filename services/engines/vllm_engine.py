@@ -157,9 +157,15 @@ class VllmEngine(Engine):
             enable_kv_cache_events=True, publisher="zmq", endpoint=self._events.publisher_endpoint
         )
         if self.config.host_kv_blocks:
+            from vllm.config import KVTransferConfig
+
             nbytes = self.config.host_kv_blocks * self.config.block_size * kv_bytes_per_token(self.config.model_dir)
             kwargs["kv_offloading_size"] = nbytes / (1 << 30)  # GiB, vLLM's unit
-        if self.config.kv_transfer:
+            # Offloaded blocks announced with their tokens, so the router can index them (vLLM adds
+            # its offloading connector to this config).
+            kwargs["kv_transfer_config"] = KVTransferConfig(
+                kv_connector_extra_config={"self_describing_kv_events": True})
+        elif self.config.kv_transfer:
             from vllm.config import KVTransferConfig
 
             kwargs["kv_transfer_config"] = KVTransferConfig(**self.config.kv_transfer)

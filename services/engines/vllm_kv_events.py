@@ -46,6 +46,10 @@ def convert(event: object) -> KvEventData | None:
     if tier is None:
         return None
     if isinstance(event, BlockStored):
+        if event.block_size <= 0 or not event.token_ids:
+            # vLLM's offloading announces a store without its tokens unless asked to describe it
+            # (`self_describing_kv_events`): nothing to hash, so nothing the router could match.
+            return None
         locals_ = local_block_hashes(event.token_ids, event.block_size)
         hashes = [fold_hash(h) for h in event.block_hashes]
         if len(locals_) != len(hashes):
@@ -97,6 +101,10 @@ class VllmKvEventListener:
                 log.warning("undecodable KV event batch from vLLM: %s", exc)
                 continue
             for event in batch.events:
-                converted = convert(event)
+                try:
+                    converted = convert(event)
+                except Exception:  # noqa: BLE001 - one odd event must not end the worker's event stream
+                    log.exception("vLLM KV event %r could not be read; skipped", type(event).__name__)
+                    continue
                 if converted is not None:
                     self._sink(converted)

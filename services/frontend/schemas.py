@@ -159,6 +159,16 @@ class GenerationRequest(_Strict):
                                                      f"grammar, json_object; got {kinds or 'none'}")
             if fmt is not None and fmt.type != "text":
                 raise _invalid("structured_outputs", "send either response_format or structured_outputs, not both")
+        if self.ignore_eos and self.constrained():
+            # Once the grammar is complete the engine stops constraining, so generating past the
+            # end of the structure would append free text: an invalid answer.
+            raise _invalid("ignore_eos", "ignore_eos cannot be combined with structured outputs or a forced tool "
+                                         "call: output past the end of the structure would be unconstrained")
+
+    def constrained(self) -> bool:
+        """Whether the output must follow a grammar."""
+        return self.structured_outputs is not None or (self.response_format is not None
+                                                       and self.response_format.type != "text")
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -194,13 +204,15 @@ class ChatCompletionRequest(GenerationRequest):
             names = {t.function.name for t in self.tools or []}
             if choice.function.name not in names:
                 raise _invalid("tool_choice", f"tool_choice names {choice.function.name!r}, which is not in `tools`")
-        if self.forces_tool_call() and (self.structured_outputs is not None or
-                                        (self.response_format is not None and self.response_format.type != "text")):
+        if self.forces_tool_call() and super().constrained():
             raise _invalid("tool_choice", "a required or named tool_choice cannot be combined with response_format "
                                           "or structured_outputs: the tool's schema constrains the output")
 
     def forces_tool_call(self) -> bool:
         return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
+
+    def constrained(self) -> bool:
+        return super().constrained() or self.forces_tool_call()
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

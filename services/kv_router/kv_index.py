@@ -31,10 +31,6 @@ def holder(worker: Hashable, tier: Tier) -> Hashable:
     return worker if tier == Tier.DEVICE else HostCopy(worker)
 
 
-def other_holder(worker: Hashable, tier: Tier) -> Hashable:
-    return HostCopy(worker) if tier == Tier.DEVICE else worker
-
-
 class EventError(Exception):
     """An event the index could not (fully) apply; the index stays consistent."""
 
@@ -67,8 +63,10 @@ class KvIndex(Protocol):
 
     Tiers: stored and removed events name the tier (device or host memory) that gains or loses
     the blocks. Each tier of a worker holds nodes as a holder of its own (`HostCopy` for the
-    host), so a node held in either tier keeps its children; a stored event's parent may be
-    held in either tier (its own first). `find_matches` scores the device tier alone (Dynamo's
+    host), so a node held in either tier keeps its children; a host store's parent may be held
+    in either tier (a block moves to host memory while its parent is still on the device), a
+    device store's parent only on the device (an engine computes or loads a block back only after
+    its prefix is on the device). `find_matches` scores the device tier alone (Dynamo's
     numbers); `find_matches_by_tier` adds, per worker, the levels held in host memory only.
     """
 

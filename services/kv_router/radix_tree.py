@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-from services.kv_router.kv_index import EventError, HostCopy, KvIndex, StoredBlock, holder, other_holder
+from services.kv_router.kv_index import EventError, HostCopy, KvIndex, StoredBlock, holder
 from services.mesh.hashing import LocalBlockHash, SequenceHash
 from services.mesh.kv_tier import Tier
 
@@ -176,9 +176,9 @@ class RadixTree(KvIndex):
             current = ROOT
         else:
             found = lookup.get(parent_hash)
-            if found is None and self._tiered:
-                other = self._slot_of.get(other_holder(name, tier))
-                found = None if other is None else self._lookup[other].get(parent_hash)
+            if found is None and tier == Tier.HOST:
+                device = self._slot_of.get(name)
+                found = None if device is None else self._lookup[device].get(parent_hash)
             if found is None:
                 raise EventError(f"worker {name}: parent block {parent_hash} unknown; store skipped")
             current = found

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-from services.kv_router.kv_index import EventError, HostCopy, KvIndex, StoredBlock, holder, other_holder
+from services.kv_router.kv_index import EventError, HostCopy, KvIndex, StoredBlock, holder
 from services.mesh.hashing import LocalBlockHash, SequenceHash
 from services.mesh.kv_tier import Tier
 
@@ -31,7 +31,8 @@ class ReferenceIndex(KvIndex):
         name = worker
         worker = holder(name, tier)
         lookup = self.lookup.setdefault(worker, {})
-        other = self.lookup.get(other_holder(name, tier), {})
+        # A host block's parent may still be on the device; a device block's parent is on the device.
+        other = self.lookup.get(name, {}) if tier == Tier.HOST else {}
         if parent_hash is None:
             current = self.root
         elif parent_hash in lookup:

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.kv_router.cost_function import CostWeights, overlap_ratio
 from services.kv_router.explanation import explain
+from services.kv_router.host_credit import host_credit
 from services.kv_router.pickers import ROUTER_MODES as ROUTER_MODES
 from services.kv_router.pickers import PickContext, make_picker
 from services.kv_router.worker_pool import WorkerPool
@@ -94,6 +95,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._tracing = tracing
         # One generator for every random draw of the router, so a seed fixes all its choices.
         self._picker = make_picker(config.mode, random.Random(config.seed), config.weights)
+        self._host_weight = config.weights.host_overlap
 
         # Callers' sessions: every routing they ask for, served by `route`.
         self.sessions = SessionHub(ROUTER_SESSION, self.route)
@@ -143,8 +145,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         prompt_blocks = -(-len(tokens) // block_size)
         # Blocks loaded back from host memory take device blocks as recomputed ones do.
         chosen.add_pending(max(0, prompt_blocks - overlap))
-        # What the prompt need not compute, from either tier (the disaggregation rule's input).
-        hit = overlap_ratio(overlap + host_overlap, block_size, len(tokens))
+        # What the prompt need not compute (the disaggregation rule's input): a host-held block
+        # counts as much as the cost function credits it.
+        credit = host_credit(chosen.load, overlap, host_overlap, block_size, self._host_weight) if host_overlap else 0.0
+        hit = overlap_ratio(overlap + credit * host_overlap, block_size, len(tokens))
         self._metrics.routed.labels(chosen.info.instance_id, pool.view.component).inc()
         self._metrics.record(len(tokens), min(len(tokens), (overlap + host_overlap) * block_size))
         self._metrics.decision_seconds.observe(time.perf_counter() - started)

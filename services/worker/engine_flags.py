@@ -113,8 +113,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
                    help="a host-memory KV tier of this many blocks below the device cache: evicted blocks "
                         "move there and are loaded back on a prefix hit (0 = off; vLLM: its CPU offloading)")
     g.add_argument("--host-kv-gbps", type=positive_float, default=DEFAULT_HOST_KV_GBPS,
-                   help="host -> device bandwidth of a load-back, GB/s (mocker: its timing; the router "
-                        "weighs host hits by it)")
+                   help="mocker: host -> device bandwidth of a load-back, GB/s (its timing, and what the "
+                        "router weighs its host hits by)")
     g.add_argument("--stream-interval-ms", type=non_negative_float, default=DEFAULT_INTERVAL_S * 1000,
                    help="a stream sends at most one message per this many ms; faster tokens ride together "
                         "(0: send each engine output at once)")

@@ -216,21 +216,38 @@ class BlockManager:
         reported; room is made by dropping the host tier's oldest blocks for good. One stored event
         per chain, parents first (an engine evicts a chain tail first)."""
         host = self._host
-        batch = evicted[-self.host_blocks:]  # more than the tier holds: the latest evicted stay
-        dropped = [host.popitem(last=False)[0] for _ in range(len(host) + len(batch) - self.host_blocks)]
+        kept: list[_Evicted] = []
+        present = {h for h, _, _ in evicted}
+        for entry in _parents_first(evicted):
+            parent = entry[1]
+            if parent is None or parent in self._by_hash or parent in host or parent in present:
+                kept.append(entry)
+            else:
+                present.discard(entry[0])  # its prefix is gone: it could never be hit again
+        kept = kept[:self.host_blocks]  # more than the tier holds: the chain heads stay
+        dropped = [host.popitem(last=False)[0] for _ in range(len(host) + len(kept) - self.host_blocks)]
         if dropped:
             self._emit(KvRemoved(tuple(dropped), Tier.HOST))
+            gone = set(dropped)  # a dropped block's children lose their prefix with it
+            still: list[_Evicted] = []
+            for entry in kept:
+                if entry[1] in gone:
+                    gone.add(entry[0])
+                else:
+                    still.append(entry)
+            kept = still
         chains: list[tuple[SequenceHash | None, list[tuple[SequenceHash, LocalBlockHash]]]] = []
-        for block_hash, parent, local in _parents_first(batch):
-            if parent is not None and parent not in self._by_hash and parent not in host:
-                continue  # its prefix is gone: it could never be hit again
-            host[block_hash] = (parent, local)
+        for block_hash, parent, local in kept:
             if chains and chains[-1][1][-1][0] == parent:
                 chains[-1][1].append((block_hash, local))
             else:
                 chains.append((parent, [(block_hash, local)]))
         for parent, blocks in chains:
             self._emit(KvStored(parent, tuple(blocks), Tier.HOST))
+        # Children enter the LRU before their parents, so a chain leaves host memory tail first, as
+        # it left the device: a head dropped before its tail would strand the tail.
+        for block_hash, parent, local in reversed(kept):
+            host[block_hash] = (parent, local)
 
     def _cache_full_blocks(self, blocks: list[int], chain: list[SequenceHash], locals_: list[LocalBlockHash],
                            start: int) -> None:
