@@ -28,8 +28,8 @@ from bench.mooncake_trace import TraceRequest, ideal_reuse, load
 from bench.report import bar_plot, percentile, save_json, table
 from services.tools.make_demo_model import DemoModelSpec, ensure_demo_model
 
-SPEEDUP = 10.0
-TIME_SCALE = 10.0  # the trace's ~8.5 min of arrivals in ~51 s
+SPEEDUP = 5.0
+TIME_SCALE = 5.0  # the trace's 8.5 min of arrivals in about 100 s
 MAX_INFLIGHT = 128
 TIME_LIMIT_S = 240.0  # per configuration: arrivals after it are not sent, requests still open are cut
 OUTPUT_CAP = 16
