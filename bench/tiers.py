@@ -46,6 +46,7 @@ MODEL_DIR = Path(".cache/models/kvmesh-demo-128k")
 MODEL = "kvmesh-demo-128k"
 
 HOST = ("--host-kv-blocks", str(HOST_KV_BLOCKS))
+SLOW_LINK = ("--host-kv-gbps", "4")
 CONFIGS: dict[str, tuple[str, ...]] = {
     "device only, round-robin": ("--router-mode", "round-robin"),
     "device only, kv": ("--router-mode", "kv"),
@@ -53,8 +54,13 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "host 8x, kv, tier ignored": ("--router-mode", "kv", *HOST, "--host-overlap-weight", "0"),
     "host 8x, kv, fixed 0.75": ("--router-mode", "kv", *HOST, "--host-overlap-weight", "0.75"),
     "host 8x, kv, cost-derived credit": ("--router-mode", "kv", *HOST),
+    # A host link 12x slower (4 GB/s): loading 128 KiB per token back costs more than recomputing
+    # all but the deepest tokens, so a fixed credit now sends requests where they wait longer.
+    "host 8x at 4 GB/s, kv, fixed 0.75": ("--router-mode", "kv", *HOST, *SLOW_LINK, "--host-overlap-weight", "0.75"),
+    "host 8x at 4 GB/s, kv, cost-derived credit": ("--router-mode", "kv", *HOST, *SLOW_LINK),
 }
-PLOT_LABELS = ("dev RR", "dev kv", "host RR", "host kv w=0", "host kv w=.75", "host kv cost")
+PLOT_LABELS = ("dev RR", "dev kv", "host RR", "host kv w=0", "host kv w=.75", "host kv cost", "slow w=.75",
+               "slow cost")
 
 
 @dataclass

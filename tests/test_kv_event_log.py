@@ -42,6 +42,18 @@ async def test_a_subscriber_behind_the_buffer_gets_a_snapshot_of_current_blocks(
     assert {e.event_id for e in events} == {5}
 
 
+async def test_a_large_snapshot_comes_in_several_messages_and_only_the_first_starts_over() -> None:
+    log = KvEventLog(capacity=2, snapshot_batch=2)
+    log.append(KvStored(None, ((1, 11), (2, 12), (3, 13))))
+    log.append(KvStored(3, ((4, 14),)))
+    log.append(KvStored(None, ((5, 15),)))
+    batches = await take(log, from_id=0, batches=3)
+    assert [flag for _, flag in batches] == [True, False, False]
+    events = [e for batch, _ in batches for e in batch]
+    assert isinstance(events[0].data, KvCleared) and len(events) == 6
+    assert all(len(batch) <= 2 for batch, _ in batches)
+
+
 async def test_live_events_follow_the_backlog() -> None:
     log = KvEventLog()
     log.append(KvStored(None, ((1, 1),)))

@@ -12,8 +12,9 @@ block than a short one) and load_time = tokens x KV bytes per token / the link's
 cost function counts each host block as `credit` of a device block. A slow link or a small model
 (cheap to recompute) pushes the credit towards 0; a fast link and a large model towards 1.
 
-A worker that reports no prefill cost or host link (vLLM today) gets FALLBACK_CREDIT; `--host-overlap-weight W` replaces the derived credit with W everywhere (W = 0
-ignores the host tier; 0.75 is NVIDIA Dynamo's fixed weight).
+A worker that reports no prefill cost or host link (vLLM today) gets FALLBACK_CREDIT;
+`--host-overlap-weight W` replaces the derived credit with W everywhere (W = 0 ignores the host
+tier; 0.75 is NVIDIA Dynamo's fixed weight).
 """
 
 from __future__ import annotations

@@ -23,7 +23,10 @@ class NumberedEvent:
 
 
 class KvEventLog:
-    def __init__(self, capacity: int = 65536, subscriber_queue: int = 8192) -> None:
+    def __init__(self, capacity: int = 65536, subscriber_queue: int = 8192, snapshot_batch: int = 16384) -> None:
+        """`snapshot_batch`: events per message of a snapshot (one block each, about 30 bytes on the
+        wire), so a large cache's snapshot stays far below gRPC's 4 MB message limit."""
+        self._snapshot_batch = snapshot_batch
         self._buffer: deque[NumberedEvent] = deque(maxlen=capacity)
         self._last_id = 0
         # (block hash, tier) -> (parent hash, local hash, depth in its chain). A block may sit in
@@ -97,7 +100,10 @@ class KvEventLog:
             if from_event_id + 1 >= oldest or from_event_id >= self._last_id:
                 yield [e for e in self._buffer if e.event_id > from_event_id], False
             else:
-                yield self.snapshot(), True
+                # The first batch tells the subscriber to start over; the rest add to it.
+                snapshot = self.snapshot()
+                for i in range(0, len(snapshot), self._snapshot_batch):
+                    yield snapshot[i : i + self._snapshot_batch], i == 0
             while True:
                 event = await queue.get()
                 if event is None:
