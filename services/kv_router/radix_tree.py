@@ -166,9 +166,8 @@ class RadixTree(KvIndex):
               tier: Tier = Tier.DEVICE) -> int:
         """Applies a stored event; returns the number of blocks applied."""
         name = worker
-        if tier != Tier.DEVICE:
-            worker = HostCopy(name)
-            self._tiered = True
+        worker = holder(name, tier)
+        self._tiered |= tier == Tier.HOST
         slot = self._slot(worker)
         bit = 1 << slot
         lookup = self._lookup[slot]
@@ -314,8 +313,7 @@ class RadixTree(KvIndex):
         counts: dict[int, int] = {}
         for mask, run in self._runs(local_hashes):
             _add_run(counts, mask, run)
-        names = self._worker_of_slot
-        found = {(names[slot] if slot in names else self._retired[slot]): n for slot, n in counts.items()}
+        found = {self._name(slot): n for slot, n in counts.items()}
         if self._tiered:
             return {w: n for w, n in found.items() if not isinstance(w, HostCopy)}
         return found
@@ -328,14 +326,14 @@ class RadixTree(KvIndex):
         runs = self._runs(local_hashes)
         device: dict[Hashable, int] = {}
         host: dict[Hashable, int] = {}
-        names, retired, slot_of = self._worker_of_slot, self._retired, self._slot_of
+        slot_of = self._slot_of
         for mask, run in runs:
             rest = mask
             while rest:
                 low = rest & -rest
                 rest ^= low
                 slot = low.bit_length() - 1
-                name = names[slot] if slot in names else retired[slot]
+                name = self._name(slot)
                 if not isinstance(name, HostCopy):
                     device[name] = device.get(name, 0) + run
                     continue
@@ -343,6 +341,10 @@ class RadixTree(KvIndex):
                 if own is None or not mask >> own & 1:  # on the device too: a device hit
                     host[name.worker] = host.get(name.worker, 0) + run
         return device, host
+
+    def _name(self, slot: int) -> Hashable:
+        """The holder a slot's bit stands for (a removed worker's, while stale nodes carry it)."""
+        return self._worker_of_slot[slot] if slot in self._worker_of_slot else self._retired[slot]
 
     def _runs(self, local_hashes: Sequence[LocalBlockHash]) -> list[tuple[int, int]]:
         """The walk from the root along the prompt, as runs of levels with equal holder masks."""

@@ -29,10 +29,11 @@ class KvEventLog:
         self._snapshot_batch = snapshot_batch
         self._buffer: deque[NumberedEvent] = deque(maxlen=capacity)
         self._last_id = 0
-        # (block hash, tier) -> (parent hash, local hash, depth in its chain). A block may sit in
-        # both tiers (vLLM keeps the device copy of what it offloads).
-        self._blocks: dict[tuple[SequenceHash, Tier], tuple[SequenceHash | None, LocalBlockHash, int]] = {}
-        self._depth: dict[SequenceHash, int] = {}  # per block hash, whichever tier holds it
+        # (block hash, tier) -> (parent hash, local hash). A block may sit in both tiers (vLLM
+        # keeps the device copy of what it offloads).
+        self._blocks: dict[tuple[SequenceHash, Tier], tuple[SequenceHash | None, LocalBlockHash]] = {}
+        # Per block hash, its depth in its chain, while either tier holds it.
+        self._depth: dict[SequenceHash, int] = {}
         self._subscribers: set[asyncio.Queue[NumberedEvent | None]] = set()
         self._subscriber_queue = subscriber_queue
 
@@ -60,7 +61,7 @@ class KvEventLog:
             parent = data.parent_hash
             depth = 0 if parent is None else depths.get(parent, 0) + 1
             for block_hash, local in data.blocks:
-                blocks[(block_hash, data.tier)] = (parent, local, depth)
+                blocks[(block_hash, data.tier)] = (parent, local)
                 depths[block_hash] = depth
                 parent = block_hash
                 depth += 1
@@ -79,8 +80,9 @@ class KvEventLog:
         Blocks go shallowest first, so each one's parent is stored before it whichever tier
         holds either (a block that moved to host memory after its child is younger than it)."""
         events = [NumberedEvent(self._last_id, KvCleared())]
-        items = sorted(self._blocks.items(), key=lambda item: item[1][2])
-        for (block_hash, tier), (parent, local, _) in items:
+        depths = self._depth
+        items = sorted(self._blocks.items(), key=lambda item: depths[item[0][0]])
+        for (block_hash, tier), (parent, local) in items:
             events.append(NumberedEvent(self._last_id, KvStored(parent, ((block_hash, local),), tier)))
         return events
 

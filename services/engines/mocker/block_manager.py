@@ -17,8 +17,9 @@ gone can never be hit again.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 from services.engines.base import KvEventData, KvRemoved, KvStored, Tier
 from services.mesh.hashing import LocalBlockHash, SequenceHash
@@ -27,6 +28,16 @@ from services.mesh.hashing import LocalBlockHash, SequenceHash
 NO_HASH = SequenceHash(-1)
 # A block that left the device: its hash, its parent's hash and its local hash.
 _Evicted = tuple[SequenceHash, SequenceHash | None, LocalBlockHash]
+
+
+def _run_held(held: Container[SequenceHash], chain: Sequence[SequenceHash], start: int) -> int:
+    """How many blocks of `chain`, from `start` on, `held` has without a gap."""
+    n = 0
+    for h in itertools.islice(chain, start, None):
+        if h not in held:
+            break
+        n += 1
+    return n
 
 
 def _parents_first(batch: list[_Evicted]) -> list[_Evicted]:
@@ -100,24 +111,11 @@ class BlockManager:
         return len(self._host)
 
     def cached_prefix_blocks(self, chain: Sequence[SequenceHash]) -> int:
-        n = 0
-        for h in chain:
-            if h not in self._by_hash:
-                break
-            n += 1
-        return n
+        return _run_held(self._by_hash, chain, 0)
 
     def host_prefix_blocks(self, chain: Sequence[SequenceHash], start: int) -> int:
         """How many blocks of `chain` from `start` on continue the prefix in host memory."""
-        host = self._host
-        if not host:
-            return 0
-        n = 0
-        for h in chain[start:]:
-            if h not in host:
-                break
-            n += 1
-        return n
+        return _run_held(self._host, chain, start) if self._host else 0
 
     # -- allocation ----------------------------------------------------------------------------
 
