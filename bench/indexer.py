@@ -53,6 +53,12 @@ def run() -> dict:
     bar_plot("indexer_query_latency", "4k-token query latency (us)", ["p50", "p99"],
              {"radix tree": [fast["query_p50_us"], fast["query_p99_us"]],
               "naive baseline": [naive["query_p50_us"], naive["query_p99_us"]]}, "microseconds")
-    data = {"kvmesh": fast, "naive": naive}
+    print("indexer: the conversation trace through 4 tiered mockers into one index ...", flush=True)
+    out = subprocess.run([sys.executable, "-m", "bench.tiers_index"], capture_output=True, text=True, timeout=900, check=True)
+    tiered = json.loads(out.stdout.strip().splitlines()[-1])
+    table("Index memory, Mooncake conversation trace, device and host tiers held (tracemalloc)",
+          ["requests", "device blocks held", "host blocks held", "bytes/held block"],
+          [[tiered["requests"], tiered["device_blocks_held"], tiered["host_blocks_held"], tiered["bytes_per_held_block"]]])
+    data = {"kvmesh": fast, "naive": naive, "conversation_tiers": tiered}
     save_json("indexer", data)
     return data
