@@ -5,7 +5,9 @@
 
 Events use Dynamo's router-event JSON; the last stdout line is one JSON object of measurements.
 `blocks_per_s` counts only applying decoded events to the index (as a router does with events
-already off the wire); `decode_blocks_per_s` is the JSON decoding of the same lines.
+already off the wire); `decode_blocks_per_s` is the JSON decoding of the same lines;
+`bytes_per_held_block` is the resident memory the process gives back when the index is dropped,
+over the blocks it held (`peak_rss_mb` also counts decoded events and passing buffers).
 
 `--index reference` replays through the naive reference index instead of the radix tree: the
 benchmark's baseline, and a check that both give the same scores for the same trace.
