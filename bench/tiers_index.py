@@ -11,13 +11,13 @@ object.
 
 from __future__ import annotations
 
-import tracemalloc
 import json
 import sys
 import time
-from collections.abc import Callable
+import tracemalloc
+from collections.abc import Callable, Sequence
 
-from bench.mooncake_trace import load
+from bench.mooncake_trace import TraceRequest, load
 from services.engines.base import KvEventData, KvRemoved, KvStored
 from services.engines.mocker.block_manager import BlockManager
 from services.kv_router.radix_tree import RadixTree
@@ -42,29 +42,46 @@ def sink(index: list[RadixTree], worker: int) -> Callable[[KvEventData], None]:
     return apply
 
 
+def simulate(requests: Sequence[TraceRequest], index: list[RadixTree], workers: int, device_blocks: int,
+             host_blocks: int, block_size: int = BLOCK_SIZE) -> float:
+    """Runs the trace through `workers` block managers whose events feed `index[0]`; returns the
+    share of prompt tokens reused from either tier. A request goes to the worker whose tiers hold
+    over half its prompt, otherwise to the next in turn, so every worker's tiers fill."""
+    tree = index[0]
+    managers = [BlockManager(device_blocks, block_size, sink(index, w), host_blocks) for w in range(workers)]
+    reused = total = 0
+    for n, request in enumerate(requests):
+        tokens = list(request.token_ids)
+        locals_ = local_block_hashes(tokens, block_size)
+        device, host = tree.find_matches_by_tier(locals_)
+        best = max(range(workers), key=lambda w: device.get(w, 0) + host.get(w, 0))
+        held_blocks = device.get(best, 0) + host.get(best, 0)
+        worker = best if 2 * held_blocks > len(locals_) else n % workers
+        allocation = managers[worker].allocate(chained_block_hashes(tokens, block_size), locals_, len(tokens))
+        total += len(tokens)
+        if allocation is not None:
+            blocks, hit, loaded = allocation
+            reused += (hit + loaded) * block_size
+            managers[worker].free(blocks)
+        if n % 250 == 0:
+            print(f"tiers simulation: {n:,}/{len(requests):,} requests", file=sys.stderr, flush=True)
+    return reused / total if total else 0.0
+
+
+def pooled_bound(requests: Sequence[TraceRequest], workers: int, device_blocks: int, host_blocks: int,
+                 block_size: int) -> float:
+    """Reuse of one LRU cache holding all the workers' device and host blocks together: what
+    routing could reach if it never had to spread load (no conversation split across workers)."""
+    return simulate(requests, [RadixTree()], 1, workers * device_blocks, workers * host_blocks, block_size)
+
+
 def main() -> None:
     requests = load()
     tracemalloc.start()
     tree = RadixTree()
-    box = [tree]
-    managers = [BlockManager(DEVICE_BLOCKS, BLOCK_SIZE, sink(box, w), HOST_BLOCKS) for w in range(WORKERS)]
-    apply_s = 0.0
-    for n, request in enumerate(requests):
-        tokens = list(request.token_ids)
-        locals_ = local_block_hashes(tokens, BLOCK_SIZE)
-        device, host = tree.find_matches_by_tier(locals_)
-        # The longest prefix held, where it is over half the prompt; otherwise in turn, so every
-        # worker's tiers fill.
-        best = max(range(WORKERS), key=lambda w: device.get(w, 0) + host.get(w, 0))
-        held_blocks = device.get(best, 0) + host.get(best, 0)
-        worker = best if 2 * held_blocks > len(locals_) else n % WORKERS
-        t0 = time.perf_counter()
-        allocation = managers[worker].allocate(chained_block_hashes(tokens, BLOCK_SIZE), locals_, len(tokens))
-        if allocation is not None:
-            managers[worker].free(allocation[0])
-        apply_s += time.perf_counter() - t0
-        if n % 250 == 0:
-            print(f"tiers index: {n:,}/{len(requests):,} requests", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    simulate(requests, [tree], WORKERS, DEVICE_BLOCKS, HOST_BLOCKS)
+    seconds = time.perf_counter() - t0
     held = tree.block_count()
     device_held = sum(tree.block_count(w) for w in range(WORKERS))
     # What the index holds: every allocation made in the index's modules and still live (at this
@@ -73,7 +90,7 @@ def main() -> None:
     index_bytes = sum(stat.size for stat in snapshot.statistics("filename"))
     print(json.dumps({"requests": len(requests), "blocks_held": held, "device_blocks_held": device_held,
                       "host_blocks_held": held - device_held, "bytes_per_held_block": index_bytes / held if held else 0.0,
-                      "simulate_s": apply_s}))
+                      "simulate_s": seconds}))
 
 
 if __name__ == "__main__":
