@@ -71,6 +71,11 @@ def test_launch_starts_embedded_etcd_and_stops_every_child_on_sigterm() -> None:
     assert launcher.popen.wait(60) == 0
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    # The front door closes first; then the rest stop together, named on one line.
+    stops = [line for line in launcher.lines if line.startswith("stopping ")]
+    assert len(stops) == 2 and re.fullmatch(r"stopping frontend pid=\d+", stops[0]), stops
+    assert [part.split()[0] for part in stops[1].removeprefix("stopping ").split(", ")] == \
+        ["kv-router", "processor", "decode-worker"], stops
 
 
 def test_launch_joins_an_existing_etcd_without_starting_one(etcd: Etcd) -> None:

@@ -23,7 +23,7 @@ from services.launch.console import Console
 from services.launch.output_filter import MAX_LINE_BYTES, LineSplitter, OutputFilter, parse
 from services.launch.readiness import ready_pattern
 from services.launch.run_dir import KEEP_RUNS, create_run_dir, log_names
-from services.mesh.logs import JsonFormatter, TextFormatter
+from services.mesh.logs import JsonFormatter, LogComponent, TextFormatter
 from tests.certs import Authority
 from tests.procs import Etcd, Proc, free_port, service
 
@@ -119,7 +119,7 @@ def test_a_json_line_gives_its_level_and_message() -> None:
 def test_a_services_ready_line_is_recognised_in_either_log_format(
         formatter: type[logging.Formatter], component: str, message: str) -> None:
     record = logging.LogRecord(component.replace("-", "_"), logging.INFO, __file__, 1, message, None, None)
-    line = formatter(component).format(record)  # type: ignore[call-arg]
+    line = formatter(LogComponent(component)).format(record)  # type: ignore[call-arg]
     assert ready_pattern(component).search(parse(line).message), line
     assert parse(line).own
     assert not ready_pattern(component).search(parse(line.replace(message, "kv-router joined")).message)

@@ -112,3 +112,12 @@ def test_a_call_of_the_other_role_is_refused_as_retryable(mesh: ServiceMesh) -> 
         with pytest.raises(grpc.RpcError) as bad:
             worker_pb2_grpc.RoleControlStub(channel).SwitchRole(worker_pb2.SwitchRoleRequest(role="router"), timeout=10)
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_workers_log_lines_name_the_role_it_serves_now(mesh: ServiceMesh) -> None:
+    proc, (worker_id,) = mesh.switchable_worker("prefill", *SLOW)
+    serving = proc.wait_for(r" (\S+) \S+: \S+ \S+ serving ", 10)
+    assert serving.group(1) == "prefill-worker", serving.group(0)
+    switch(mesh, worker_id, "decode", drain_timeout_s=0.5)
+    switched = proc.wait_for(r" (\S+) \S+: worker \S+ switched from prefill to decode", 10)
+    assert switched.group(1) == "decode-worker", switched.group(0)

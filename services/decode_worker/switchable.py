@@ -58,7 +58,7 @@ class _GatedPrefill(PrefillServicer):
 
 def switchable_services(decode: DecodeServicer, engine: Engine, ctx: WorkerContext) -> WorkerServices:
     """Wraps a decode worker's servicer into a worker that serves either role."""
-    switch = RoleSwitch(ctx.args.start_as, ctx.mesh.namespace, ctx.mesh.drain_timeout_s)
+    switch = RoleSwitch(ctx.args.start_as, ctx.mesh.namespace, ctx.mesh.drain_timeout_s, ctx.log_component)
     decode.__class__ = _GatedDecode  # same state, gated Generate
     decode.switch = switch  # type: ignore[attr-defined]
     decode.sessions = SessionHub(WORKER_SESSION, decode.generate)  # the gated one

@@ -1,8 +1,8 @@
 """python -m services.launch: a whole local mesh (etcd, router, processor, workers, frontend).
 
-The launcher is assembled like every service: each child is registered with the service runner
-as it starts, so a signal, a start-up failure or a crash stops them all in reverse start order
-(the frontend first, etcd last). The console stays quiet (console.py says what it shows); every
+The launcher is assembled like every service: the children are registered with the service runner
+as one teardown step, so a signal, a start-up failure or a crash stops them all: the frontend
+first, then the rest together (supervision.py), etcd last. The console stays quiet (console.py says what it shows); every
 child's full output goes to a file in the run directory (run_dir.py), whose path comes first.
 """
 
@@ -21,7 +21,7 @@ from services.launch.etcd_child import EtcdChild
 from services.launch.plan import plan_children, worker_factory
 from services.launch.readiness import wait_ready
 from services.launch.run_dir import create_run_dir
-from services.launch.supervision import CHILD_EXIT_MARGIN_S, start_child, supervise
+from services.launch.supervision import CHILD_EXIT_MARGIN_S, ChildrenStop, supervise
 from services.launch.worker_control import LAUNCHER_CONTROL_SERVICE, WorkerControl
 from services.mesh.grpc_server import ServiceBinding, start_server
 from services.mesh.flags import die
@@ -46,11 +46,13 @@ async def assemble(runner: ServiceRunner, cfg: LaunchConfig, console: Console, r
         # A local planner's workers are started, supervised and stopped by the worker control.
         control = await start_worker_control(runner, cfg, worker_factory(cfg, endpoint, model, console, run_dir)) \
             if cfg.planner_switches else None
+        stop = ChildrenStop(cfg.drain_timeout_s)
+        runner.on_teardown("stop the mesh's processes", stop.stop_all, stop.teardown_s)
         for child in children:
             if control is not None and "--switchable" in child.argv:
                 await control.start(child.component.removesuffix("-worker"))
             else:
-                await start_child(runner, child, cfg.drain_timeout_s)
+                await stop.start(child)
         children = [c for c in children if "--switchable" not in c.argv]
         await wait_ready(f"http://127.0.0.1:{cfg.health_port}/health", children, cfg.ready_timeout_s)
     except (RuntimeError, TimeoutError, FileNotFoundError) as exc:

@@ -1,5 +1,5 @@
-"""Children after start-up: each is stopped at teardown, and restarted (or the mesh stopped)
-when it exits."""
+"""Children after start-up: stopped together at teardown (the front door first), and restarted
+(or the mesh stopped) when one exits."""
 
 from __future__ import annotations
 
@@ -15,11 +15,60 @@ RESTART_BACKOFF_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0
 
 
-async def start_child(runner: ServiceRunner, child: Child, drain_timeout_s: float) -> None:
-    """Starts a child; at teardown it gets SIGTERM, its drain timeout to finish, then SIGKILL."""
-    await child.start()
-    stop_s = drain_timeout_s + CHILD_EXIT_MARGIN_S
-    runner.on_teardown(f"stop {child.component}", lambda: child.stop(stop_s), stop_s + 5)
+# While children stop, how often the console says which ones it still waits for.
+STOP_PROGRESS_S = 3.0
+# What takes requests from outside: it is stopped first, so nothing new comes in while the rest go.
+FRONT_DOOR = "frontend"
+
+
+class ChildrenStop:
+    """Stops the launcher's children at teardown as fast as their dependencies allow.
+
+    The front door (the frontends) goes first and finishes its requests. After that nothing sends
+    work to the others, so they all drain and stop together, each within its own deadline (a vLLM
+    worker takes seconds to shut its engine down; one after another, several took half a minute).
+    The console says what is being stopped and, every few seconds, what it still waits for."""
+
+    def __init__(self, drain_timeout_s: float) -> None:
+        self._children: list[Child] = []
+        self.stop_s = drain_timeout_s + CHILD_EXIT_MARGIN_S
+
+    async def start(self, child: Child) -> None:
+        await child.start()
+        self._children.append(child)
+
+    @property
+    def teardown_s(self) -> float:
+        """The longest the whole stop may take: two stages, each within one child's deadline."""
+        return 2 * self.stop_s + 5
+
+    async def stop_all(self) -> None:
+        await self._stop_together([c for c in self._children if c.component == FRONT_DOOR])
+        await self._stop_together([c for c in self._children if c.component != FRONT_DOOR])
+
+    async def _stop_together(self, children: list[Child]) -> None:
+        if not children:
+            return
+        console = children[0].console
+        running = [c for c in children if c.returncode is None]
+        if running:
+            console.note(f"stopping {_names(running)}")
+        stops = {asyncio.create_task(c.stop(self.stop_s), name=f"stop-{c.component}"): c for c in children}
+        started = asyncio.get_running_loop().time()
+        pending = set(stops)
+        try:
+            while pending:
+                _, pending = await asyncio.wait(pending, timeout=STOP_PROGRESS_S)
+                if pending:
+                    waited = asyncio.get_running_loop().time() - started
+                    console.note(f"still stopping {_names([stops[t] for t in pending])} ({waited:.0f}s)")
+        finally:
+            for task in pending:
+                task.cancel()
+
+
+def _names(children: list[Child]) -> str:
+    return ", ".join(f"{c.component} pid={c.process.pid}" if c.process else c.component for c in children)
 
 
 def supervise(runner: ServiceRunner, child: Child, policy: str) -> None:

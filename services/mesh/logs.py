@@ -28,18 +28,28 @@ class _RequestIdFilter(logging.Filter):
         return True
 
 
+class LogComponent:
+    """The component a process's log lines name: the role it serves now. A worker that switches
+    roles renames it, so a line says who speaks, not who started."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
 class TextFormatter(logging.Formatter):
-    def __init__(self, component: str) -> None:
-        super().__init__(f"%(asctime)s %(levelname)s {component} %(name)s: %(message)s")
+    def __init__(self, component: LogComponent) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(component)s %(name)s: %(message)s")
+        self._component = component
 
     def format(self, record: logging.LogRecord) -> str:
+        record.component = self._component.name
         line = super().format(record)
         rid = getattr(record, "request_id", None)
         return f"{line} [rid={rid}]" if rid and rid not in record.getMessage() else line
 
 
 class JsonFormatter(logging.Formatter):
-    def __init__(self, component: str) -> None:
+    def __init__(self, component: LogComponent) -> None:
         super().__init__()
         self._component = component
 
@@ -47,7 +57,7 @@ class JsonFormatter(logging.Formatter):
         entry: dict[str, object] = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname,
-            "component": self._component,
+            "component": self._component.name,
             "logger": record.name,
             "msg": record.getMessage(),
         }
@@ -59,12 +69,15 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
-def setup_logging(level: str, component: str, log_format: str = "text") -> None:
+def setup_logging(level: str, component: str, log_format: str = "text") -> LogComponent:
+    """Sets up the process's logging; the returned name may be changed (a role switch)."""
+    named = LogComponent(component)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter(component) if log_format == "json" else TextFormatter(component))
+    handler.setFormatter(JsonFormatter(named) if log_format == "json" else TextFormatter(named))
     handler.addFilter(_RequestIdFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
     for noisy in QUIET_LOGGERS:
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    return named

@@ -27,6 +27,7 @@ import grpc
 from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, InstanceInfo, instance_key
 from services.mesh.etcd_lease import LeasedRegistration
+from services.mesh.logs import LogComponent
 from services.mesh.session_kind import CallError
 from services.mesh.tasks import cancel_and_wait
 
@@ -41,9 +42,13 @@ class _Ended(Exception):
 
 
 class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
-    def __init__(self, initial_role: str, namespace: str, drain_timeout_s: float) -> None:
+    def __init__(self, initial_role: str, namespace: str, drain_timeout_s: float,
+                 log_component: LogComponent | None = None) -> None:
         if initial_role not in COMPONENT_OF:
             raise ValueError(f"unknown role {initial_role!r}")
+        # The process's log lines name the role it serves, from the start and after each switch.
+        self._log_component = log_component or LogComponent(COMPONENT_OF[initial_role])
+        self._log_component.name = COMPONENT_OF[initial_role]
         self.role: str | None = initial_role
         self._registered_role = initial_role
         self._namespace = namespace
@@ -113,6 +118,7 @@ class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
                                       new_info.to_json(), replace(old_info, leaving=True).to_json())
         self._registration.farewell[instance_key(self._namespace, new_info)] = replace(new_info, leaving=True).to_json()
         self._info, self._registered_role = new_info, target
+        self._log_component.name = COMPONENT_OF[target]
         # The engine serves both kinds of work at once: the new role's calls are taken while
         # the old role's finish, so the worker is useful as soon as routers see it.
         self.role = target

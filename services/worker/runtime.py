@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry
@@ -38,7 +38,7 @@ from services.mesh.flags import (
     positive_int,
 )
 from services.mesh.grpc_server import ServiceBinding
-from services.mesh.logs import setup_logging
+from services.mesh.logs import LogComponent, setup_logging
 from services.mesh.service_runner import ServiceRunner, run_service
 from services.mesh.tracing import TRACING_OFF, Tracing, start_tracing
 from services.worker.engine_factory import build_engine
@@ -67,6 +67,8 @@ class WorkerContext:
     engine: EngineConfig
     # The process's tracing, for the servicers a role builds (off unless OTEL_* asks).
     tracing: Tracing = TRACING_OFF
+    # The component the process's log lines name (a switchable worker's follows its role).
+    log_component: LogComponent = field(default_factory=lambda: LogComponent("worker"))
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,7 @@ def start_reaper(runner: ServiceRunner) -> None:
 def main(role: Role) -> None:
     args = worker_parser(role).parse_args()
     mesh = mesh_config(args)
-    setup_logging(mesh.log_level, role.component, mesh.log_format)
+    log_component = setup_logging(mesh.log_level, role.component, mesh.log_format)
     if args.num_workers > 1 and args.engine != "mocker":
         die("--num-workers > 1 needs --engine mocker (one vLLM engine per process)")
     spec = engine_config(args, mesh.advertise_host)
@@ -205,7 +207,7 @@ def main(role: Role) -> None:
         registry = CollectorRegistry()
         registry.register(WorkerLoadCollector(lambda: [(w.instance_id, w.role(role), w.engine.load()) for w in workers]))
         metrics_port = runner.serve_metrics(registry, args.metrics_port)
-        ctx = WorkerContext(args, mesh, runner, registry, spec, tracing)
+        ctx = WorkerContext(args, mesh, runner, registry, spec, tracing, log_component)
         make_services = await role.prepare(ctx)
         for i in range(args.num_workers):
             port = args.port + i if args.port else 0
