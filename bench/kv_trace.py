@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from services.mesh.hashing import chain_from, local_block_hashes
+from services.kv_protocol.hashing import chain_from, local_block_hashes
 
 VOCAB = 32000
 

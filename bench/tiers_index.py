@@ -18,10 +18,10 @@ import tracemalloc
 from collections.abc import Callable, Sequence
 
 from bench.mooncake_trace import TraceRequest, load
-from services.engines.base import KvEventData, KvRemoved, KvStored
+from services.kv_protocol.events import KvEventData, KvRemoved, KvStored
 from services.engines.mocker.block_manager import BlockManager
 from services.kv_router.radix_tree import RadixTree
-from services.mesh.hashing import chained_block_hashes, local_block_hashes
+from services.kv_protocol.hashing import chained_block_hashes, local_block_hashes
 
 WORKERS = 4
 BLOCK_SIZE = 64

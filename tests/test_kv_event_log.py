@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from services.worker.kv_event_log import KvEventLog
-from services.engines.base import KvCleared, KvRemoved, KvStored
+from services.kv_protocol.events import KvCleared, KvRemoved, KvStored
 
 
 async def take(log: KvEventLog, from_id: int, batches: int = 1):  # noqa: ANN201

@@ -13,12 +13,13 @@ import httpx
 import pytest
 
 from gen.kvmesh.v1 import worker_pb2
-from services.engines.base import KvEventData, KvRemoved, KvStored, Tier
+from services.kv_protocol.events import KvEventData, KvRemoved, KvStored
+from services.kv_protocol.tier import Tier
 from services.engines.mocker.block_manager import BlockManager
 from services.kv_router.cost_function import Candidate, CostWeights, choose
 from services.kv_router.host_credit import FALLBACK_CREDIT, host_credit
 from services.kv_router.radix_tree import RadixTree
-from services.mesh.hashing import chained_block_hashes, local_block_hashes
+from services.kv_protocol.hashing import chained_block_hashes, local_block_hashes
 from services.worker.kv_event_log import KvEventLog
 from services.mesh.discovery import DECODE_WORKER
 from tests.procs import MODEL, ROOT, Etcd, ServiceMesh, find_matches_by_tier, registered, wait_until

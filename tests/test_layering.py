@@ -11,9 +11,8 @@ import pytest
 from tests.procs import ROOT
 
 SERVICE_PACKAGES = ("frontend", "processor", "kv_router", "decode_worker", "prefill_worker", "launch", "planner")
-# Pure helpers of the mesh package that engines may use: the wire-level block hash, the KV tier and
-# a free port.
-ENGINE_MAY_USE = ("services.mesh.hashing", "services.mesh.kv_tier", "services.mesh.net")
+# The KV protocol (block hashing, tiers, KV events) is the one thing engines share with the rest.
+ENGINE_MAY_USE = ("services.kv_protocol",)
 
 
 def imports_of(path: Path) -> set[str]:
@@ -45,8 +44,19 @@ def test_the_mesh_package_imports_no_engine_worker_or_service() -> None:
     assert offending("services/mesh", forbidden) == []
 
 
-def test_engines_import_nothing_of_the_mesh_but_its_pure_helpers() -> None:
+def test_engines_import_nothing_of_the_mesh_but_the_kv_protocol() -> None:
     assert offending("services/engines", ("services.",), ("services.engines", *ENGINE_MAY_USE)) == []
+
+
+def test_the_kv_protocol_is_a_leaf() -> None:
+    assert offending("services/kv_protocol", ("services.",), ("services.kv_protocol",)) == []
+
+
+def test_no_engine_reaches_into_the_mocker() -> None:
+    outside = [p for p in modules_under("services/engines") if "mocker" not in p.relative_to(ROOT).parts]
+    assert outside, "no engine modules found beside the mocker"
+    assert [f"{p.relative_to(ROOT)} imports {name}" for p in outside for name in sorted(imports_of(p))
+            if name.startswith("services.engines.mocker")] == []
 
 
 def test_the_worker_package_imports_no_service() -> None:

@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
-from services.mesh.hashing import chained_block_hashes, local_block_hashes
-from services.engines.base import EngineRequest, KvRemoved, KvStored, Sampling
+from services.kv_protocol.hashing import chained_block_hashes, local_block_hashes
+from services.engines.base import EngineRequest, Sampling
+from services.kv_protocol.events import KvRemoved, KvStored
 from services.engines.mocker.block_manager import BlockManager
 from services.engines.mocker.engine import MockerConfig, MockerEngine
 from services.engines.mocker.timing import TimingModel

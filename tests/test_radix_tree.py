@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from services.kv_router.kv_index import KvIndex
 from services.kv_router.radix_tree import EventError, RadixTree
 from services.kv_router.reference_index import ReferenceIndex
-from services.mesh.hashing import LocalBlockHash, SequenceHash, chain_from
-from services.mesh.kv_tier import Tier
+from services.kv_protocol.hashing import LocalBlockHash, SequenceHash, chain_from
+from services.kv_protocol.tier import Tier
 
 WORKERS = list(range(6))
 ALPHABET = st.integers(min_value=1, max_value=3)  # few local hashes: many shared prefixes and hits

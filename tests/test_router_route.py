@@ -23,7 +23,7 @@ from services.kv_router.pickers import PICKERS, make_picker
 from services.kv_router.service import ROUTER_MODES, RouterConfig, RouterMetrics, RouterServicer
 from services.kv_router.worker_pool import WorkerPool
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, InstanceInfo, Listener
-from services.mesh.hashing import chained_block_hashes, local_block_hashes
+from services.kv_protocol.hashing import chained_block_hashes, local_block_hashes
 
 BS = 4
 MODEL = "m"

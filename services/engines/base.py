@@ -9,8 +9,7 @@ import abc
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
-from services.mesh.hashing import LocalBlockHash, SequenceHash
-from services.mesh.kv_tier import Tier
+from services.kv_protocol.events import KvEventData
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,27 +135,6 @@ class PrefillCost:
     us_per_token_per_1k: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class KvStored:
-    parent_hash: SequenceHash | None
-    # (engine block hash, local tokens hash) per block, parent first.
-    blocks: tuple[tuple[SequenceHash, LocalBlockHash], ...]
-    # The tier that now holds them; the parent may be in either.
-    tier: Tier = Tier.DEVICE
-
-
-@dataclass(frozen=True, slots=True)
-class KvRemoved:
-    block_hashes: tuple[SequenceHash, ...]
-    tier: Tier = Tier.DEVICE
-
-
-@dataclass(frozen=True, slots=True)
-class KvCleared:
-    pass
-
-
-KvEventData = KvStored | KvRemoved | KvCleared
 KvEventSink = Callable[[KvEventData], None]
 # (bytes, seconds) of each KV transfer this engine received.
 KvTransferSink = Callable[[int, float], None]

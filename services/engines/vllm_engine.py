@@ -15,7 +15,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from services.mesh.net import port_for_later
 from services.engines.base import (
     Engine,
     EngineInfo,
@@ -28,7 +27,7 @@ from services.engines.base import (
     TokenLogprobs,
     UnsupportedFieldError,
 )
-from services.engines.mocker.engine import read_model_facts
+from services.engines.model_facts import read_model_facts
 from services.engines.vllm_kv_events import VllmKvEventListener
 
 log = logging.getLogger(__name__)
@@ -47,6 +46,8 @@ class VllmConfig:
     kv_transfer: dict[str, Any] | None = None
     # vLLM's native CPU offloading, sized to this many KV blocks (0: off; GPU only).
     host_kv_blocks: int = 0
+    # Where vLLM publishes its KV events to this worker (a free loopback port the worker chose).
+    kv_events_port: int = 0
 
 
 def kv_bytes_per_token(model_dir: str, dtype_bytes: int = 2) -> int:
@@ -58,10 +59,11 @@ def kv_bytes_per_token(model_dir: str, dtype_bytes: int = 2) -> int:
     return 2 * int(config["num_hidden_layers"]) * kv_heads * head_dim * dtype_bytes
 
 
-def nixl_transfer_config(advertise_host: str) -> dict[str, Any]:
-    """vLLM's NixlConnector for both roles. Its side channel needs a port of its own per engine,
-    set in the environment before the engine starts, and a host its peers can reach."""
-    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(port_for_later())
+def nixl_transfer_config(advertise_host: str, side_channel_port: int) -> dict[str, Any]:
+    """vLLM's NixlConnector for both roles. Its side channel needs a port of its own per engine
+    (the worker picks it) and a host its peers can reach; vLLM reads both only from the
+    environment, so they are set there before the engine starts."""
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
     os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = advertise_host
     return {"kv_connector": "NixlConnector", "kv_role": "kv_both",
             "kv_buffer_device": "cpu" if on_cpu() else "cuda"}
@@ -151,7 +153,9 @@ class VllmEngine(Engine):
             kwargs["gpu_memory_utilization"] = self.config.gpu_memory_utilization
         from vllm.config import KVEventsConfig
 
-        self._events = VllmKvEventListener(port_for_later(), self.emit_kv_event)
+        if not self.config.kv_events_port:
+            raise ValueError("VllmConfig.kv_events_port: the worker must give vLLM's KV events a port")
+        self._events = VllmKvEventListener(self.config.kv_events_port, self.emit_kv_event)
         self._events.start()
         kwargs["kv_events_config"] = KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=self._events.publisher_endpoint

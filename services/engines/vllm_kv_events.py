@@ -14,8 +14,9 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from services.mesh.hashing import SequenceHash, local_block_hashes
-from services.engines.base import KvCleared, KvEventData, KvRemoved, KvStored, Tier
+from services.kv_protocol.hashing import SequenceHash, local_block_hashes
+from services.kv_protocol.events import KvCleared, KvEventData, KvRemoved, KvStored
+from services.kv_protocol.tier import Tier
 
 log = logging.getLogger(__name__)
 

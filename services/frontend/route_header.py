@@ -19,7 +19,7 @@ There is no runner-up section when only one worker could take the request; `roun
 from __future__ import annotations
 
 from gen.kvmesh.v1 import common_pb2
-from services.mesh.kv_tier import host_terms
+from services.kv_protocol.tier import host_terms
 
 EXPLAIN_HEADER = "x-kvmesh-explain"
 ROUTE_HEADER = "x-kvmesh-route"

@@ -21,7 +21,7 @@ from opentelemetry.util.types import AttributeValue
 
 from gen.kvmesh.v1 import common_pb2
 from services.kv_router.cost_function import Terms, ranked
-from services.mesh.kv_tier import host_terms
+from services.kv_protocol.tier import host_terms
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ tier; 0.75 is NVIDIA Dynamo's fixed weight).
 from __future__ import annotations
 
 from gen.kvmesh.v1 import worker_pb2
-from services.mesh.kv_tier import prefill_seconds
+from services.kv_protocol.tier import prefill_seconds
 
 # A host hit when the worker cannot say what recomputing costs: NVIDIA Dynamo's fixed weight.
 FALLBACK_CREDIT = 0.75

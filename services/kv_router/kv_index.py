@@ -12,8 +12,8 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from services.mesh.hashing import LocalBlockHash, SequenceHash
-from services.mesh.kv_tier import Tier
+from services.kv_protocol.hashing import LocalBlockHash, SequenceHash
+from services.kv_protocol.tier import Tier
 
 # One stored block as a KV event carries it: its sequence hash and its local (tokens) hash.
 StoredBlock = tuple[SequenceHash, LocalBlockHash]

@@ -32,8 +32,8 @@ from collections.abc import Hashable, Iterable, Sequence
 from services.kv_router.block_table import FREE, GONE, BlockTable
 from services.kv_router.kv_index import EventError, HostCopy, KvIndex, StoredBlock, holder
 from services.kv_router.tree_nodes import ROOT, TreeNodes
-from services.mesh.hashing import LocalBlockHash, SequenceHash
-from services.mesh.kv_tier import Tier
+from services.kv_protocol.hashing import LocalBlockHash, SequenceHash
+from services.kv_protocol.tier import Tier
 
 U64_MAX = (1 << 64) - 1
 MASK_BITS = 64  # holders a node's mask holds in its typed array

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 
 from services.kv_router.kv_index import EventError, HostCopy, KvIndex, StoredBlock, holder
-from services.mesh.hashing import LocalBlockHash, SequenceHash
-from services.mesh.kv_tier import Tier
+from services.kv_protocol.hashing import LocalBlockHash, SequenceHash
+from services.kv_protocol.tier import Tier
 
 
 class RefNode:

@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 
 from services.mesh.flags import FlagParser
-from services.mesh.hashing import SequenceHash, local_block_hashes
+from services.kv_protocol.hashing import SequenceHash, local_block_hashes
 from services.mesh.stats import percentile
 from services.kv_router.kv_index import EventError, KvIndex, StoredBlock
 from services.kv_router.radix_tree import RadixTree

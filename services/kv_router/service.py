@@ -33,7 +33,7 @@ from services.kv_router.pickers import ROUTER_MODES as ROUTER_MODES
 from services.kv_router.pickers import PickContext, make_picker
 from services.kv_router.worker_pool import WorkerPool
 from services.mesh.flags import ConfigError
-from services.mesh.hashing import local_block_hashes
+from services.kv_protocol.hashing import local_block_hashes
 from services.mesh.grpc_server import abort_with, as_unary_rpc
 from services.mesh.session_kind import ROUTER_SESSION, CallError, CallInfo, call_info, final_error
 from services.mesh.session_server import SessionHub

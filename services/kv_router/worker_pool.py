@@ -21,8 +21,8 @@ from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.mesh.discovery import ComponentView, InstanceInfo
 from services.mesh.channels import ChannelPool
 from services.mesh.tasks import cancel_and_wait
-from services.mesh.hashing import SequenceHash
-from services.mesh.kv_tier import Tier
+from services.kv_protocol.hashing import SequenceHash
+from services.kv_protocol.tier import Tier
 from services.kv_router.kv_index import EventError, KvIndex, StoredBlock
 from services.kv_router.radix_tree import RadixTree
 

@@ -15,6 +15,7 @@ from services.engines.mocker.engine import MockerConfig, MockerEngine
 from services.engines.mocker.kv_transfer import NixlKvEndpoint, nixl_metadata_key
 from services.engines.mocker.timing import TimingModel
 from services.mesh.etcd_store import KeyValueStore
+from services.mesh.net import port_for_later
 from services.worker.engine_flags import EngineConfig
 
 MOCKER_MAX_NUM_SEQS = 256
@@ -69,7 +70,9 @@ def _vllm(config: EngineConfig) -> Engine:
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs or VLLM_MAX_NUM_SEQS,
             cpu_kv_cache_gib=int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")),
-            kv_transfer=nixl_transfer_config(config.advertise_host) if config.kv_transfer == "nixl" else None,
+            kv_transfer=nixl_transfer_config(config.advertise_host, port_for_later())
+            if config.kv_transfer == "nixl" else None,
             host_kv_blocks=config.host_kv_blocks,
+            kv_events_port=port_for_later(),
         )
     )

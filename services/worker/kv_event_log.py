@@ -12,8 +12,9 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from services.engines.base import KvCleared, KvEventData, KvRemoved, KvStored, Tier
-from services.mesh.hashing import LocalBlockHash, SequenceHash
+from services.kv_protocol.events import KvCleared, KvEventData, KvRemoved, KvStored
+from services.kv_protocol.tier import Tier
+from services.kv_protocol.hashing import LocalBlockHash, SequenceHash
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,17 +24,8 @@ from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
 from services.worker.pacing import DEFAULT_INTERVAL_S, paced
 from services.worker.kv_event_log import KvEventLog, NumberedEvent
-from services.engines.base import (
-    Engine,
-    EngineOutput,
-    EngineRequest,
-    KvCleared,
-    KvRemoved,
-    KvStored,
-    LoadSnapshot,
-    Sampling,
-    Structured,
-)
+from services.engines.base import Engine, EngineOutput, EngineRequest, LoadSnapshot, Sampling, Structured
+from services.kv_protocol.events import KvCleared, KvRemoved, KvStored
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,9 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Container, Sequence
 
-from services.engines.base import KvEventData, KvRemoved, KvStored, Tier
-from services.mesh.hashing import LocalBlockHash, SequenceHash
+from services.kv_protocol.events import KvEventData, KvRemoved, KvStored
+from services.kv_protocol.tier import Tier
+from services.kv_protocol.hashing import LocalBlockHash, SequenceHash
 
 # Marks a block that caches nothing; sequence hashes are u64, never negative.
 NO_HASH = SequenceHash(-1)

@@ -9,16 +9,14 @@ preemption when the cache is full, KV events and load — is real bookkeeping.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import xxhash
 
-from services.mesh.hashing import (
+from services.kv_protocol.hashing import (
     LocalBlockHash,
     SequenceHash,
     block_bytes,
@@ -38,6 +36,7 @@ from services.engines.base import (
     UnsupportedFieldError,
 )
 from services.engines.mocker.block_manager import BlockManager
+from services.engines.model_facts import read_model_facts
 from services.engines.mocker.kv_transfer import KvTransferError, NixlKvEndpoint
 from services.engines.mocker.timing import TimingModel
 
@@ -77,14 +76,6 @@ class _Seq:
     done: bool = False
     # The prompt's KV came from a prefill worker: admitting it costs no prefill compute.
     remote_kv: bool = False
-
-
-def read_model_facts(model_dir: str) -> tuple[int, int, tuple[int, ...]]:
-    """(vocab size, context length, eos ids) from a Hugging Face config.json."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    eos = config.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-    return int(config["vocab_size"]), int(config.get("max_position_embeddings", 4096)), eos_ids
 
 
 class MockerEngine(Engine):
