@@ -6,7 +6,7 @@ VPY   := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTO_FILES := $(wildcard protos/kvmesh/v1/*.proto)
 
-.PHONY: install run test protos bench chaos lint clean
+.PHONY: install run test test-unit protos bench chaos lint clean
 
 install: $(STAMP)
 
@@ -19,6 +19,10 @@ run: install
 
 test: install
 	$(VPY) -m pytest $(PYTEST_ARGS)
+
+# The tests that start nothing (tests/unit/): seconds, for the edit-test loop.
+test-unit: install
+	$(VPY) -m pytest tests/unit $(PYTEST_ARGS)
 
 protos: install
 	$(VPY) -m grpc_tools.protoc -I protos --python_out=gen --grpc_python_out=gen --pyi_out=gen $(PROTO_FILES)

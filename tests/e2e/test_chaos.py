@@ -15,7 +15,7 @@ from pathlib import Path
 from bench.chaos_faults import FAULT_KINDS, OUTAGE, plan
 from bench.chaos_load import Outcome, difference
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # The quick form takes about 75 s on 2 cores; the margin covers a slow machine, not a hung run.
 LIMIT_S = 300
