@@ -180,6 +180,16 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:  #
     return False
 
 
+async def eventually(predicate, timeout_s: float, interval_s: float = 0.01) -> bool:  # noqa: ANN001
+    """`wait_until` for a test on the event loop: polls without blocking the loop."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(interval_s)
+    return False
+
+
 def registered(etcd: str, namespace: str, component: str, tls: TlsConfig | None = None) -> list[InstanceInfo]:
     """The instances of a component registered in etcd right now."""
 

@@ -10,7 +10,7 @@ import openai
 import pydantic
 import pytest
 
-from tests.test_agents_api import WEATHER
+from tests.e2e.test_agents_api import WEATHER
 
 pytestmark = pytest.mark.vllm
 MODEL = "kvmesh-demo"

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.procs import Etcd, ServiceMesh, service
-from tests.test_migration import act_after, stream
+from tests.e2e.test_migration import act_after, stream
 
 pytestmark = pytest.mark.vllm
 # At least 300 characters before the model may end it: a few hundred tokens, well past the cut.

@@ -10,7 +10,7 @@ import pytest
 
 from services.mesh.discovery import DECODE_WORKER, PROCESSOR, ROUTER
 from tests.procs import Etcd, ServiceMesh, registered, wait_until
-from tests.test_kv_routing import BLOCK, prefix
+from tests.e2e.test_kv_routing import BLOCK, prefix
 
 
 def routed(metrics: str) -> float:

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.procs import Etcd, ServiceMesh, registered, wait_until
-from tests.test_migration import MAX_TOKENS, SLOW, act_after, stream
+from tests.e2e.test_migration import MAX_TOKENS, SLOW, act_after, stream
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from services.kv_router.cost_function import Candidate, CostWeights, Terms, choo
 from services.kv_router.explanation import explain
 from services.mesh.net import free_port
 from tests.procs import MODEL, Etcd, Proc, ServiceMesh, service
-from tests.test_router_route import PROMPT, AbortingContext, cache, info, make_pool, router, set_load
+from tests.unit.test_router_route import PROMPT, AbortingContext, cache, info, make_pool, router, set_load
 
 W = CostWeights()
 BS, TOKENS = 16, 128

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from services.mesh.flags import ConfigError
 from services.mesh.tracing import TRACING_OFF, Tracing, TracingSettings, build_tracing, outgoing_metadata, settings_from_env
 from tests.procs import MODEL, Etcd, ServiceMesh, wait_until
-from tests.test_disagg_mocker import router_serves_prefill_pool
+from tests.e2e.test_disagg_mocker import router_serves_prefill_pool
 
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
@@ -218,7 +217,15 @@ def spans_of_the_request(collector: Collector) -> list[Collected]:
         return EXPECTED_NAMES <= set(names) and names.count("route") >= 2
 
     assert wait_until(complete, SPANS_WAIT_S), f"spans so far: {[s.span.name for s in collector.snapshot()]}"
-    time.sleep(0.5)  # anything still on its way (nothing should be) is caught by the trace id check
+    # Anything still on its way (nothing should be) is caught by the trace id check: wait until
+    # the collector has been quiet for one poll.
+    seen = [len(collector.snapshot())]
+
+    def quiet() -> bool:
+        seen.append(len(collector.snapshot()))
+        return seen[-1] == seen[-2]
+
+    wait_until(quiet, 5, interval_s=0.25)
     return collector.snapshot()
 
 

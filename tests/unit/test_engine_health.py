@@ -12,6 +12,7 @@ from services.engines.mocker.engine import MockerConfig, MockerEngine
 from services.engines.mocker.timing import TimingModel
 from services.tools.make_demo_model import ensure_demo_model
 from services.worker.engine_health import EngineFailed, watch_engine
+from tests.procs import eventually
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -37,8 +38,17 @@ async def test_a_mocker_whose_step_loop_died_fails_its_health_watch() -> None:
     await engine.start()
     servicer = health.aio.HealthServicer()
     await servicer.set("kvmesh.v1.Worker", SERVING)
+    checks = 0
+    check_health = engine.check_health
+
+    async def counted() -> None:
+        nonlocal checks
+        checks += 1
+        await check_health()
+
+    engine.check_health = counted  # type: ignore[method-assign]
     watch = asyncio.create_task(watch_engine(engine, servicer, "w1", every_s=0.01))
-    await asyncio.sleep(0.05)
+    assert await eventually(lambda: checks >= 3, 5)  # healthy checks passed
     assert not watch.done() and await status(servicer) == SERVING
     assert engine._loop_task is not None
     engine._loop_task.cancel()  # the engine loop is gone, as after a crash inside it

@@ -13,6 +13,7 @@ from services.engines.mocker.block_manager import BlockManager
 from services.engines.mocker.engine import MockerConfig, MockerEngine
 from services.engines.mocker.timing import TimingModel
 from services.tools.make_demo_model import ensure_demo_model
+from tests.procs import eventually
 
 BS = 4
 
@@ -159,8 +160,7 @@ async def test_closing_the_stream_aborts_and_frees_the_blocks() -> None:
         await anext(stream)
         assert e.load().kv_active_blocks > 0
         await stream.aclose()
-        await asyncio.sleep(0.05)
-        assert e.load().kv_active_blocks == 0 and e.load().request_active_slots == 0
+        assert await eventually(lambda: e.load().kv_active_blocks == 0 and e.load().request_active_slots == 0, 5)
     finally:
         await e.stop()
 
