@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from services.decode_worker.flags import add_disagg_flags, disagg_config
-from services.decode_worker.switchable import add_switch_flags, switchable_services
+from services.decode_worker.switchable import add_switch_flags, role_switch, switchable_services
 from services.mesh.flags import die
 from services.worker.engine_flags import EngineConfig
 from services.decode_worker.remote_prefill import DisaggMetrics, RemotePrefiller
@@ -17,6 +17,7 @@ from services.engines.base import Engine
 from services.mesh.discovery import DECODE_WORKER, ROUTER
 from services.mesh.router_client import RouterClient
 from services.worker.kv_event_log import KvEventLog
+from services.worker.role_switch import always
 from services.worker.runtime import Role, ServicesFactory, WorkerContext, WorkerServices, main
 
 
@@ -32,9 +33,10 @@ async def prepare(ctx: WorkerContext) -> ServicesFactory:
 
     def services(engine: Engine, worker_id: str, events: KvEventLog) -> WorkerServices:
         engine.set_kv_transfer_sink(metrics.record_transfer)
+        switch = role_switch(ctx) if ctx.args.switchable else None
         decode = DecodeServicer(engine, worker_id, events, prefiller, metrics, ctx.tracing,
-                                ctx.args.stream_interval_ms / 1000)
-        return switchable_services(decode, engine, ctx) if ctx.args.switchable else WorkerServices(decode)
+                                ctx.args.stream_interval_ms / 1000, admit=switch.work if switch else always)
+        return WorkerServices(decode) if switch is None else switchable_services(decode, switch, engine, ctx)
 
     return services
 

@@ -29,6 +29,7 @@ from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
 from services.worker.kv_event_log import KvEventLog
 from services.worker.pacing import DEFAULT_INTERVAL_S
+from services.worker.role_switch import Admit, always
 from services.worker.servicer import (
     GENERATE_RPC,
     LOCAL_PREFILL,
@@ -45,8 +46,11 @@ log = logging.getLogger(__name__)
 class DecodeServicer(WorkerServicer):
     def __init__(self, engine: Engine, worker_id: str, events: KvEventLog, prefiller: RemotePrefiller | None,
                  metrics: DisaggMetrics, tracing: Tracing = TRACING_OFF,
-                 stream_interval_s: float = DEFAULT_INTERVAL_S) -> None:
+                 stream_interval_s: float = DEFAULT_INTERVAL_S, admit: Admit = always) -> None:
+        """`admit` gates each call by role (a worker that can switch roles decodes only in the
+        decode role)."""
         super().__init__(engine, worker_id, events, tracing, stream_interval_s)
+        self.admit = admit
         self.prefiller = prefiller
         self.metrics = metrics
         # Releases of KV we abandoned, sent after our own request was cancelled: owned here.
@@ -64,14 +68,15 @@ class DecodeServicer(WorkerServicer):
     async def generate(self, request: worker_pb2.WorkerGenerateRequest,
                        call: CallInfo) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         REQUEST_ID.set(request.request_id)  # this call's task: its log lines carry the id
-        with self.tracing.server_span("decode", call, GENERATE_RPC) as span:
-            if span.is_recording():
-                span.set_attributes(generate_attributes(request, self.worker_id))
-            try:
-                async for msg in self._generate(request):
-                    yield msg
-            except ValueError as exc:
-                raise refused(exc) from exc
+        async with self.admit("decode"):
+            with self.tracing.server_span("decode", call, GENERATE_RPC) as span:
+                if span.is_recording():
+                    span.set_attributes(generate_attributes(request, self.worker_id))
+                try:
+                    async for msg in self._generate(request):
+                        yield msg
+                except ValueError as exc:
+                    raise refused(exc) from exc
 
     async def _generate(self, request: worker_pb2.WorkerGenerateRequest) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         rid = request.request_id

@@ -1,4 +1,5 @@
-"""A worker that can change role (`--switchable`): both roles' services, gated by a `RoleSwitch`.
+"""A worker that can change role (`--switchable`): both roles' services, each gated by a
+`RoleSwitch` (composition: the servicers take the switch's admission; nothing is subclassed).
 
 It is a decode worker's process (the decode role needs the disaggregation set-up) that also
 serves `Prefiller`; `--start-as prefill` registers it in the prefill pool first.
@@ -7,19 +8,14 @@ serves `Prefiller`; `--start-as prefill` registers it in the prefill pool first.
 from __future__ import annotations
 
 import argparse
-from collections.abc import AsyncIterator
 
-import grpc
-
-from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
-from services.decode_worker.service import DecodeServicer
+from gen.kvmesh.v1 import worker_pb2_grpc
 from services.engines.base import Engine
-from services.mesh.grpc_server import ServiceBinding, abort_with
-from services.mesh.session_kind import WORKER_SESSION, CallError, CallInfo
-from services.mesh.session_server import SessionHub
-from services.prefill_worker.servicer import PREFILLER_SERVICE, PrefillServicer
+from services.mesh.grpc_server import ServiceBinding
+from services.worker.prefill_servicer import PREFILLER_SERVICE, PrefillServicer
 from services.worker.role_switch import ROLE_CONTROL_SERVICE, RoleSwitch
 from services.worker.runtime import WorkerContext, WorkerServices
+from services.worker.servicer import WorkerServicer
 
 
 def add_switch_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -32,37 +28,15 @@ def add_switch_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     return g
 
 
-class _GatedDecode(DecodeServicer):
-    switch: RoleSwitch
-
-    async def generate(self, request: worker_pb2.WorkerGenerateRequest,
-                       call: CallInfo) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
-        async with self.switch.work("decode"):
-            async for msg in super().generate(request, call):
-                yield msg
+def role_switch(ctx: WorkerContext) -> RoleSwitch:
+    """One worker's switch; its `work` admits the calls of the role it serves now."""
+    return RoleSwitch(ctx.args.start_as, ctx.mesh.namespace, ctx.mesh.drain_timeout_s, ctx.log_component)
 
 
-class _GatedPrefill(PrefillServicer):
-    def __init__(self, engine: Engine, switch: RoleSwitch, ctx: WorkerContext) -> None:
-        super().__init__(engine, ctx.tracing)
-        self.switch = switch
-
-    async def Prefill(self, request: worker_pb2.PrefillRequest,  # noqa: N802
-                      context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
-        try:
-            async with self.switch.work("prefill"):
-                return await super().Prefill(request, context)
-        except CallError as exc:
-            await abort_with(context, exc)
-
-
-def switchable_services(decode: DecodeServicer, engine: Engine, ctx: WorkerContext) -> WorkerServices:
-    """Wraps a decode worker's servicer into a worker that serves either role."""
-    switch = RoleSwitch(ctx.args.start_as, ctx.mesh.namespace, ctx.mesh.drain_timeout_s, ctx.log_component)
-    decode.__class__ = _GatedDecode  # same state, gated Generate
-    decode.switch = switch  # type: ignore[attr-defined]
-    decode.sessions = SessionHub(WORKER_SESSION, decode.generate)  # the gated one
-    prefill = ServiceBinding(worker_pb2_grpc.add_PrefillerServicer_to_server, _GatedPrefill(engine, switch, ctx),
-                             PREFILLER_SERVICE)
+def switchable_services(decode: WorkerServicer, switch: RoleSwitch, engine: Engine, ctx: WorkerContext) -> WorkerServices:
+    """A decode servicer built with `switch.work` as its admission, beside a prefill servicer
+    gated the same way and the RoleControl service that moves the worker."""
+    prefill = ServiceBinding(worker_pb2_grpc.add_PrefillerServicer_to_server,
+                             PrefillServicer(engine, ctx.tracing, admit=switch.work), PREFILLER_SERVICE)
     control = ServiceBinding(worker_pb2_grpc.add_RoleControlServicer_to_server, switch, ROLE_CONTROL_SERVICE)
     return WorkerServices(decode, (prefill, control), switch=switch)

@@ -1,9 +1,9 @@
 """What a GenerateRequest may carry, checked before any tokenizing so a bad call costs nothing.
 
-The gateway checks the same limits on the HTTP side (it imports them from here, so the two cannot
-drift); these checks are for every other caller of the internal RPC. A violation is a
-`PromptError` (the processor answers INVALID_ARGUMENT) or, for a prompt that can never fit the
-model, a `ContextLengthError` (OUT_OF_RANGE); the message is one line.
+The gateway checks the same limits on the HTTP side (both take them from
+`services/mesh/request_limits.py`); these checks are for every other caller of the internal RPC.
+A violation is a `PromptError` (the processor answers INVALID_ARGUMENT) or, for a prompt that can
+never fit the model, a `ContextLengthError` (OUT_OF_RANGE); the message is one line.
 """
 
 from __future__ import annotations
@@ -11,14 +11,9 @@ from __future__ import annotations
 import math
 
 from gen.kvmesh.v1 import common_pb2, processor_pb2
+from services.mesh.request_limits import INT64_MAX, MAX_LOGPROBS, MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, UINT32_MAX
 from services.processor.tokenizer import ContextLengthError, PromptError
 
-MAX_N = 128
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-MAX_LOGPROBS = 20
-UINT32_MAX = 2**32 - 1
-INT64_MAX = 2**63 - 1
 # No token of a real vocabulary spans more characters than this in practice: a text longer than
 # this many times the context can never fit it, so it is refused before the tokenizer runs.
 CHARS_PER_TOKEN_BOUND = 32

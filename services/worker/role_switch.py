@@ -18,8 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import replace
 
 import grpc
@@ -39,6 +39,17 @@ ROLE_CONTROL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["RoleControl"].ful
 
 class _Ended(Exception):
     """Work the switch ended at its deadline."""
+
+
+# Admits one call of a role for as long as the context lasts, or refuses it with a retryable
+# CallError: how a role's servicer is gated when the worker can switch roles.
+Admit = Callable[[str], AbstractAsyncContextManager[None]]
+
+
+@asynccontextmanager
+async def always(role: str) -> AsyncIterator[None]:
+    """The admission of a worker that serves one role for good: every call."""
+    yield
 
 
 class RoleSwitch(worker_pb2_grpc.RoleControlServicer):

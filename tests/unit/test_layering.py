@@ -59,6 +59,21 @@ def test_no_engine_reaches_into_the_mocker() -> None:
             if name.startswith("services.engines.mocker")] == []
 
 
+# What one service may take from another: the launcher reads each service's flags to start it;
+# `--routing local` runs the router's index and pool inside the processor (the one exception left:
+# the router's core is a library the processor embeds, until it moves out of the service package).
+SERVICE_MAY_USE = {
+    "launch": tuple(f"services.{p}.flags" for p in SERVICE_PACKAGES),
+    "processor": ("services.kv_router.flags", "services.kv_router.service", "services.kv_router.worker_pool"),
+}
+
+
+@pytest.mark.parametrize("package", SERVICE_PACKAGES)
+def test_no_service_reaches_into_another(package: str) -> None:
+    others = tuple(f"services.{p}" for p in SERVICE_PACKAGES if p != package)
+    assert offending(f"services/{package}", others, SERVICE_MAY_USE.get(package, ())) == []
+
+
 def test_the_worker_package_imports_no_service() -> None:
     assert offending("services/worker", tuple(f"services.{p}" for p in SERVICE_PACKAGES)) == []
 

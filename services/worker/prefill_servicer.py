@@ -17,6 +17,8 @@ from services.engines.base import Engine, EngineRequest
 from services.mesh.grpc_server import abort_with
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
+from services.mesh.session_kind import CallError
+from services.worker.role_switch import Admit, always
 from services.worker.servicer import refused, sampling_from_proto
 
 log = logging.getLogger(__name__)
@@ -27,13 +29,25 @@ RELEASE_RPC = "kvmesh.v1.Prefiller/ReleaseKv"
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
-    def __init__(self, engine: Engine, tracing: Tracing = TRACING_OFF) -> None:
+    """`admit` gates each call by role: a prefill worker admits every one, a worker that can switch
+    roles only while it serves the prefill role."""
+
+    def __init__(self, engine: Engine, tracing: Tracing = TRACING_OFF, admit: Admit = always) -> None:
         self.engine = engine
         self.tracing = tracing
+        self.admit = admit
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,  # noqa: N802
                       context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
         REQUEST_ID.set(request.request_id)  # this call's task: its log lines carry the id
+        try:
+            async with self.admit("prefill"):
+                return await self._traced_prefill(request, context)
+        except CallError as exc:
+            await abort_with(context, exc)
+
+    async def _traced_prefill(self, request: worker_pb2.PrefillRequest,
+                              context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
         with self.tracing.server_span("prefill", context, PREFILL_RPC) as span:
             reply = await self._prefill(request, context)
             if span.is_recording():
