@@ -19,10 +19,10 @@ from gen.kvmesh.v1 import launcher_pb2, launcher_pb2_grpc
 from services.launch.children import Child
 from services.launch.supervision import CHILD_EXIT_MARGIN_S, keep_running
 from services.mesh.tasks import cancel_and_wait
+from services.mesh.worker_roles import role_name
 
 log = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode")
 LAUNCHER_CONTROL_SERVICE = launcher_pb2.DESCRIPTOR.services_by_name["LauncherControl"].full_name
 READY_POLL_S = 0.1
 
@@ -80,13 +80,16 @@ class WorkerControl(launcher_pb2_grpc.LauncherControlServicer):
 
     async def StartWorker(self, request: launcher_pb2.StartWorkerRequest,  # noqa: N802
                           context: grpc.aio.ServicerContext) -> launcher_pb2.StartWorkerResponse:
-        if request.role not in ROLES:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role must be prefill or decode, got {request.role!r}")
+        role = role_name(request.role)
+        if role is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"role must be WORKER_ROLE_PREFILL or WORKER_ROLE_DECODE, got {request.role}")
+            raise AssertionError("abort raises")
         try:
-            worker = await self.start(request.role)
+            worker = await self.start(role)
         except (RuntimeError, TimeoutError) as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the {request.role} worker did not start: {exc}")
-        log.info("started a %s worker on request: pid %s, %s", request.role, worker.child.process and
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the {role} worker did not start: {exc}")
+        log.info("started a %s worker on request: pid %s, %s", role, worker.child.process and
                  worker.child.process.pid, " ".join(worker.instance_ids))
         assert worker.child.process is not None
         return launcher_pb2.StartWorkerResponse(instance_ids=worker.instance_ids, pid=worker.child.process.pid)

@@ -25,10 +25,17 @@ class PoolSizes:
         return self.prefill + self.decode
 
     def of(self, role: str) -> int:
-        return self.prefill if role == "prefill" else self.decode
+        return self.prefill if _checked(role) == "prefill" else self.decode
 
     def with_role(self, role: str, n: int) -> PoolSizes:
-        return PoolSizes(n, self.decode) if role == "prefill" else PoolSizes(self.prefill, n)
+        return PoolSizes(n, self.decode) if _checked(role) == "prefill" else PoolSizes(self.prefill, n)
 
     def __str__(self) -> str:
         return f"{self.prefill}P:{self.decode}D"
+
+
+def _checked(role: str) -> str:
+    """A role name; anything else is a bug to surface, not a decode pool to resize."""
+    if role not in ROLES:
+        raise ValueError(f"unknown worker role {role!r}: one of {', '.join(ROLES)}")
+    return role

@@ -28,6 +28,7 @@ from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, InstanceInfo, instance_key
 from services.mesh.etcd_lease import LeasedRegistration
 from services.mesh.logs import LogComponent
+from services.mesh.worker_roles import ROLE_OF, role_name
 from services.mesh.session_kind import CallError
 from services.mesh.tasks import cancel_and_wait
 
@@ -106,18 +107,21 @@ class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
 
     async def SwitchRole(self, request: worker_pb2.SwitchRoleRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> worker_pb2.SwitchRoleResponse:
-        target = request.role
-        if target not in COMPONENT_OF:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role must be prefill or decode, got {target!r}")
+        target = role_name(request.role)
+        if target is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"role must be WORKER_ROLE_PREFILL or WORKER_ROLE_DECODE, got {request.role}")
+            raise AssertionError("abort raises")
         if self._info is None or self._registration is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is not registered yet")
         deadline_s = request.drain_timeout_s if request.drain_timeout_s > 0 else self._drain_timeout_s
         async with self._lock:  # one switch at a time
             previous = self._registered_role
             if previous == target:
-                return worker_pb2.SwitchRoleResponse(previous_role=previous, role=target)
+                return worker_pb2.SwitchRoleResponse(previous_role=ROLE_OF[previous], role=request.role)
             finished, ended = await self._switch(previous, target, deadline_s)
-            return worker_pb2.SwitchRoleResponse(previous_role=previous, role=target, finished=finished, ended=ended)
+            return worker_pb2.SwitchRoleResponse(previous_role=ROLE_OF[previous], role=request.role, finished=finished,
+                                                 ended=ended)
 
     async def _switch(self, previous: str, target: str, deadline_s: float) -> tuple[int, int]:
         assert self._info is not None and self._registration is not None

@@ -12,6 +12,7 @@ import pytest
 
 from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, ROUTER
+from services.mesh.worker_roles import ROLE_OF
 from tests.procs import MODEL, Etcd, ServiceMesh, registered, wait_until
 
 # A real decode step (12 ms), so streams are still running when the switch comes.
@@ -38,7 +39,7 @@ def switch(mesh: ServiceMesh, worker_id: str, role: str, drain_timeout_s: float)
     assert info.extra.get("switchable") is True
     with grpc.insecure_channel(info.address) as channel:
         return worker_pb2_grpc.RoleControlStub(channel).SwitchRole(
-            worker_pb2.SwitchRoleRequest(role=role, drain_timeout_s=drain_timeout_s), timeout=60)
+            worker_pb2.SwitchRoleRequest(role=ROLE_OF[role], drain_timeout_s=drain_timeout_s), timeout=60)
 
 
 def running(mesh: ServiceMesh, worker_id: str) -> int:
@@ -84,7 +85,7 @@ def test_a_worker_switches_roles_under_load_and_loses_no_request(mesh: ServiceMe
         seen_after_s = time.monotonic() - switched_at
         outcomes = [r.result() for r in results]
 
-    assert (reply.previous_role, reply.role) == ("decode", "prefill")
+    assert (reply.previous_role, reply.role) == (common_pb2.WORKER_ROLE_DECODE, common_pb2.WORKER_ROLE_PREFILL)
     assert reply.finished + reply.ended > 0, "the switch found no work in flight: the test did not load the worker"
     assert all(status == 200 for status, _, _ in outcomes), outcomes
     assert [completion for _, completion, _ in outcomes] == [MAX_TOKENS] * REQUESTS
@@ -95,7 +96,7 @@ def test_a_worker_switches_roles_under_load_and_loses_no_request(mesh: ServiceMe
     # The old pool no longer routes to it; back to decode, it is routed to there again.
     assert route(mesh, common_pb2.WORKER_ROLE_DECODE, [stayer]) is None
     back = switch(mesh, mover, "decode", drain_timeout_s=1.0)
-    assert (back.previous_role, back.role) == ("prefill", "decode")
+    assert (back.previous_role, back.role) == (common_pb2.WORKER_ROLE_PREFILL, common_pb2.WORKER_ROLE_DECODE)
     assert wait_until(lambda: route(mesh, common_pb2.WORKER_ROLE_DECODE, [stayer]) == mover, 1.0, interval_s=0.02)
     assert mesh.complete(max_tokens=5).status_code == 200
 
@@ -110,7 +111,7 @@ def test_a_call_of_the_other_role_is_refused_as_retryable(mesh: ServiceMesh) -> 
             list(calls)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         with pytest.raises(grpc.RpcError) as bad:
-            worker_pb2_grpc.RoleControlStub(channel).SwitchRole(worker_pb2.SwitchRoleRequest(role="router"), timeout=10)
+            worker_pb2_grpc.RoleControlStub(channel).SwitchRole(worker_pb2.SwitchRoleRequest(), timeout=10)
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 

@@ -122,3 +122,11 @@ def test_slo_and_profile_validate() -> None:
         Slo(0, 1)
     with pytest.raises(ConfigError, match="--profile"):
         WorkerProfile.preset("no-such-gpu")
+
+
+def test_a_role_that_is_neither_prefill_nor_decode_is_an_error_not_the_decode_pool() -> None:
+    with pytest.raises(ValueError, match="unknown worker role 'decdoe'"):
+        PoolSizes(1, 2).of("decdoe")
+    with pytest.raises(ValueError, match="unknown worker role"):
+        PoolSizes(1, 2).with_role("router", 3)
+    assert PoolSizes(1, 2).with_role("prefill", 3) == PoolSizes(3, 2)

@@ -22,23 +22,24 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from gen.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvmesh/v1/launcher.proto\x12\tkvmesh.v1\"\"\n\x12StartWorkerRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\"8\n\x13StartWorkerResponse\x12\x14\n\x0cinstance_ids\x18\x01 \x03(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\"(\n\x11StopWorkerRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\'\n\x12StopWorkerResponse\x12\x11\n\texit_code\x18\x01 \x01(\x05\x32\xaa\x01\n\x0fLauncherControl\x12L\n\x0bStartWorker\x12\x1d.kvmesh.v1.StartWorkerRequest\x1a\x1e.kvmesh.v1.StartWorkerResponse\x12I\n\nStopWorker\x12\x1c.kvmesh.v1.StopWorkerRequest\x1a\x1d.kvmesh.v1.StopWorkerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvmesh/v1/launcher.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"?\n\x12StartWorkerRequest\x12#\n\x04role\x18\x02 \x01(\x0e\x32\x15.kvmesh.v1.WorkerRoleJ\x04\x08\x01\x10\x02\"8\n\x13StartWorkerResponse\x12\x14\n\x0cinstance_ids\x18\x01 \x03(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\"(\n\x11StopWorkerRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\'\n\x12StopWorkerResponse\x12\x11\n\texit_code\x18\x01 \x01(\x05\x32\xaa\x01\n\x0fLauncherControl\x12L\n\x0bStartWorker\x12\x1d.kvmesh.v1.StartWorkerRequest\x1a\x1e.kvmesh.v1.StartWorkerResponse\x12I\n\nStopWorker\x12\x1c.kvmesh.v1.StopWorkerRequest\x1a\x1d.kvmesh.v1.StopWorkerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.launcher_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STARTWORKERREQUEST']._serialized_start=39
-  _globals['_STARTWORKERREQUEST']._serialized_end=73
-  _globals['_STARTWORKERRESPONSE']._serialized_start=75
-  _globals['_STARTWORKERRESPONSE']._serialized_end=131
-  _globals['_STOPWORKERREQUEST']._serialized_start=133
-  _globals['_STOPWORKERREQUEST']._serialized_end=173
-  _globals['_STOPWORKERRESPONSE']._serialized_start=175
-  _globals['_STOPWORKERRESPONSE']._serialized_end=214
-  _globals['_LAUNCHERCONTROL']._serialized_start=217
-  _globals['_LAUNCHERCONTROL']._serialized_end=387
+  _globals['_STARTWORKERREQUEST']._serialized_start=63
+  _globals['_STARTWORKERREQUEST']._serialized_end=126
+  _globals['_STARTWORKERRESPONSE']._serialized_start=128
+  _globals['_STARTWORKERRESPONSE']._serialized_end=184
+  _globals['_STOPWORKERREQUEST']._serialized_start=186
+  _globals['_STOPWORKERREQUEST']._serialized_end=226
+  _globals['_STOPWORKERRESPONSE']._serialized_start=228
+  _globals['_STOPWORKERRESPONSE']._serialized_end=267
+  _globals['_LAUNCHERCONTROL']._serialized_start=270
+  _globals['_LAUNCHERCONTROL']._serialized_end=440
 # @@protoc_insertion_point(module_scope)

@@ -1,16 +1,17 @@
+from gen.kvmesh.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class StartWorkerRequest(_message.Message):
     __slots__ = ("role",)
     ROLE_FIELD_NUMBER: _ClassVar[int]
-    role: str
-    def __init__(self, role: _Optional[str] = ...) -> None: ...
+    role: _common_pb2.WorkerRole
+    def __init__(self, role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ...) -> None: ...
 
 class StartWorkerResponse(_message.Message):
     __slots__ = ("instance_ids", "pid")

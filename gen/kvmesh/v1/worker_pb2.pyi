@@ -185,9 +185,9 @@ class SwitchRoleRequest(_message.Message):
     __slots__ = ("role", "drain_timeout_s")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    role: str
+    role: _common_pb2.WorkerRole
     drain_timeout_s: float
-    def __init__(self, role: _Optional[str] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
 
 class SwitchRoleResponse(_message.Message):
     __slots__ = ("previous_role", "role", "finished", "ended")
@@ -195,11 +195,11 @@ class SwitchRoleResponse(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
-    previous_role: str
-    role: str
+    previous_role: _common_pb2.WorkerRole
+    role: _common_pb2.WorkerRole
     finished: int
     ended: int
-    def __init__(self, previous_role: _Optional[str] = ..., role: _Optional[str] = ..., finished: _Optional[int] = ..., ended: _Optional[int] = ...) -> None: ...
+    def __init__(self, previous_role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., finished: _Optional[int] = ..., ended: _Optional[int] = ...) -> None: ...
 
 class WorkerCall(_message.Message):
     __slots__ = ("stream_id", "timeout_ms", "metadata", "request")

@@ -17,6 +17,7 @@ import grpc
 from gen.kvmesh.v1 import launcher_pb2, launcher_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.mesh.channels import ChannelPool
 from services.mesh.discovery import ComponentView, InstanceInfo
+from services.mesh.worker_roles import ROLE_OF, role_name
 from services.planner.connectors.base import ConnectorError
 from services.planner.pools import PoolSizes
 
@@ -75,17 +76,17 @@ class LocalConnector:
     async def _switch_one(self, info: InstanceInfo, target: str) -> None:
         stub = worker_pb2_grpc.RoleControlStub(self._channels.get(info.address))
         try:
-            reply = await stub.SwitchRole(worker_pb2.SwitchRoleRequest(role=target),
+            reply = await stub.SwitchRole(worker_pb2.SwitchRoleRequest(role=ROLE_OF[target]),
                                           timeout=self._drain_timeout_s + LOAD_READ_TIMEOUT_S + 10)
         except grpc.aio.AioRpcError as exc:
             raise ConnectorError(f"switching {info.instance_id} to {target}: {exc.code().name} {exc.details()}") from exc
         log.info("switched worker %s from %s to %s (%d calls finished, %d migrated)", info.instance_id,
-                 reply.previous_role, reply.role, reply.finished, reply.ended)
+                 role_name(reply.previous_role), role_name(reply.role), reply.finished, reply.ended)
 
     async def _start(self, role: str) -> None:
         stub = launcher_pb2_grpc.LauncherControlStub(self._channels.get(self._launcher))
         try:
-            reply = await stub.StartWorker(launcher_pb2.StartWorkerRequest(role=role), timeout=LAUNCHER_CALL_TIMEOUT_S)
+            reply = await stub.StartWorker(launcher_pb2.StartWorkerRequest(role=ROLE_OF[role]), timeout=LAUNCHER_CALL_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             raise ConnectorError(f"the launcher at {self._launcher} did not start a {role} worker: "
                                  f"{exc.code().name} {exc.details()}") from exc

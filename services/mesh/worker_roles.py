@@ -1,0 +1,15 @@
+"""A worker's role on the wire (`WorkerRole`) and by name ("prefill", "decode", as flags and logs
+say it): one mapping, so an unknown role is refused where it arrives instead of read as decode."""
+
+from __future__ import annotations
+
+from gen.kvmesh.v1 import common_pb2
+from gen.kvmesh.v1.common_pb2 import WorkerRole
+
+ROLE_NAMES: dict[WorkerRole, str] = {common_pb2.WORKER_ROLE_DECODE: "decode", common_pb2.WORKER_ROLE_PREFILL: "prefill"}
+ROLE_OF: dict[str, WorkerRole] = {name: role for role, name in ROLE_NAMES.items()}
+
+
+def role_name(role: WorkerRole) -> str | None:
+    """"prefill" or "decode"; None for an unspecified or unknown role."""
+    return ROLE_NAMES.get(role)
