@@ -26,7 +26,7 @@ MODULES = {"frontend": "services.frontend", "processor": "services.processor", "
 MESH_SERVICES = tuple(MODULES)
 WORKERS = ("decode-worker", "prefill-worker")
 KUSTOMIZATIONS = sorted(p.parent.relative_to(K8S).as_posix() for p in K8S.rglob("kustomization.yaml"))
-# The contract: the frontend's public port, the mesh's etcd key namespace.
+# From docs/reference.md: the frontend's public port, the mesh's etcd key namespace.
 FRONTEND_PORT, NAMESPACE = 8000, "kvmesh"
 
 

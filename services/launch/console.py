@@ -1,6 +1,6 @@
 """What the launcher's terminal shows, and in which words.
 
-On stdout, the lines scripts and tests parse (formats fixed by the contract for CHILD and READY):
+On stdout, the lines scripts and tests parse (the CHILD and READY formats are fixed in docs/reference.md):
 
     LOGS <run dir>                                    where every child's full output goes
     CHILD <component> pid=<pid>                       a process started (again, after a restart)

@@ -1,4 +1,4 @@
-"""Bad input over HTTP gets the contract's status and OpenAI error body, never a 500, and the mesh
+"""Bad input over HTTP gets the status docs/reference.md gives and OpenAI's error body, never a 500, and the mesh
 serves on. Besides the hand-picked cases, `NASTY` is a fixed corpus of hostile bodies (numbers past
 their protobuf field's width, NaN, deep nesting, lone surrogates, too many prompts or stop strings,
 prompts that can never fit): each must be a 4xx naming the right field."""

@@ -7,7 +7,7 @@ fail); every container command, in compose and in each rendered overlay, is run 
 service's `--check-config` as a real process, under the container's environment and with
 container-only paths replaced by local stand-ins (the demo model for the model volume, test
 certificates and keys for mounted Secrets, 127.0.0.1 for the pod IP); and ports, probes,
-Services and the environment agree between compose, Kubernetes and the project's contract.
+Services and the environment agree between compose, Kubernetes and docs/reference.md.
 """
 
 from __future__ import annotations

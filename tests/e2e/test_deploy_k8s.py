@@ -118,7 +118,7 @@ def test_ports_probes_and_termination_agree_with_the_flags_and_compose(directory
                 assert (get["path"], _port(spec, get["port"])) == (path, args.metrics_port), (c.service, probe)
         sleep, seconds = spec["lifecycle"]["preStop"]["exec"]["command"]
         assert sleep == "sleep" and template["spec"]["terminationGracePeriodSeconds"] > int(seconds) + args.drain_timeout
-    assert parse(container(directory, "frontend")).http_port == FRONTEND_PORT  # the contract's public port
+    assert parse(container(directory, "frontend")).http_port == FRONTEND_PORT  # the public port of docs/reference.md
 
 
 @pytest.mark.parametrize("directory", KUSTOMIZATIONS)
