@@ -42,6 +42,8 @@ class InstanceInfo:
     block_size: int = 0
     engine: str = ""
     metrics_port: int = 0
+    # A worker that can change role (RoleControl.SwitchRole): a planner may move it between pools.
+    switchable: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     # Put just before a deliberate deregistration: watchers drop the instance at once, where a
     # key that merely vanished may be an outage (see ComponentView).

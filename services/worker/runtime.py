@@ -151,8 +151,8 @@ async def start_worker(role: Role, ctx: WorkerContext, make_services: ServicesFa
         block_size=spec.block_size,
         engine=spec.engine,
         metrics_port=metrics_port,
-        extra={"max_model_len": built.engine.info.max_model_len, "kv_transfer": spec.kv_transfer,
-               "switchable": switch is not None},
+        switchable=switch is not None,
+        extra={"max_model_len": built.engine.info.max_model_len, "kv_transfer": spec.kv_transfer},
     )
     return _Running(instance_id, built.engine, info, built.lease_keys, health_servicer, switch)
 

@@ -36,7 +36,7 @@ def route(mesh: ServiceMesh, role: int, exclude: list[str]) -> str | None:
 def switch(mesh: ServiceMesh, worker_id: str, role: str, drain_timeout_s: float) -> worker_pb2.SwitchRoleResponse:
     info = next(i for c in (DECODE_WORKER, PREFILL_WORKER) for i in registered(mesh.etcd, mesh.namespace, c)
                 if i.instance_id == worker_id)
-    assert info.extra.get("switchable") is True
+    assert info.switchable
     with grpc.insecure_channel(info.address) as channel:
         return worker_pb2_grpc.RoleControlStub(channel).SwitchRole(
             worker_pb2.SwitchRoleRequest(role=ROLE_OF[role], drain_timeout_s=drain_timeout_s), timeout=60)

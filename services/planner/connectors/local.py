@@ -103,7 +103,7 @@ class LocalConnector:
         log.info("stopped %s worker %s (exit %d)", info.role, info.instance_id, reply.exit_code)
 
     async def _least_busy(self, role: str, count: int, switchable: bool = False) -> list[InstanceInfo]:
-        members = [i for i in self._views[role].instances.values() if i.extra.get("switchable") or not switchable]
+        members = [i for i in self._views[role].instances.values() if i.switchable or not switchable]
         loads = await asyncio.gather(*(self._load(info) for info in members))
         ranked = sorted(zip(loads, members, strict=True), key=lambda pair: pair[0])
         return [info for _, info in ranked[:count]]
