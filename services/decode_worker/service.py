@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from gen.kvmesh.v1 import worker_pb2
 from services.decode_worker.remote_prefill import DisaggMetrics, RemotePrefill, RemotePrefiller
-from services.engines.base import Engine
+from services.engines.base import Engine, FinishReason
 from services.mesh.session_kind import CallInfo
 from services.mesh.tasks import cancel_and_wait
 from services.mesh.tracing import TRACING_OFF, Tracing
@@ -98,7 +98,7 @@ class DecodeServicer(WorkerServicer):
                         first = await anext(outputs, None)
                         if first is None:
                             return
-                        if first.finish_reason == "abort":
+                        if first.finish_reason == FinishReason.ABORT:
                             raise RuntimeError("the engine aborted the request it was to decode from remote KV")
                     started = True
                     yield first

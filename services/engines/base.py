@@ -6,6 +6,7 @@ Engines know nothing of gRPC or etcd: the worker services translate protobuf to 
 from __future__ import annotations
 
 import abc
+import enum
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
@@ -87,12 +88,22 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...] = ()
 
 
+class FinishReason(enum.StrEnum):
+    """Why a request's generation ended. STOP and LENGTH are OpenAI's and reach clients; ABORT is
+    the mesh's own (the engine dropped the request: cancelled, or lost with its worker) and is
+    never shown to a client: the processor migrates the request or ends it with an error."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
 @dataclass(slots=True)
 class EngineOutput:
     """Tokens produced since the previous output of the same request."""
 
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length" or "abort" on the last output
+    finish_reason: FinishReason | None = None  # on the last output only
     cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
     # Set by a prefill run on its last output: what a decode engine needs to pull the KV.

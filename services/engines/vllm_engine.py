@@ -20,6 +20,7 @@ from services.engines.base import (
     EngineInfo,
     EngineOutput,
     EngineRequest,
+    FinishReason,
     LoadSnapshot,
     PrefillResult,
     Sampling,
@@ -319,8 +320,9 @@ def _nixl_transfers(stats: Any) -> list[tuple[int, float]]:
     return out
 
 
-def _finish_reason(reason: str | None) -> str:
-    return reason if reason in ("stop", "length") else "abort"
+def _finish_reason(reason: str | None) -> FinishReason:
+    """vLLM's reason, where OpenAI has it; anything else (vLLM's "abort", an error) is an abort."""
+    return FinishReason(reason) if reason in (FinishReason.STOP, FinishReason.LENGTH) else FinishReason.ABORT
 
 
 def _logprobs(completion: Any) -> list[TokenLogprobs] | None:

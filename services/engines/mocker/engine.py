@@ -29,6 +29,7 @@ from services.engines.base import (
     EngineInfo,
     EngineOutput,
     EngineRequest,
+    FinishReason,
     HostTierLoad,
     LoadSnapshot,
     PrefillCost,
@@ -113,7 +114,7 @@ class MockerEngine(Engine):
             await asyncio.gather(self._loop_task, return_exceptions=True)
             self._loop_task = None
         for seq in list(self._running) + list(self._waiting):
-            self._finish(seq, "abort")
+            self._finish(seq, FinishReason.ABORT)
 
     async def check_health(self) -> None:
         task = self._loop_task
@@ -201,7 +202,7 @@ class MockerEngine(Engine):
                     return
         finally:
             if not seq.done:
-                self._finish(seq, "abort")
+                self._finish(seq, FinishReason.ABORT)
 
     # -- scheduling ----------------------------------------------------------------------------
 
@@ -315,12 +316,12 @@ class MockerEngine(Engine):
         seq.remote_kv = False  # its pulled KV is gone with the blocks: recomputed on readmission
         self._waiting.appendleft(seq)
 
-    def _finish_reason(self, seq: _Seq, token: int) -> str | None:
+    def _finish_reason(self, seq: _Seq, token: int) -> FinishReason | None:
         sampling = seq.request.sampling
         if seq.generated >= sampling.max_tokens:
-            return "length"
+            return FinishReason.LENGTH
         if token in sampling.stop_token_ids and seq.generated >= sampling.min_tokens:
-            return "stop"
+            return FinishReason.STOP
         return None
 
     def _release(self, seq: _Seq) -> None:
@@ -328,7 +329,7 @@ class MockerEngine(Engine):
         self.blocks.free(seq.blocks)
         seq.blocks = []
 
-    def _finish(self, seq: _Seq, reason: str) -> None:
+    def _finish(self, seq: _Seq, reason: FinishReason) -> None:
         if seq.done:
             return
         if seq in self._running:
