@@ -18,7 +18,9 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.chaos_procs import Child, ChildFailed, EtcdServer, free_port, python_module, spawn
+from bench.chaos_procs import Child, ChildFailed, EtcdServer, spawn
+from services.launch.children import python_module
+from services.mesh.net import free_port
 from services.mesh.discovery import InstanceInfo, component_prefix
 from services.mesh.etcd_store import EtcdStore, StoreUnavailable
 

@@ -14,12 +14,12 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from services.mesh.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_MARKER = "KVMESH_CHAOS_RUN"
@@ -102,16 +102,6 @@ def spawn(name: str, role: str, argv: list[str], run_dir: Path, namespace: str) 
         popen = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                  stderr=subprocess.STDOUT)
     return Child(name, role, popen, log_path)
-
-
-def python_module(module: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", module, *args]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def port_open(port: int, timeout_s: float) -> bool:
