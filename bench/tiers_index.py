@@ -15,11 +15,12 @@ import json
 import sys
 import time
 import tracemalloc
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from functools import partial
 
 from bench.mooncake_trace import TraceRequest, load
-from services.kv_protocol.events import KvEventData, KvRemoved, KvStored
 from services.engines.mocker.block_manager import BlockManager
+from services.kv_router.kv_index import apply_kv_event
 from services.kv_router.radix_tree import RadixTree
 from services.kv_protocol.hashing import chained_block_hashes, local_block_hashes
 
@@ -29,26 +30,13 @@ DEVICE_BLOCKS = 4096
 HOST_BLOCKS = 8 * DEVICE_BLOCKS
 
 
-def sink(index: list[RadixTree], worker: int) -> Callable[[KvEventData], None]:
-    """Applies a worker's events to `index[0]` (a box, so the tree can be dropped alone)."""
-    def apply(data: KvEventData) -> None:
-        tree = index[0]
-        if isinstance(data, KvStored):
-            tree.store(worker, data.parent_hash, data.blocks, data.tier)
-        elif isinstance(data, KvRemoved):
-            tree.remove(worker, data.block_hashes, data.tier)
-        else:
-            tree.clear(worker)
-    return apply
-
-
-def simulate(requests: Sequence[TraceRequest], index: list[RadixTree], workers: int, device_blocks: int,
+def simulate(requests: Sequence[TraceRequest], tree: RadixTree, workers: int, device_blocks: int,
              host_blocks: int, block_size: int = BLOCK_SIZE) -> float:
-    """Runs the trace through `workers` block managers whose events feed `index[0]`; returns the
+    """Runs the trace through `workers` block managers whose events feed `tree`; returns the
     share of prompt tokens reused from either tier. A request goes to the worker whose tiers hold
     over half its prompt, otherwise to the next in turn, so every worker's tiers fill."""
-    tree = index[0]
-    managers = [BlockManager(device_blocks, block_size, sink(index, w), host_blocks) for w in range(workers)]
+    managers = [BlockManager(device_blocks, block_size, partial(apply_kv_event, tree, w), host_blocks)
+                for w in range(workers)]
     reused = total = 0
     for n, request in enumerate(requests):
         tokens = list(request.token_ids)
@@ -72,7 +60,7 @@ def pooled_bound(requests: Sequence[TraceRequest], workers: int, device_blocks: 
                  block_size: int) -> float:
     """Reuse of one LRU cache holding all the workers' device and host blocks together: what
     routing could reach if it never had to spread load (no conversation split across workers)."""
-    return simulate(requests, [RadixTree()], 1, workers * device_blocks, workers * host_blocks, block_size)
+    return simulate(requests, RadixTree(), 1, workers * device_blocks, workers * host_blocks, block_size)
 
 
 def main() -> None:
@@ -80,7 +68,7 @@ def main() -> None:
     tracemalloc.start()
     tree = RadixTree()
     t0 = time.perf_counter()
-    simulate(requests, [tree], WORKERS, DEVICE_BLOCKS, HOST_BLOCKS)
+    simulate(requests, tree, WORKERS, DEVICE_BLOCKS, HOST_BLOCKS)
     seconds = time.perf_counter() - t0
     held = tree.block_count()
     device_held = sum(tree.block_count(w) for w in range(WORKERS))

@@ -68,7 +68,7 @@ class BlockTable:
     def held_nodes(self) -> list[int]:
         """Every entry's node (a node twice where two hashes name it)."""
         nodes = np.frombuffer(self.pairs, dtype=np.uint64)[1::2]
-        held: list[int] = nodes[(nodes != FREE) & (nodes != np.uint64(GONE))].tolist()
+        held: list[int] = nodes[_live(nodes)].tolist()
         return held
 
     def _lay_out(self, size: int) -> None:
@@ -78,7 +78,7 @@ class BlockTable:
         entry's home and its pair was taken when it passed: the probe rule holds."""
         table = np.frombuffer(self.pairs, dtype=np.uint64)
         nodes = table[1::2]
-        live = (nodes != FREE) & (nodes != np.uint64(GONE))
+        live = _live(nodes)
         keys, held = table[0::2][live], nodes[live]
         mask = size - 1
         homes = (keys & np.uint64(mask)).astype(np.int32)
@@ -104,3 +104,8 @@ class BlockTable:
         self.pairs = pairs
         self.mask = mask
         self.gone = 0
+
+
+def _live(nodes: np.ndarray) -> np.ndarray:
+    """Which pairs hold an entry (neither free nor deleted), given the pairs' node column."""
+    return (nodes != FREE) & (nodes != np.uint64(GONE))

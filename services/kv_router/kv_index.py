@@ -12,6 +12,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from services.kv_protocol.events import KvEventData, KvRemoved, KvStored
 from services.kv_protocol.hashing import LocalBlockHash, SequenceHash
 from services.kv_protocol.tier import Tier
 
@@ -101,3 +102,14 @@ class KvIndex(Protocol):
         """Blocks the worker's device holds by sequence hash (every holder's, both tiers, added up
         when None)."""
         ...
+
+
+def apply_kv_event(index: KvIndex, worker: Hashable, data: KvEventData) -> None:
+    """Applies one event an engine emitted (in-process, as the mocker's block manager does) to
+    the index, as the router applies the same event after the worker streams it."""
+    if isinstance(data, KvStored):
+        index.store(worker, data.parent_hash, data.blocks, data.tier)
+    elif isinstance(data, KvRemoved):
+        index.remove(worker, data.block_hashes, data.tier)
+    else:
+        index.clear(worker)

@@ -142,7 +142,7 @@ def main(argv: list[str]) -> None:
     # count the decoded events and whatever a rebuild held for a moment).
     peak_rss = rss_mb()
     holding_rss = rss_mb("VmRSS")
-    tree = INDEXES[args.index]()
+    del tree
     gc.collect()
     index_bytes = (holding_rss - rss_mb("VmRSS")) * 1024 * 1024
     summary = {

@@ -2,8 +2,9 @@
 
 The launcher is assembled like every service: the children are registered with the service runner
 as one teardown step, so a signal, a start-up failure or a crash stops them all: the frontend
-first, then the rest together (supervision.py), etcd last. The console stays quiet (console.py says what it shows); every
-child's full output goes to a file in the run directory (run_dir.py), whose path comes first.
+first, then the rest together (supervision.py), etcd last. The console stays quiet (console.py
+says what it shows); every child's full output goes to a file in the run directory (run_dir.py),
+whose path comes first.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from gen.kvmesh.v1 import launcher_pb2, launcher_pb2_grpc
 from services.launch.children import Child
 from services.launch.supervision import CHILD_EXIT_MARGIN_S, keep_running
 from services.mesh.tasks import cancel_and_wait
-from services.mesh.worker_roles import role_name
+from services.mesh.worker_roles import requested_role
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +80,7 @@ class WorkerControl(launcher_pb2_grpc.LauncherControlServicer):
 
     async def StartWorker(self, request: launcher_pb2.StartWorkerRequest,  # noqa: N802
                           context: grpc.aio.ServicerContext) -> launcher_pb2.StartWorkerResponse:
-        role = role_name(request.role)
-        if role is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"role must be WORKER_ROLE_PREFILL or WORKER_ROLE_DECODE, got {request.role}")
-            raise AssertionError("abort raises")
+        role = await requested_role(request.role, context)
         try:
             worker = await self.start(role)
         except (RuntimeError, TimeoutError) as exc:

@@ -3,6 +3,8 @@ say it): one mapping, so an unknown role is refused where it arrives instead of 
 
 from __future__ import annotations
 
+import grpc
+
 from gen.kvmesh.v1 import common_pb2
 from gen.kvmesh.v1.common_pb2 import WorkerRole
 
@@ -13,3 +15,14 @@ ROLE_OF: dict[str, WorkerRole] = {name: role for role, name in ROLE_NAMES.items(
 def role_name(role: WorkerRole) -> str | None:
     """"prefill" or "decode"; None for an unspecified or unknown role."""
     return ROLE_NAMES.get(role)
+
+
+async def requested_role(role: WorkerRole, context: grpc.aio.ServicerContext) -> str:
+    """The name of the role an RPC asks for; an unspecified or unknown one ends the call with
+    INVALID_ARGUMENT."""
+    name = ROLE_NAMES.get(role)
+    if name is None:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"role must be WORKER_ROLE_PREFILL or WORKER_ROLE_DECODE, got {role}")
+        raise AssertionError("abort raises")
+    return name

@@ -28,7 +28,7 @@ from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, InstanceInfo, instance_key
 from services.mesh.etcd_lease import LeasedRegistration
 from services.mesh.logs import LogComponent
-from services.mesh.worker_roles import ROLE_OF, role_name
+from services.mesh.worker_roles import ROLE_OF, requested_role
 from services.mesh.session_kind import CallError
 from services.mesh.tasks import cancel_and_wait
 
@@ -107,11 +107,7 @@ class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
 
     async def SwitchRole(self, request: worker_pb2.SwitchRoleRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> worker_pb2.SwitchRoleResponse:
-        target = role_name(request.role)
-        if target is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"role must be WORKER_ROLE_PREFILL or WORKER_ROLE_DECODE, got {request.role}")
-            raise AssertionError("abort raises")
+        target = await requested_role(request.role, context)
         if self._info is None or self._registration is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is not registered yet")
         deadline_s = request.drain_timeout_s if request.drain_timeout_s > 0 else self._drain_timeout_s

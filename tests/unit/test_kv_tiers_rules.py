@@ -15,6 +15,7 @@ from services.kv_protocol.hashing import chained_block_hashes, local_block_hashe
 from services.kv_protocol.tier import Tier
 from services.kv_router.cost_function import Candidate, CostWeights, choose
 from services.kv_router.host_credit import FALLBACK_CREDIT, host_credit
+from services.kv_router.kv_index import apply_kv_event
 from services.kv_router.radix_tree import RadixTree
 from services.worker.kv_event_log import KvEventLog
 
@@ -101,7 +102,7 @@ def test_the_router_index_follows_the_mockers_events_across_tiers_and_a_snapshot
 
     def sink(data: KvEventData) -> None:
         log.append(data)
-        apply(live, data)
+        apply_kv_event(live, "w", data)
 
     bm = BlockManager(10, BS, sink, 16)
     prompts = [[rng.randrange(10, 60) for _ in range(4 * BS)] for _ in range(12)]
@@ -110,7 +111,7 @@ def test_the_router_index_follows_the_mockers_events_across_tiers_and_a_snapshot
         run(bm, tokens)
     rebuilt = RadixTree()
     for event in log.snapshot():
-        apply(rebuilt, event.data)
+        apply_kv_event(rebuilt, "w", event.data)
     assert bm.host_active_blocks and bm.host_hit_blocks  # both tiers were in play
     assert any(live.find_matches_by_tier(local_block_hashes(p, BS))[1] for p in prompts)
     for prompt in prompts:
@@ -120,15 +121,6 @@ def test_the_router_index_follows_the_mockers_events_across_tiers_and_a_snapshot
         assert device.get("w", 0) >= held
         assert (device, host) == rebuilt.find_matches_by_tier(local_block_hashes(prompt, BS))
         assert host.get("w", 0) >= bm.host_prefix_blocks(chain, held)
-
-
-def apply(index: RadixTree, data: KvEventData) -> None:
-    if isinstance(data, KvStored):
-        index.store("w", data.parent_hash, data.blocks, data.tier)
-    elif isinstance(data, KvRemoved):
-        index.remove("w", data.block_hashes, data.tier)
-    else:
-        index.clear("w")
 
 
 # -- what a host hit is worth -------------------------------------------------------------------
