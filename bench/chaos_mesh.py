@@ -164,5 +164,5 @@ class ChaosMesh:
         if self.etcd.current is not None and self.etcd.current.alive:
             await self.etcd.current.stop(10)
         # The logs are what a failed run keeps; etcd's preallocated WAL alone is 64 MB.
-        shutil.rmtree(self.etcd.data_dir, ignore_errors=True)
+        shutil.rmtree(self.etcd.member.data_dir, ignore_errors=True)
         return {c.name: code for c, code in zip(running, codes)}

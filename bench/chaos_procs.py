@@ -12,14 +12,14 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.mesh.net import free_port
+from services.mesh.etcd_member import EtcdMember
+from services.mesh.net import accepts_connections, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_MARKER = "KVMESH_CHAOS_RUN"
@@ -108,13 +108,9 @@ async def port_open(port: int, timeout_s: float) -> bool:
     """Whether something accepts connections on 127.0.0.1:`port` within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 1.0)
-        except (OSError, TimeoutError):
-            await asyncio.sleep(POLL_S)
-            continue
-        writer.close()
-        return True
+        if await accepts_connections("127.0.0.1", port):
+            return True
+        await asyncio.sleep(POLL_S)
     return False
 
 
@@ -125,19 +121,18 @@ class EtcdServer:
     and data dir, which is what an etcd outage looks like to the mesh."""
 
     def __init__(self, run_dir: Path, namespace: str) -> None:
-        binary = shutil.which("etcd")
-        if binary is None:
-            raise ChildFailed("etcd is not installed (make install installs it, or apt-get install etcd-server)")
-        self._binary = binary
+        self.member = EtcdMember("chaos", str(run_dir / "etcd-data"), "127.0.0.1", free_port(), free_port())
+        try:
+            self._argv = self.member.argv()
+        except FileNotFoundError as exc:
+            raise ChildFailed(str(exc)) from exc
         self._run_dir = run_dir
         self._namespace = namespace
-        self.client_port, self.peer_port = free_port(), free_port()
-        self.data_dir = run_dir / "etcd-data"
         self.children: list[Child] = []
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return self.member.endpoint
 
     @property
     def current(self) -> Child | None:
@@ -145,15 +140,10 @@ class EtcdServer:
 
     async def start(self) -> None:
         """Starts (or restarts) the member and waits until its client port accepts connections."""
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        argv = [self._binary, "--name", "chaos", "--data-dir", str(self.data_dir),
-                "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
-                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"chaos={peer}"]
-        child = spawn(f"etcd-{len(self.children) + 1}", "etcd", argv, self._run_dir, self._namespace)
+        child = spawn(f"etcd-{len(self.children) + 1}", "etcd", self._argv, self._run_dir, self._namespace)
         self.children.append(child)
-        if not await port_open(self.client_port, 20):
-            raise ChildFailed(f"etcd did not open port {self.client_port}:\n{child.tail()}")
+        if not await port_open(self.member.client_port, 20):
+            raise ChildFailed(f"etcd did not open port {self.member.client_port}:\n{child.tail()}")
 
     async def halt(self) -> int:
         """Stops the member (SIGTERM, then SIGKILL after 10 s), keeping its data dir."""

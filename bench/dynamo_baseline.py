@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+from services.mesh.etcd_member import EtcdMember
 from services.mesh.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,19 +98,15 @@ def _wait_for_model(base: str, model_name: str) -> None:
 
 @contextmanager
 def _etcd() -> Iterator[str]:
-    binary = shutil.which("etcd")
-    if binary is None:
-        raise Unavailable("etcd is not installed")
-    client, peer = free_port(), free_port()
     data = tempfile.mkdtemp(prefix="kvmesh-bench-dynamo-etcd-")
-    url = f"http://127.0.0.1:{client}"
-    argv = [binary, "--name", "d", "--data-dir", data, "--listen-client-urls", url, "--advertise-client-urls", url,
-            "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls",
-            f"http://127.0.0.1:{peer}", "--initial-cluster", f"d=http://127.0.0.1:{peer}", "--log-level", "error",
-            "--logger", "zap"]
+    member = EtcdMember("d", data, "127.0.0.1", free_port(), free_port(), extra=("--log-level", "error", "--logger", "zap"))
     try:
+        try:
+            argv = member.argv()
+        except FileNotFoundError as exc:
+            raise Unavailable("etcd is not installed") from exc
         with _process(argv, None, "etcd"):
-            yield url
+            yield member.endpoint
     finally:
         shutil.rmtree(data, ignore_errors=True)
 

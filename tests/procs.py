@@ -15,12 +15,13 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
 
 from services.mesh.discovery import InstanceInfo, component_prefix
+from services.mesh.etcd_member import EtcdMember
 from services.mesh.etcd_store import EtcdStore
 from services.mesh.net import free_port
 from services.mesh.tls import TlsConfig
@@ -123,14 +124,11 @@ class Etcd:
 
 
 def _run_etcd(data: str, client: int, peer: int) -> Proc:
-    etcd = shutil.which("etcd")
-    if etcd is None:
-        raise RuntimeError("etcd is not installed: run `make install`")
-    url = f"http://127.0.0.1:{client}"
-    proc = Proc([etcd, "--name", "t", "--data-dir", data, "--listen-client-urls", url,
-                 "--advertise-client-urls", url, "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                 "--initial-cluster", f"t=http://127.0.0.1:{peer}"], "etcd")
+    try:
+        member = EtcdMember("t", data, "127.0.0.1", client, peer)
+        proc = Proc(member.argv(), "etcd")
+    except FileNotFoundError as exc:
+        raise RuntimeError(str(exc)) from exc
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
@@ -313,21 +311,14 @@ class EtcdCluster:
 
     @classmethod
     def start(cls, size: int = 3) -> EtcdCluster:
-        etcd = shutil.which("etcd")
-        if etcd is None:
-            raise RuntimeError("etcd is not installed: run `make install`")
-        clients = [free_port() for _ in range(size)]
-        peers = [free_port() for _ in range(size)]
-        cluster = ",".join(f"m{i}=http://127.0.0.1:{p}" for i, p in enumerate(peers))
-        dirs = [tempfile.mkdtemp(prefix=f"kvmesh-test-etcd-m{i}-") for i in range(size)]
-        members = [Proc([etcd, "--name", f"m{i}", "--data-dir", dirs[i],
-                         "--listen-client-urls", f"http://127.0.0.1:{clients[i]}",
-                         "--advertise-client-urls", f"http://127.0.0.1:{clients[i]}",
-                         "--listen-peer-urls", f"http://127.0.0.1:{peers[i]}",
-                         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peers[i]}",
-                         "--initial-cluster", cluster, "--initial-cluster-state", "new"], f"etcd-m{i}")
-                   for i in range(size)]
-        out = cls(members, [f"http://127.0.0.1:{c}" for c in clients], dirs)
+        specs = [EtcdMember(f"m{i}", tempfile.mkdtemp(prefix=f"kvmesh-test-etcd-m{i}-"), "127.0.0.1", free_port(),
+                            free_port(), extra=("--initial-cluster-state", "new")) for i in range(size)]
+        cluster = tuple((m.name, m.peer_url) for m in specs)
+        try:
+            members = [Proc(replace(m, cluster=cluster).argv(), f"etcd-{m.name}") for m in specs]
+        except FileNotFoundError as exc:
+            raise RuntimeError(str(exc)) from exc
+        out = cls(members, [m.endpoint for m in specs], [m.data_dir for m in specs])
         etcdctl = shutil.which("etcdctl")
         env = {**os.environ, "ETCDCTL_API": "3"}
         healthy = wait_until(lambda: etcdctl is not None and subprocess.run(

@@ -193,6 +193,10 @@ class SseResponse(StreamingResponse):
 CLIENT_GONE = 499
 
 
+class ClientGone(Exception):
+    """The client hung up before its answer was complete: nobody is there to read a response."""
+
+
 async def unless_gone(work: Awaitable[T], receive: Receive, on_gone: Callable[[], None] = lambda: None) -> T:
     """`work`'s result, unless the client hangs up first: then `on_gone` runs, the work is
     cancelled (nothing is generated for nobody: the cancellation reaches the processor, the
@@ -211,9 +215,9 @@ async def unless_gone(work: Awaitable[T], receive: Receive, on_gone: Callable[[]
     return working.result()
 
 
-async def collect_unless_gone(answer: Answer, receive: Receive) -> dict | ApiError | None:
-    """The whole answer, an ApiError, or None when the client hung up first (the request is
-    then cancelled rather than generated for nobody)."""
+async def collect_unless_gone(answer: Answer, receive: Receive) -> dict:
+    """The whole answer's body. Raises the ApiError that ended it, or ClientGone when the client
+    hung up first (the request is then cancelled rather than generated for nobody, and ended)."""
 
     def gone() -> None:
         answer.status = str(CLIENT_GONE)
@@ -223,8 +227,8 @@ async def collect_unless_gone(answer: Answer, receive: Receive) -> dict | ApiErr
     except ApiError as exc:
         if exc.status == CLIENT_GONE:
             answer.close()
-            return None
-        return exc
+            raise ClientGone from None
+        raise
 
 
 async def _disconnected(receive: Receive) -> None:

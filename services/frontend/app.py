@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
 from services.frontend import openapi
-from services.frontend.answer import Answer, SseResponse, collect_unless_gone, first_route, unless_gone
+from services.frontend.answer import Answer, ClientGone, SseResponse, collect_unless_gone, first_route, unless_gone
 from services.frontend.auth import check_api_key
 from services.frontend.body import read_json
 from services.frontend.endpoints import CHAT, COMPLETION, RESPONSES, Kind, processor_requests
@@ -209,11 +209,12 @@ class _Gateway:
             events = (response_events(builder, answer.items(), answer.usage) if builder is not None
                       else answer.sse())
             return SseResponse(events, answer.close, media_type="text/event-stream", headers=headers)
-        out = await collect_unless_gone(answer, request.receive)
-        if out is None:
+        try:
+            out = await collect_unless_gone(answer, request.receive)
+        except ClientGone:
             return Response(status_code=499)  # nobody is there to read it
-        if isinstance(out, ApiError):
-            return shown(out, self.config.hide_routing_details).response(headers)
+        except ApiError as exc:
+            return shown(exc, self.config.hide_routing_details).response(headers)
         return JSONResponse(builder.from_chat(out) if builder is not None else out, headers=headers)
 
     def _refuse(self, exc: ApiError, rid: str, kind: Kind, headers: dict[str, str]) -> Response:

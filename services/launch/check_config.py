@@ -15,7 +15,7 @@ from pathlib import Path
 
 from services.launch.children import Child
 from services.launch.config import LaunchConfig
-from services.launch.etcd_child import etcd_binary
+from services.mesh.etcd_member import etcd_binary
 from services.launch.plan import plan_children
 from services.mesh.flags import die
 from services.tools.make_demo_model import DEFAULT_DIR, write_demo_model

@@ -9,37 +9,19 @@ from pathlib import Path
 
 from services.launch.children import Child
 from services.launch.console import Console
-from services.mesh.net import free_port
-
-
-def etcd_binary() -> str:
-    path = shutil.which("etcd")
-    if path is None:
-        raise FileNotFoundError("etcd is not installed (run `make install`, or `apt-get install etcd-server`)")
-    return path
+from services.mesh.etcd_member import EtcdMember
+from services.mesh.net import accepts_connections, free_port
 
 
 class EtcdChild:
     def __init__(self, host: str = "127.0.0.1", console: Console | None = None, log_path: Path | None = None) -> None:
-        self.host = host
-        self.client_port = free_port(host)
-        self.peer_port = free_port(host)
-        self.data_dir = tempfile.mkdtemp(prefix="kvmesh-etcd-")
-        self.endpoint = f"http://{host}:{self.client_port}"
-        self.child = Child("etcd", [
-            etcd_binary(),
-            "--name", "kvmesh",
-            "--data-dir", self.data_dir,
-            "--listen-client-urls", self.endpoint,
-            "--advertise-client-urls", self.endpoint,
-            "--listen-peer-urls", f"http://{host}:{self.peer_port}",
-            "--initial-advertise-peer-urls", f"http://{host}:{self.peer_port}",
-            "--initial-cluster", f"kvmesh=http://{host}:{self.peer_port}",
+        self.member = EtcdMember(
+            "kvmesh", tempfile.mkdtemp(prefix="kvmesh-etcd-"), host, free_port(host), free_port(host),
             # zap: one JSON object per line with its level, which the console filter reads
             # (etcd 3.4's default logger writes raft's INFO chatter whatever the level).
-            "--logger", "zap",
-            "--log-level", "warn",
-        ], log_path=log_path, console=console or Console())
+            extra=("--logger", "zap", "--log-level", "warn"))
+        self.endpoint = self.member.endpoint
+        self.child = Child("etcd", self.member.argv(), log_path=log_path, console=console or Console())
 
     async def start(self, timeout_s: float = 20.0) -> None:
         await self.child.start()
@@ -48,7 +30,7 @@ class EtcdChild:
             if self.child.returncode is not None:
                 where = f" (its log: {self.child.log_path})" if self.child.log_path else ""
                 raise RuntimeError(f"etcd exited at start-up{where}:\n" + "\n".join(self.child.tail))
-            if await _port_open(self.host, self.client_port):
+            if await accepts_connections(self.member.host, self.member.client_port):
                 self.child.mark_ready()
                 return
             await asyncio.sleep(0.1)
@@ -56,13 +38,5 @@ class EtcdChild:
 
     async def stop(self) -> None:
         await self.child.stop()
-        shutil.rmtree(self.data_dir, ignore_errors=True)
+        shutil.rmtree(self.member.data_dir, ignore_errors=True)
 
-
-async def _port_open(host: str, port: int) -> bool:
-    try:
-        _reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 1.0)
-    except (TimeoutError, OSError):
-        return False
-    writer.close()
-    return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import socket
 
@@ -32,3 +33,13 @@ def port_for_later(host: str = "127.0.0.1") -> int:
                 continue
             return port
     return free_port(host)
+
+
+async def accepts_connections(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    """Whether something accepts a TCP connection on host:port now (within `timeout_s`)."""
+    try:
+        _reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except (TimeoutError, OSError):
+        return False
+    writer.close()
+    return True

@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import grpc
 
@@ -66,10 +67,21 @@ class Started:
     explanation: common_pb2.RouteExplanation | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """One delta of the choice, in the GenerateResponse that carries it to the gateway as it is."""
+
+    response: processor_pb2.GenerateResponse
+
+
 @dataclass(slots=True)
 class Finished:
     completion_tokens: int
     cached_tokens: int
+
+
+# What a choice streams: `Started` once, its deltas, then `Finished`.
+ChoiceEvent: TypeAlias = Started | Delta | Finished
 
 
 @dataclass(frozen=True)
@@ -82,13 +94,22 @@ class ChoiceLimits:
 Router = Callable[[str, list[int], list[str]], Awaitable[RouteChoice]]
 
 
-@dataclass
-class ChoiceStream:
+@dataclass(frozen=True)
+class ChoiceSpec:
+    """What one choice generates: its id and index, the prompt, its sampling and stop strings."""
+
     rid: str
     index: int
     prompt: list[int]
     sampling: common_pb2.SamplingParams
     stops: Sequence[str]
+
+
+@dataclass(frozen=True)
+class ChoiceContext:
+    """What every choice of a request shares: the processor's tokenizer, worker sessions, limits,
+    routing, and where it reports failed workers and migrations."""
+
     tokenizer: ModelTokenizer
     sessions: SessionPool
     limits: ChoiceLimits
@@ -97,6 +118,14 @@ class ChoiceStream:
     on_migration: Callable[[], None]
     # Reads the text as content, reasoning and tool calls; None: it is all content.
     parsers: ParserFactory | None = None
+
+
+@dataclass
+class ChoiceStream:
+    """One choice's state across every worker it runs on; `run` streams its events."""
+
+    spec: ChoiceSpec
+    ctx: ChoiceContext
     generated: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     tried: list[str] = field(default_factory=list)
@@ -104,37 +133,38 @@ class ChoiceStream:
     deadline: float = 0.0
 
     def __post_init__(self) -> None:
-        self.deadline = time.monotonic() + self.limits.request_timeout_s
+        self.deadline = time.monotonic() + self.ctx.limits.request_timeout_s
         self._parser: OutputParser | None = None
 
-    async def run(self, first_route: RouteChoice, resumed: Sequence[int] = ()) -> AsyncIterator[object]:
-        """The choice's items: `Started` once, its deltas (each in the GenerateResponse that carries it),
-        then `Finished`.
+    async def run(self, first_route: RouteChoice, resumed: Sequence[int] = ()) -> AsyncIterator[ChoiceEvent]:
+        """The choice's events: `Started` once, its deltas (each a `Delta` wrapping the
+        GenerateResponse that carries it), then `Finished`.
 
         `resumed`: tokens the client already received from a processor that failed. They go
         through the detokenizer and stop strings unseen (that text was sent already), then the
         choice continues after them as after a migration."""
-        detok = IncrementalDetokenizer(self.tokenizer.decode)
-        stopper = StopStrings(list(self.stops))
-        self._parser = self.parsers(self.rid, self.index) if self.parsers is not None else None
+        spec, ctx = self.spec, self.ctx
+        detok = IncrementalDetokenizer(ctx.tokenizer.decode)
+        stopper = StopStrings(list(spec.stops))
+        self._parser = ctx.parsers(spec.rid, spec.index) if ctx.parsers is not None else None
         if resumed:
-            if self.sampling.HasField("structured") and len(resumed) < self.sampling.max_tokens:
+            if spec.sampling.HasField("structured") and len(resumed) < spec.sampling.max_tokens:
                 raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE, "a structured-output choice cannot be taken over "
                                     "mid-stream: its grammar cannot be resumed after the tokens already sent")
             self.generated = list(resumed)
             seen, _ = stopper.push(detok.push(list(resumed)))
             if self._parser is not None:
                 self._parser.push(seen, resumed)  # the client has what this yields already
-            if len(self.generated) >= self.sampling.max_tokens:
+            if len(self.generated) >= spec.sampling.max_tokens:
                 # Every token was out already; only the last delta never arrived.
                 yield Started(first_route.worker_id, common_pb2.PrefillLocation(), first_route.explanation)
                 tail, _ = stopper.push(detok.flush())
-                response = processor_pb2.GenerateResponse(delta=processor_pb2.ChoiceDelta(index=self.index))
+                response = processor_pb2.GenerateResponse(delta=processor_pb2.ChoiceDelta(index=spec.index))
                 if self._parser is None:
                     response.delta.text, response.delta.finish_reason = tail + stopper.flush(), "length"
                 else:
                     self._fill(response.delta, tail + stopper.flush(), [], "length")
-                yield response
+                yield Delta(response)
                 yield Finished(len(self.generated), 0)
                 return
         route: RouteChoice | None = first_route
@@ -142,7 +172,7 @@ class ChoiceStream:
         announced = False
         while True:
             if route is None:
-                route = await self.route(self.rid, self.prompt + self.generated, self.tried)
+                route = await ctx.route(spec.rid, spec.prompt + self.generated, self.tried)
             self.tried.append(route.worker_id)
             try:
                 async for item in self._from_worker(route, detok, stopper):
@@ -154,55 +184,56 @@ class ChoiceStream:
                 yield Finished(len(self.generated), self.cached_tokens)
                 return
             except _WorkerLost as exc:
-                self.on_worker_failed(route.worker_id)
+                ctx.on_worker_failed(route.worker_id)
                 if not announced:
                     retries += 1
-                    if retries >= self.limits.max_attempts:
+                    if retries >= ctx.limits.max_attempts:
                         raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE,
                                             f"no worker could serve the request after {retries} attempts: {exc}") from exc
                     log.warning("request %s: worker %s failed before its first token (%s); trying another",
-                                self.rid, route.worker_id, exc)
+                                spec.rid, route.worker_id, exc)
                 else:
                     migrations += 1
-                    if self.sampling.HasField("structured"):
+                    if spec.sampling.HasField("structured"):
                         # The next worker's grammar would start at the beginning of the output,
                         # not after the tokens the client has: an error, never invalid output.
                         raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE,
                                             f"worker {route.worker_id} failed mid-stream ({exc}); a structured-output "
                                             f"choice cannot continue on another worker (its grammar cannot be "
                                             f"resumed there)") from exc
-                    if migrations > self.limits.migration_limit:
+                    if migrations > ctx.limits.migration_limit:
                         raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE,
                                             f"worker {route.worker_id} failed mid-stream ({exc}) and the request "
                                             f"was already moved {migrations - 1} times") from exc
-                    self.on_migration()
+                    ctx.on_migration()
                     log.warning("request %s: worker %s failed after %d tokens (%s); moving it to another worker",
-                                self.rid, route.worker_id, len(self.generated), exc)
+                                spec.rid, route.worker_id, len(self.generated), exc)
                 route = None
 
     def _request(self, route: RouteChoice) -> worker_pb2.WorkerGenerateRequest:
+        spec = self.spec
         sampling = common_pb2.SamplingParams()
-        sampling.CopyFrom(self.sampling)
+        sampling.CopyFrom(spec.sampling)
         done = len(self.generated)
         if done:
-            sampling.max_tokens = self.sampling.max_tokens - done
-            sampling.min_tokens = max(0, self.sampling.min_tokens - done)
+            sampling.max_tokens = spec.sampling.max_tokens - done
+            sampling.min_tokens = max(0, spec.sampling.min_tokens - done)
         # A moved request gets a fresh engine id: the old worker may still hold the old one.
-        rid = self.rid if len(self.tried) == 1 else f"{self.rid}~{len(self.tried) - 1}"
-        return worker_pb2.WorkerGenerateRequest(request_id=rid, token_ids=self.prompt + self.generated,
+        rid = spec.rid if len(self.tried) == 1 else f"{spec.rid}~{len(self.tried) - 1}"
+        return worker_pb2.WorkerGenerateRequest(request_id=rid, token_ids=spec.prompt + self.generated,
                                                 sampling=sampling, prefix_hit_rate=route.prefix_hit_rate,
                                                 resumed_tokens=done)
 
     async def _from_worker(self, route: RouteChoice, detok: IncrementalDetokenizer,
-                           stopper: StopStrings) -> AsyncIterator[object]:
+                           stopper: StopStrings) -> AsyncIterator[ChoiceEvent]:
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             raise ChoiceFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"the request took longer than {self.limits.request_timeout_s:.0f}s")
+                                f"the request took longer than {self.ctx.limits.request_timeout_s:.0f}s")
         # The worker's span joins the request's trace (the processor's span is current here).
-        stream = self.sessions.get(WORKER_SESSION, route.address).open(self._request(route), remaining,
+        stream = self.ctx.sessions.get(WORKER_SESSION, route.address).open(self._request(route), remaining,
                                                                        outgoing_metadata())
-        want_logprobs = self.sampling.HasField("logprobs")
+        want_logprobs = self.spec.sampling.HasField("logprobs")
         first = True
         try:
             async for msg in stream:
@@ -215,7 +246,7 @@ class ChoiceStream:
                     yield Started(route.worker_id, msg.prefill, route.explanation)
                 response = self._delta(msg, detok, stopper, want_logprobs)
                 if response is not None:
-                    yield response
+                    yield Delta(response)
                     if response.delta.finish_reason:
                         return
             raise _WorkerLost(f"worker {route.worker_id} ended the stream before the choice finished")
@@ -225,7 +256,7 @@ class ChoiceStream:
                                     exc.param) from exc
             if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise ChoiceFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    f"the request took longer than {self.limits.request_timeout_s:.0f}s") from exc
+                                    f"the request took longer than {self.ctx.limits.request_timeout_s:.0f}s") from exc
             if exc.code not in WORKER_FAILED:
                 raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE,
                                     f"worker {route.worker_id} failed: {exc.code.name} {exc.message}") from exc
@@ -254,7 +285,7 @@ class ChoiceStream:
             return None
         response = processor_pb2.GenerateResponse()
         delta = response.delta
-        delta.index = self.index
+        delta.index = self.spec.index
         if self._parser is None:
             delta.text = out
             delta.finish_reason = finish
@@ -262,11 +293,12 @@ class ChoiceStream:
             self._fill(delta, out, ids, finish)
         delta.token_ids.extend(ids)
         if want_logprobs:
+            tokenizer = self.ctx.tokenizer
             delta.logprobs.extend(msg.logprobs)
             for lp in delta.logprobs:
                 for top in lp.top:
-                    top.text = self.tokenizer.token_text(top.token_id)
-            delta.token_texts.extend(self.tokenizer.token_text(t) for t in ids)
+                    top.text = tokenizer.token_text(top.token_id)
+            delta.token_texts.extend(tokenizer.token_text(t) for t in ids)
         return response
 
     def _fill(self, delta: processor_pb2.ChoiceDelta, text: str, ids: list[int], finish: str) -> None:

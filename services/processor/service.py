@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
+from typing import assert_never
 
 import grpc
 from opentelemetry.trace import Span
@@ -34,7 +35,16 @@ from services.mesh.router_client import NoWorkerError, RouteChoice, Routes, Rout
 from services.mesh.streams import merge
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
-from services.processor.choice_stream import ChoiceFailure, ChoiceLimits, ChoiceStream, Finished, Started
+from services.processor.choice_stream import (
+    ChoiceContext,
+    ChoiceFailure,
+    ChoiceLimits,
+    ChoiceSpec,
+    ChoiceStream,
+    Delta,
+    Finished,
+    Started,
+)
 from services.processor.chat_render import chat_prompt, forced_tool_output
 from services.processor.output_parsers import OutputParsers
 from services.processor.tokenizer import LARGE_TEXT_CHARS, ContextLengthError, ModelTokenizer, PromptError
@@ -241,31 +251,36 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         n = max(request.n, 1)
         # A takeover from a failed processor runs only the choices the client has not finished.
         resumed = {r.index: list(r.token_ids) for r in request.resume}
-        parsers = self._parsers.for_request(request)
+        ctx = ChoiceContext(self._tok, self._sessions, self._limits, route_fn, self._worker_failed,
+                            self._metrics.migrations.inc, self._parsers.for_request(request))
+        stops = tuple(request.stop)
         choices = [
-            ChoiceStream(f"{rid}-{i}" if n > 1 else rid, request.choice_offset + i, tokens, _choice_sampling(sampling, i),
-                         list(request.stop), self._tok, self._sessions, self._limits, route_fn, self._worker_failed,
-                         self._metrics.migrations.inc, parsers).run(route, resumed.get(request.choice_offset + i, []))
+            ChoiceStream(spec=ChoiceSpec(f"{rid}-{i}" if n > 1 else rid, request.choice_offset + i, tokens,
+                                         _choice_sampling(sampling, i), stops),
+                         ctx=ctx).run(route, resumed.get(request.choice_offset + i, []))
             for i in range(n)
             if not resumed or request.choice_offset + i in resumed
         ]
         completion_tokens = 0
         cached_tokens = 0
         announced = False
-        async for item in merge(choices):
-            if isinstance(item, processor_pb2.GenerateResponse):  # a choice's delta
-                yield item
-            elif isinstance(item, Started):
-                if not announced:
-                    announced = True
-                    if span.is_recording():
-                        span.set_attribute("kvmesh.worker_id", item.worker_id)
-                    yield processor_pb2.GenerateResponse(route=processor_pb2.RouteInfo(
-                        worker_id=item.worker_id, prefill=item.prefill, prompt_tokens=len(tokens),
-                        explanation=item.explanation))
-            elif isinstance(item, Finished):
-                completion_tokens += item.completion_tokens
-                cached_tokens = max(cached_tokens, item.cached_tokens)
+        async for event in merge(choices):
+            match event:
+                case Delta(response):
+                    yield response
+                case Started():
+                    if not announced:
+                        announced = True
+                        if span.is_recording():
+                            span.set_attribute("kvmesh.worker_id", event.worker_id)
+                        yield processor_pb2.GenerateResponse(route=processor_pb2.RouteInfo(
+                            worker_id=event.worker_id, prefill=event.prefill, prompt_tokens=len(tokens),
+                            explanation=event.explanation))
+                case Finished():
+                    completion_tokens += event.completion_tokens
+                    cached_tokens = max(cached_tokens, event.cached_tokens)
+                case _:
+                    assert_never(event)
         yield processor_pb2.GenerateResponse(usage=processor_pb2.Usage(
             prompt_tokens=len(tokens), completion_tokens=completion_tokens, cached_tokens=cached_tokens))
 

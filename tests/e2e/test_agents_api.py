@@ -15,7 +15,7 @@ from gen.kvmesh.v1 import common_pb2, processor_pb2
 from services.mesh.channels import ChannelPool
 from services.mesh.router_client import RouteChoice
 from services.mesh.session_client import SessionPool
-from services.processor.choice_stream import ChoiceFailure, ChoiceLimits, ChoiceStream
+from services.processor.choice_stream import ChoiceContext, ChoiceFailure, ChoiceLimits, ChoiceSpec, ChoiceStream
 from services.processor.output_parsers import OutputParsers, Parsed, call_id
 from services.processor.tokenizer import ModelTokenizer
 from services.tools.make_demo_model import ensure_demo_model
@@ -184,8 +184,9 @@ async def test_a_structured_choice_is_not_taken_over_mid_output(tokenizer: Model
     """Its grammar would start again on the next worker: an error, never invalid output."""
     sampling = common_pb2.SamplingParams(max_tokens=8, structured=common_pb2.StructuredOutput(json_object=True))
     channels = ChannelPool()
-    choice = ChoiceStream("r", 0, [5, 6], sampling, [], tokenizer, SessionPool(channels), ChoiceLimits(10, 3, 3),
-                          _never_routes, lambda w: None, lambda: None)
+    choice = ChoiceStream(spec=ChoiceSpec("r", 0, [5, 6], sampling, []),
+                          ctx=ChoiceContext(tokenizer, SessionPool(channels), ChoiceLimits(10, 3, 3), _never_routes,
+                                            lambda w: None, lambda: None))
     with pytest.raises(ChoiceFailure, match="structured-output"):
         async for _ in choice.run(RouteChoice("w1", "127.0.0.1:1", 0, 0.0, 0), [94, 5]):
             pass

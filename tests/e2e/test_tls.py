@@ -23,6 +23,7 @@ import pytest
 
 from gen.kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.mesh.etcd_store import StoreUnavailable
+from services.mesh.etcd_member import EtcdMember
 from services.mesh.net import free_port
 from services.mesh.tls import TlsConfig
 from tests.certs import Authority, CertFiles
@@ -50,16 +51,13 @@ def pki() -> Iterator[Pki]:
 
 @pytest.fixture(scope="module")
 def tls_etcd(pki: Pki) -> Iterator[str]:
-    etcd = shutil.which("etcd")
-    assert etcd is not None, "etcd is not installed: run `make install`"
-    client, peer = free_port(), free_port()
+    client = free_port()
     data = tempfile.mkdtemp(prefix="kvmesh-test-etcd-tls-")
-    url = f"https://127.0.0.1:{client}"
-    proc = Proc([etcd, "--name", "t", "--data-dir", data, "--listen-client-urls", url, "--advertise-client-urls", url,
-                 "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls",
-                 f"http://127.0.0.1:{peer}", "--initial-cluster", f"t=http://127.0.0.1:{peer}",
-                 "--cert-file", str(pki.etcd.cert), "--key-file", str(pki.etcd.key),
-                 "--trusted-ca-file", str(pki.ca.ca_file), "--client-cert-auth"], "etcd-tls")
+    member = EtcdMember("t", data, "127.0.0.1", client, free_port(), client_scheme="https",
+                        extra=("--cert-file", str(pki.etcd.cert), "--key-file", str(pki.etcd.key),
+                               "--trusted-ca-file", str(pki.ca.ca_file), "--client-cert-auth"))
+    url = member.endpoint
+    proc = Proc(member.argv(), "etcd-tls")
     try:
         deadline = time.monotonic() + 20
         while True:

@@ -9,7 +9,15 @@ from gen.kvmesh.v1 import common_pb2, processor_pb2
 from services.mesh.channels import ChannelPool
 from services.mesh.session_client import SessionPool
 from services.mesh.router_client import RouteChoice
-from services.processor.choice_stream import ChoiceLimits, ChoiceStream, Finished, Started
+from services.processor.choice_stream import (
+    ChoiceContext,
+    ChoiceLimits,
+    ChoiceSpec,
+    ChoiceStream,
+    Delta,
+    Finished,
+    Started,
+)
 from services.processor.tokenizer import ModelTokenizer
 from services.processor.validation import check_resume
 from services.processor.tokenizer import PromptError
@@ -26,12 +34,14 @@ async def test_a_choice_resumed_with_all_its_tokens_finishes_without_a_worker() 
     tokenizer = ModelTokenizer(str(ensure_demo_model()))
     resumed = tokenizer.encode_text("every token was already sent")[:6]
     channels = ChannelPool()
-    choice = ChoiceStream("r", 0, [5, 6, 7], common_pb2.SamplingParams(max_tokens=len(resumed)), [], tokenizer,
-                          SessionPool(channels), ChoiceLimits(10, 3, 3), never_routes, lambda w: None, lambda: None)
+    choice = ChoiceStream(
+        spec=ChoiceSpec("r", 0, [5, 6, 7], common_pb2.SamplingParams(max_tokens=len(resumed)), []),
+        ctx=ChoiceContext(tokenizer, SessionPool(channels), ChoiceLimits(10, 3, 3), never_routes, lambda w: None,
+                          lambda: None))
     items = [item async for item in choice.run(ROUTE, resumed)]
     await channels.close()
     assert isinstance(items[0], Started)
-    (delta,) = [i.delta for i in items if isinstance(i, processor_pb2.GenerateResponse)]
+    (delta,) = [i.response.delta for i in items if isinstance(i, Delta)]
     assert delta.finish_reason == "length" and list(delta.token_ids) == []
     # Only text held back when the processor failed (a split character) may come now, never
     # text of the resumed tokens the client already has.
