@@ -131,7 +131,7 @@ def _plot(points: dict[str, list[Point]]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from bench.report import RESULTS
+    from bench.report import save_figure
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for mode, pts in points.items():
@@ -147,7 +147,4 @@ def _plot(points: dict[str, list[Point]]) -> None:
         ax.legend()
     axes[0].set_yscale("log")
     axes[1].set_yscale("log")
-    fig.tight_layout()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    fig.savefig(RESULTS / "disagg_serving.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, "disagg_serving")

@@ -35,12 +35,15 @@ class SplitSampler:
     namespace: str
     period_s: float = 1.0
     samples: list[tuple[float, int, int]] = field(default_factory=list)
+    # Wall-clock time of the start, to place the planner's log lines on the same timeline.
+    started_wall: float = 0.0
     _store: EtcdStore | None = None
     _task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self._store = EtcdStore((self.endpoint,), timeout_s=SAMPLE_TIMEOUT_S)
         await self._store.connect()
+        self.started_wall = time.time()
         self._task = asyncio.create_task(self._loop(time.perf_counter()), name="split-sampler")
 
     async def stop(self) -> None:
@@ -68,6 +71,9 @@ class SplitSampler:
 
 
 _PLAN = re.compile(r"plan (\d+)P:(\d+)D -> (\d+)P:(\d+)D \(([^)]*)\)")
+_SECONDS = r"(-|[0-9.]+s|inf s|infs)"
+_LATENCIES = re.compile(rf"TTFT {_SECONDS} ITL {_SECONDS} observed, {_SECONDS} / {_SECONDS} modelled")
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,12 @@ class PlanLine:
     desired: tuple[int, int]
     reason: str
     text: str
+    # Wall-clock time of the decision (NaN where the line had no timestamp).
+    at_wall: float = float("nan")
+    # The interval's mean TTFT and ITL as observed, and as the model said at the sizes it had
+    # (None where the line has none: no traffic, or an older planner's line).
+    observed: tuple[float | None, float | None] = (None, None)
+    modelled: tuple[float | None, float | None] = (None, None)
 
     @property
     def changes(self) -> bool:
@@ -91,8 +103,20 @@ def plan_lines(run_dir: Path) -> list[PlanLine]:
     for text in path.read_text(errors="replace").splitlines():
         if m := _PLAN.search(text):
             p0, d0, p1, d1 = (int(g) for g in m.groups()[:4])
-            lines.append(PlanLine((p0, d0), (p1, d1), m.group(5), text[m.start():]))
+            stamp = _STAMP.match(text)
+            at = time.mktime(time.strptime(stamp.group(1)[:19], "%Y-%m-%d %H:%M:%S")) + \
+                int(stamp.group(1)[20:]) / 1000 if stamp else float("nan")
+            lat = _LATENCIES.search(text)
+            values = [_seconds(v) for v in lat.groups()] if lat else [None] * 4
+            lines.append(PlanLine((p0, d0), (p1, d1), m.group(5), text[m.start():], at,
+                                  (values[0], values[1]), (values[2], values[3])))
     return lines
+
+
+def _seconds(text: str) -> float | None:
+    if text == "-":
+        return None
+    return float(text.rstrip("s").strip())
 
 
 def warnings_of(run_dir: Path, limit: int = 1000) -> list[str]:

@@ -6,6 +6,7 @@ import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from services.mesh.stats import percentile
 
@@ -50,7 +51,6 @@ def bar_plot(name: str, title: str, groups: Sequence[str], series: dict[str, Seq
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / max(1, len(series))
     for i, (label, values) in enumerate(series.items()):
@@ -60,7 +60,15 @@ def bar_plot(name: str, title: str, groups: Sequence[str], series: dict[str, Seq
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend()
+    return save_figure(fig, name)
+
+
+def save_figure(fig: Any, name: str) -> Path:
+    """Writes a matplotlib figure to bench/results/<name>.png and closes it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
+    RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)

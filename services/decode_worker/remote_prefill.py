@@ -21,7 +21,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.decode_worker.disagg_decision import DisaggConfig, prefill_remote, worth_remote
+from services.decode_worker.disagg_decision import DisaggConfig, absolute_prefill_length, prefill_remote, worth_remote
 from services.mesh.channels import ChannelPool
 from services.mesh.recent_failures import RecentFailures
 from services.mesh.router_client import NoWorkerError, RouterClient, RoutingError
@@ -39,6 +39,13 @@ class DisaggMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.remote = Counter("kvmesh_decode_remote_prefill", "requests prefilled on a prefill worker", registry=registry)
         self.local = Counter("kvmesh_decode_local_prefill", "requests prefilled on this decode worker", registry=registry)
+        # What the planner sizes the pools by: the prompt work each pool was given.
+        self.remote_tokens = Counter("kvmesh_decode_remote_prefill_tokens",
+                                     "uncached prompt tokens (the router's estimate) prefilled on a prefill worker",
+                                     registry=registry)
+        self.local_tokens = Counter("kvmesh_decode_local_prefill_tokens",
+                                    "uncached prompt tokens (the router's estimate) prefilled on this decode worker",
+                                    registry=registry)
         self.fallback = Counter("kvmesh_decode_prefill_fallback",
                                 "remote prefills that failed and ran locally instead", ["reason"], registry=registry)
         self.queue = Gauge("kvmesh_prefill_queue_size", "waiting requests across the prefill pool, as last seen",
@@ -48,6 +55,12 @@ class DisaggMetrics:
         self.transfer_seconds = Histogram(
             "kvmesh_kv_transfer_duration_seconds", "duration of each KV cache transfer", registry=registry,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
+
+    def prefilled(self, remote: bool, uncached_tokens: int) -> None:
+        """Counts where one request's prompt was prefilled (a remote prefill that fell back to a
+        local one counts on both sides)."""
+        (self.remote if remote else self.local).inc()
+        (self.remote_tokens if remote else self.local_tokens).inc(uncached_tokens)
 
     def record_transfer(self, nbytes: int, seconds: float) -> None:
         """The engine's report of one KV transfer (its KV transfer sink). Also put on the current
@@ -81,11 +94,12 @@ class RemotePrefiller:
     async def plan(self, rid: str, tokens: list[int], sampling: common_pb2.SamplingParams,
                    prefix_hit_rate: float) -> RemotePrefill | None:
         """A finished remote prefill to decode from, or None for a local prefill."""
-        if not worth_remote(len(tokens), prefix_hit_rate, self.config):
-            self.metrics.local.inc()
-            return None
-        with self._tracing.span("remote prefill", SpanKind.CLIENT) as span:
-            return await self._remote(rid, tokens, sampling, prefix_hit_rate, span)
+        remote = None
+        if worth_remote(len(tokens), prefix_hit_rate, self.config):
+            with self._tracing.span("remote prefill", SpanKind.CLIENT) as span:
+                remote = await self._remote(rid, tokens, sampling, prefix_hit_rate, span)
+        self.metrics.prefilled(remote is not None, absolute_prefill_length(len(tokens), prefix_hit_rate))
+        return remote
 
     async def _remote(self, rid: str, tokens: list[int], sampling: common_pb2.SamplingParams,
                       prefix_hit_rate: float, span: Span) -> RemotePrefill | None:
@@ -102,7 +116,6 @@ class RemotePrefiller:
         if not prefill_remote(len(tokens), prefix_hit_rate, route.pool_waiting, self.config):
             log.info("request %s: prefill queue %d >= %d; prefilling locally", rid, route.pool_waiting,
                      self.config.max_prefill_queue_size)
-            self.metrics.local.inc()
             if span.is_recording():
                 span.set_attributes({"kvmesh.prefill.site": "local", "kvmesh.prefill.queue": route.pool_waiting})
             return None
@@ -119,7 +132,6 @@ class RemotePrefiller:
                 self._failed.add(route.worker_id)
             self.fallback(rid, reason, f"prefill worker {route.worker_id}: {exc.code().name} {exc.details()}", span)
             return None
-        self.metrics.remote.inc()
         log.info("request %s: %d tokens prefilled remotely on %s (%d cached there)", rid, len(tokens),
                  route.worker_id, reply.cached_tokens)
         return RemotePrefill(route.worker_id, route.address, json.loads(reply.kv_transfer_json))
@@ -129,7 +141,6 @@ class RemotePrefiller:
         is marked failed (the request itself goes on)."""
         log.warning("request %s: remote prefill failed (%s); prefilling locally", rid, detail)
         self.metrics.fallback.labels(reason).inc()
-        self.metrics.local.inc()
         if span.is_recording():
             span.set_attributes({"kvmesh.prefill.site": "local", "kvmesh.prefill.fallback": reason})
             span.set_status(Status(StatusCode.ERROR, detail))

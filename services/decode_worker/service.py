@@ -21,6 +21,7 @@ from dataclasses import replace
 
 
 from gen.kvmesh.v1 import worker_pb2
+from services.decode_worker.disagg_decision import absolute_prefill_length
 from services.decode_worker.remote_prefill import DisaggMetrics, RemotePrefill, RemotePrefiller
 from services.engines.base import Engine, FinishReason
 from services.mesh.session_kind import CallInfo
@@ -85,7 +86,7 @@ class DecodeServicer(WorkerServicer):
         if self.prefiller is not None:
             remote = await self.prefiller.plan(rid, local.token_ids, request.sampling, request.prefix_hit_rate)
         else:
-            self.metrics.local.inc()
+            self.metrics.prefilled(False, absolute_prefill_length(len(local.token_ids), request.prefix_hit_rate))
         if remote is not None:
             started = False
             try:
@@ -114,6 +115,7 @@ class DecodeServicer(WorkerServicer):
                     raise
                 assert self.prefiller is not None
                 self.prefiller.fallback(rid, "transfer", f"KV from {remote.worker_id} unusable: {exc}")
+                self.metrics.prefilled(False, absolute_prefill_length(len(local.token_ids), request.prefix_hit_rate))
                 await self.prefiller.release(rid, remote)
         async for msg in self.stream(local, LOCAL_PREFILL):
             yield msg

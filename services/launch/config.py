@@ -235,11 +235,11 @@ def load(argv: list[str] | None = None) -> LaunchConfig:
 
 
 def _planner_argv(args: argparse.Namespace, given: tuple[str, ...]) -> tuple[str, ...]:
-    """The planner's flags; with the mocker its profile is the mocker's own timing unless given."""
+    """The planner's flags; with the mocker its profile is the mocker's own timing unless given
+    (a profile given was measured as it is: the mocker's speedup is not applied to it)."""
     argv = list(given)
-    if args.engine == "mocker":
-        if args.profile is None:
-            argv += ["--profile", args.timing]
+    if args.engine == "mocker" and args.profile is None:
+        argv += ["--profile", args.timing_profile or args.timing]
         if args.profile_speedup is None:
             argv += ["--profile-speedup", str(args.speedup)]
     return tuple(argv)

@@ -5,6 +5,9 @@ for candidate pool sizes, and plans the sizes that meet `--ttft-slo-ms` and `--i
 (policy.py); the connector carries the plan out: `none` (the default: log and export only),
 `local` (a launcher's workers: switch roles, start, stop) or `kubernetes` (scale the worker
 Deployments). Decisions are logged one line each and exported as `kvmesh_planner_*`.
+
+`python -m services.planner profile ...` measures a worker and writes the profile the planner
+predicts from (profiler.py).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 
 from prometheus_client import CollectorRegistry
 
@@ -33,7 +37,7 @@ from services.planner.flags import add_connector_flags, add_planner_flags, plann
 from services.planner.metrics import PlannerMetrics
 from services.planner.planner import Planner
 from services.planner.policy import Policy
-from services.planner.traffic import FrontendTraffic
+from services.planner.traffic import MeshTraffic
 
 log = logging.getLogger("planner")
 
@@ -72,6 +76,11 @@ async def build_connector(args: argparse.Namespace, runner: ServiceRunner, prefi
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["profile"]:
+        from services.planner.profiler import main as profile
+
+        profile(sys.argv[2:])
+        return
     args = parser().parse_args()
     mesh = mesh_config(args)
     setup_logging(mesh.log_level, PLANNER, mesh.log_format)
@@ -83,12 +92,12 @@ def main() -> None:
         await runner.connect_store()
         prefill = await runner.watch_component(PREFILL_WORKER)
         decode = await runner.watch_component(DECODE_WORKER)
-        traffic = FrontendTraffic(await runner.watch_component(FRONTEND))
+        traffic = MeshTraffic(await runner.watch_component(FRONTEND), decode)
         runner.on_teardown("close the metrics reader", traffic.close)
         connector = await build_connector(args, runner, prefill, decode)
         runner.on_teardown(f"close the {connector.name} connector", connector.close)
         registry = CollectorRegistry()
-        planner = Planner(Policy(config.profile, config.slo, config.limits), traffic, prefill, decode, connector,
+        planner = Planner(Policy(config.cost, config.slo, config.limits), traffic, prefill, decode, connector,
                           PlannerMetrics(registry), config.interval_s)
         metrics_port = runner.serve_metrics(registry, args.metrics_port)
         runner.watch(asyncio.create_task(planner.run(), name="planner"), "the planning loop")

@@ -8,13 +8,14 @@ chooses the connector with `--planner` and wires the local one itself.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 
-from services.engines.mocker.timing import DEFAULT_PRESET, PRESETS
 from services.mesh.config_error import ConfigError
 from services.mesh.flags import non_negative_float, non_negative_int, positive_float, positive_int, validated
-from services.planner.model import WorkerProfile
 from services.planner.policy import Limits, Slo
+from services.profiles.cost_model import CostModel, ProfileError
+from services.profiles.profile_file import DEFAULT_PRESET, load_profile, preset_names
 
 CONNECTORS = ("none", "local", "kubernetes")
 _LIMITS = Limits()
@@ -26,9 +27,10 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
     g.add_argument("--itl-slo-ms", type=positive_float, default=50.0, help="inter-token latency objective")
     g.add_argument("--adjustment-interval", type=positive_float, default=10.0,
                    help="seconds between two plans (the traffic is measured over this window)")
-    g.add_argument("--profile", choices=tuple(PRESETS), default=None,
-                   help=f"worker cost profile the predictions start from, corrected by what the mesh shows "
-                        f"(default {DEFAULT_PRESET}; the launcher passes the mocker's --timing)")
+    g.add_argument("--profile", default=None, metavar="FILE",
+                   help=f"the workers' profile the predictions start from (a file python -m services.planner "
+                        f"profile wrote, or a preset: {', '.join(preset_names())}), calibrated by what the mesh "
+                        f"shows (default {DEFAULT_PRESET}; the launcher passes the mocker's timing)")
     g.add_argument("--profile-speedup", type=positive_float, default=None,
                    help="divides the profile's durations, as the mocker's --speedup does (default 1; the "
                         "launcher passes the mocker's)")
@@ -63,7 +65,7 @@ def add_connector_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
 class PlannerConfig:
     slo: Slo
     limits: Limits
-    profile: WorkerProfile
+    cost: CostModel
     interval_s: float
 
     def __post_init__(self) -> None:
@@ -77,8 +79,17 @@ def planner_config(args: argparse.Namespace) -> PlannerConfig:
                         min_decode=args.min_decode_workers, max_decode=args.max_decode_workers,
                         total=args.total_workers, cooldown_s=args.cooldown, headroom=args.scale_down_headroom,
                         switch_gain=args.switch_gain)
-        profile = WorkerProfile.preset(args.profile or DEFAULT_PRESET, args.profile_speedup or 1.0)
-        return PlannerConfig(Slo(args.ttft_slo_ms / 1000, args.itl_slo_ms / 1000), limits, profile,
+        return PlannerConfig(Slo(args.ttft_slo_ms / 1000, args.itl_slo_ms / 1000), limits,
+                             profile_cost(args.profile or DEFAULT_PRESET, args.profile_speedup or 1.0),
                              args.adjustment_interval)
 
     return validated(build)
+
+
+def profile_cost(name_or_path: str, speedup: float) -> CostModel:
+    if not speedup > 0 or math.isinf(speedup):
+        raise ConfigError("--profile-speedup must be a positive finite number")
+    try:
+        return load_profile(name_or_path).cost.scaled(1.0 / speedup)
+    except ProfileError as exc:
+        raise ConfigError(f"--profile: {exc}") from exc

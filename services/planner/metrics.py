@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from services.planner.model import Corrections, Traffic
+from services.planner.model import Scales, Traffic
 from services.planner.policy import Decision
 from services.planner.pools import ROLES, PoolSizes
 
@@ -30,8 +30,11 @@ class PlannerMetrics:
                                   registry=r)
         self.output_tokens = Gauge("kvmesh_planner_mean_output_tokens", "mean output length over the last interval",
                                    registry=r)
-        self.correction = Gauge("kvmesh_planner_correction", "observed / predicted latency, smoothed", ["kind"],
-                                registry=r)
+        self.scale = Gauge("kvmesh_planner_profile_scale",
+                           "how much slower than its profile a pool turned out (its costs are multiplied by this)",
+                           ["role"], registry=r)
+        self.remote_share = Gauge("kvmesh_planner_remote_prefill_share",
+                                  "share of requests prefilled on the prefill pool over the last interval", registry=r)
         self.decisions = Counter("kvmesh_planner_decisions", "plans made", registry=r)
         self.switches = Counter("kvmesh_planner_switches", "workers moved to the other role", registry=r)
         self.scale_events = Counter("kvmesh_planner_scale_events", "workers started or stopped, by role",
@@ -39,7 +42,7 @@ class PlannerMetrics:
         self.connector_errors = Counter("kvmesh_planner_connector_errors", "plans the connector could not carry out",
                                         registry=r)
 
-    def record(self, registered: PoolSizes, traffic: Traffic, corrections: Corrections, decision: Decision) -> None:
+    def record(self, registered: PoolSizes, traffic: Traffic, scales: Scales, decision: Decision) -> None:
         self.decisions.inc()
         for role in ROLES:
             self.desired.labels(role).set(decision.desired.of(role))
@@ -51,8 +54,10 @@ class PlannerMetrics:
         self.rate.set(traffic.rate_per_s)
         self.input_tokens.set(traffic.mean_input_tokens)
         self.output_tokens.set(traffic.mean_output_tokens)
-        self.correction.labels("ttft").set(corrections.ttft)
-        self.correction.labels("itl").set(corrections.itl)
+        self.scale.labels("prefill").set(scales.prefill)
+        self.scale.labels("decode").set(scales.decode)
+        if traffic.remote_share is not None:
+            self.remote_share.set(traffic.remote_share)
 
     def applied(self, current: PoolSizes, desired: PoolSizes, switched: int) -> None:
         """Counts a carried-out plan: `switched` workers changed role, the rest started or stopped."""

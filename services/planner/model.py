@@ -1,71 +1,59 @@
-"""What the planner predicts: TTFT and ITL of a pool size at a given load.
+"""What the planner predicts: TTFT and ITL of a split at a given load, from a worker profile.
 
-The predictions come from a worker profile (how long a prefill of n tokens takes, how a decode
-step grows with the batch), corrected by what the mesh actually shows: the ratio of observed
-to predicted latency at the current sizes, smoothed, multiplies every prediction. A profile
-that is off by a constant factor (another GPU, another model, queueing the model ignores) is
-thereby calibrated away after a few intervals.
+The workers' cost model (services/profiles) gives a prefill of n tokens and a decode step of a
+batch. Where each prompt is prefilled comes from the decode workers' counters: a share of the
+requests goes to the prefill pool (long uncached prompts), the rest is prefilled by the decode
+worker that serves it, inside its decode steps.
 
-- Prefill pool (P workers, each running one prompt at a time): a prompt of I tokens takes
-  t = prefill(I); the pool is busy rho = rate * t / P of the time, and a prompt waits behind
-  the others as in an M/M/1 queue: TTFT = t / (1 - rho); saturated (rho >= 1) it is unbounded.
-- Decode pool (D workers, continuous batching): the pool must produce rate * O tokens/s, so
-  each worker x = rate * O / D tokens/s. A step of a batch of n sequences takes a + b * n and
-  yields n tokens; in the steady state n = x * step, so step = a / (1 - b * x): the ITL.
+- Decode pool (D workers, continuous batching). Each worker must produce x = rate * O / D
+  tokens/s and run l = local rate / D prompts/s of q seconds each (the prompt's own cost). A
+  step of n sequences takes a + b' * n, b' = per_seq + per_context_token * context (prompt +
+  half the output), plus the prefill base c when a prompt came during the step before, which
+  with Poisson arrivals is 1 - exp(-l * step). Over one second the steps fill the time and
+  each yields every sequence one token, so the step, which is the ITL, solves
+        ITL = (a + c * (1 - exp(-l * ITL))) / (1 - b' * x - l * q)
+  (saturated when b' * x + l * q >= 1); a few rounds of iteration find it.
+- A prompt prefilled locally waits for the step under way (half a step on average) and goes
+  into the next, which also decodes: TTFT_local = c + q + 1.5 * ITL * u, u = min(1, x * ITL)
+  the share of time the worker is decoding at all.
+- A prompt prefilled remotely (P workers, each remote rate / P prompts/s, t = prefill(I)):
+  one prompt per step, the wait in an M/D/P queue by the Allen-Cunneen approximation,
+  Wq = t / 2 * rho^(sqrt(2(P+1)) - 1) / (P(1 - rho)), rho = rate * t / P; but an engine batches
+  the prompts waiting, which pay the prefill base once: a step then lasts s = c / (1 - rate * q)
+  and a prompt waits half a step and runs in the next, 1.5 * max(s, t). The engine does the
+  better of the two. Then the decode worker takes the KV at its next step and emits the first
+  token at the end of it: TTFT_remote = prefill wait and run + 1.5 * ITL * u.
+- TTFT is the two weighed by their shares.
+
+What the model leaves out (the mesh's hops, the KV transfer, a machine unlike the profile's) is
+calibrated by scaling the profile, not the prediction: after each interval the scale of the
+decode workers' costs that reproduces the observed ITL is found (predictions grow with it, so
+a bisection finds it), then the scale of the prefill pool's that reproduces the observed TTFT,
+and both are smoothed. A profile 2x too fast thus predicts saturation where the mesh really
+saturates, which scaling the predicted latency afterwards would not.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from services.engines.mocker.timing import PRESETS, TimingModel
-from services.mesh.config_error import ConfigError
+from services.profiles.cost_model import CostModel
 
-# A correction outside this range means the profile describes another system, not a constant
-# offset; clamping keeps one odd interval (a burst, a cold cache) from swinging the plan.
-CORRECTION_MIN, CORRECTION_MAX = 0.25, 4.0
-# Weight of the newest interval in the smoothed correction.
-CORRECTION_EMA = 0.5
-
-
-@dataclass(frozen=True)
-class WorkerProfile:
-    """Per-worker costs: prefill seconds for a prompt, decode step = base + per_seq * batch."""
-
-    prefill_base_s: float
-    prefill_per_token_s: float
-    prefill_quadratic_s_per_token_1k: float
-    decode_base_s: float
-    decode_per_seq_s: float
-
-    def __post_init__(self) -> None:
-        if self.decode_base_s <= 0 or self.prefill_per_token_s <= 0:
-            raise ConfigError("--profile: prefill per token and decode step base must be > 0")
-
-    @classmethod
-    def from_timing(cls, timing: TimingModel) -> WorkerProfile:
-        scale = 1.0 / timing.speedup
-        return cls(timing.prefill_base_ms / 1e3 * scale, timing.prefill_per_token_us / 1e6 * scale,
-                   timing.prefill_quadratic_us_per_1k / 1e6 * scale, timing.decode_base_ms / 1e3 * scale,
-                   timing.decode_per_seq_us / 1e6 * scale)
-
-    @classmethod
-    def preset(cls, name: str, speedup: float = 1.0) -> WorkerProfile:
-        if name not in PRESETS:
-            raise ConfigError(f"--profile: unknown profile {name!r} (known: {', '.join(PRESETS)})")
-        if not speedup > 0 or math.isinf(speedup):
-            raise ConfigError("--speedup must be a positive finite number for the planner's profile")
-        return cls.from_timing(TimingModel.preset(name, speedup))
-
-    def prefill_s(self, tokens: float) -> float:
-        return self.prefill_base_s + tokens * self.prefill_per_token_s + \
-            tokens * (tokens / 1000.0) * self.prefill_quadratic_s_per_token_1k
+# The scales a bisection may find: a profile 20x off is another system, not a calibration.
+SCALE_MIN, SCALE_MAX = 0.05, 20.0
+# Weight of the newest interval in the smoothed scales (geometric mean).
+SCALE_EMA = 0.5
+# Iterations of the decode step's fixed point (it converges geometrically, from below).
+FIXED_POINT_ROUNDS = 30
+# A TTFT says little about the prefill pool when fewer than this share of prompts went there.
+MIN_REMOTE_SHARE_TO_CALIBRATE = 0.2
 
 
 @dataclass(frozen=True)
 class Traffic:
-    """What the frontends saw over the last interval."""
+    """What the frontends and decode workers saw over the last interval."""
 
     rate_per_s: float
     mean_input_tokens: float
@@ -73,50 +61,139 @@ class Traffic:
     # Means over the interval, None when nothing was measured (no request finished its first token).
     observed_ttft_s: float | None = None
     observed_itl_s: float | None = None
+    # Share of requests prefilled on the prefill pool, and the mean uncached prompt tokens of
+    # those and of the ones prefilled locally; None when the decode workers were not read.
+    remote_share: float | None = None
+    remote_prompt_tokens: float | None = None
+    local_prompt_tokens: float | None = None
 
     @property
     def idle(self) -> bool:
         return self.rate_per_s <= 0
 
+    def share_remote(self, prefill_workers: int) -> float:
+        """Unmeasured, every prompt is taken to go where there is a pool for it."""
+        if self.remote_share is not None:
+            return self.remote_share
+        return 1.0 if prefill_workers > 0 else 0.0
 
-def raw_ttft_s(profile: WorkerProfile, traffic: Traffic, prefill_workers: int) -> float:
-    t = profile.prefill_s(traffic.mean_input_tokens)
+    def remote_tokens(self) -> float:
+        return self.remote_prompt_tokens if self.remote_prompt_tokens is not None else self.mean_input_tokens
+
+    def local_tokens(self) -> float:
+        return self.local_prompt_tokens if self.local_prompt_tokens is not None else self.mean_input_tokens
+
+
+@dataclass(frozen=True)
+class Prediction:
+    ttft_s: float
+    itl_s: float
+
+
+@dataclass(frozen=True)
+class Scales:
+    """How much slower than the profile each pool turned out: its costs are multiplied by these."""
+
+    decode: float = 1.0
+    prefill: float = 1.0
+
+
+def predict(cost: CostModel, scales: Scales, traffic: Traffic, prefill_workers: int, decode_workers: int) -> Prediction:
+    # Without a prefill pool every prompt is prefilled where it is decoded.
+    share = traffic.share_remote(prefill_workers) if prefill_workers > 0 else 0.0
+    itl, busy_share = _decode(cost.scaled(scales.decode), traffic, decode_workers, 1.0 - share)
+    ttft = 0.0
+    if share < 1.0:
+        local_p = cost.scaled(scales.decode).prefill_s(traffic.local_tokens())
+        ttft += (1.0 - share) * (local_p + 1.5 * itl * busy_share)
+    if share > 0.0:
+        wait = _remote_prefill_s(cost.scaled(scales.prefill), traffic, share, prefill_workers)
+        ttft += share * (wait + 1.5 * itl * busy_share)
+    return Prediction(ttft, itl)
+
+
+def _decode(cost: CostModel, traffic: Traffic, workers: int, local_share: float) -> tuple[float, float]:
+    """ITL and the share of time a decode worker is decoding."""
+    if traffic.idle:
+        return cost.decode_base_s, 0.0
+    if workers <= 0:
+        return math.inf, 1.0
+    tokens_s = traffic.rate_per_s * traffic.mean_output_tokens / workers
+    local_s = traffic.rate_per_s * local_share / workers
+    context = traffic.mean_input_tokens + traffic.mean_output_tokens / 2
+    per_seq = cost.decode_per_seq_s + cost.decode_per_context_token_s * context
+    busy = per_seq * tokens_s + local_s * cost.prompt_s(traffic.local_tokens())
+    if busy >= 1.0:
+        return math.inf, 1.0
+    # The prompts that arrive during a step share the next step's prefill base: a step pays it
+    # when at least one came (Poisson arrivals), which depends on the step's own length.
+    itl = cost.decode_base_s / (1.0 - busy)
+    for _ in range(FIXED_POINT_ROUNDS):
+        itl = (cost.decode_base_s + cost.prefill_base_s * -math.expm1(-local_s * itl)) / (1.0 - busy)
+    return itl, min(1.0, tokens_s * itl)
+
+
+def _remote_prefill_s(cost: CostModel, traffic: Traffic, share: float, workers: int) -> float:
+    """Queueing plus prefill on the prefill pool."""
+    t = cost.prefill_s(traffic.remote_tokens())
     if traffic.idle:
         return t
-    if prefill_workers <= 0:
+    if workers <= 0:
         return math.inf
-    rho = traffic.rate_per_s * t / prefill_workers
-    return math.inf if rho >= 1.0 else t / (1.0 - rho)
-
-
-def raw_itl_s(profile: WorkerProfile, traffic: Traffic, decode_workers: int) -> float:
-    if traffic.idle:
-        return profile.decode_base_s
-    if decode_workers <= 0:
-        return math.inf
-    per_worker_tokens_s = traffic.rate_per_s * traffic.mean_output_tokens / decode_workers
-    busy = profile.decode_per_seq_s * per_worker_tokens_s
-    return math.inf if busy >= 1.0 else profile.decode_base_s / (1.0 - busy)
+    per_worker = traffic.rate_per_s * share / workers
+    rho = per_worker * t
+    queued = math.inf
+    if rho < 1.0:
+        queued = t + t / 2 * rho ** (math.sqrt(2 * (workers + 1)) - 1) / (workers * (1 - rho))
+    # Batched: the prompts that came during a step run together in the next, paying the base
+    # once, so a step lasts base / (1 - rate * q) and a prompt waits half of one, then its own.
+    work = per_worker * cost.prompt_s(traffic.remote_tokens())
+    batched = math.inf if work >= 1.0 else 1.5 * max(t, cost.prefill_base_s / (1.0 - work))
+    return min(queued, batched)
 
 
 @dataclass
-class Corrections:
-    """Observed / predicted latency at the sizes the mesh had, smoothed; 1.0 until measured."""
+class Calibration:
+    """The smoothed scales, updated from each interval's observations at the sizes it had."""
 
-    ttft: float = 1.0
-    itl: float = 1.0
+    scales: Scales = field(default_factory=Scales)
 
-    def update(self, profile: WorkerProfile, traffic: Traffic, prefill_workers: int, decode_workers: int) -> None:
+    def update(self, cost: CostModel, traffic: Traffic, prefill_workers: int, decode_workers: int) -> None:
         if traffic.idle:
             return
-        if traffic.observed_ttft_s is not None:
-            self.ttft = _smoothed(self.ttft, traffic.observed_ttft_s, raw_ttft_s(profile, traffic, prefill_workers))
-        if traffic.observed_itl_s is not None:
-            self.itl = _smoothed(self.itl, traffic.observed_itl_s, raw_itl_s(profile, traffic, decode_workers))
+        decode, prefill = self.scales.decode, self.scales.prefill
+        now = predict(cost, self.scales, traffic, prefill_workers, decode_workers)
+        # A pool the model calls saturated shows the latency of the requests that got through,
+        # which says nothing about its scale: such an interval leaves the scale as it was.
+        if traffic.observed_itl_s is not None and decode_workers > 0 and math.isfinite(now.itl_s):
+            found = _solve(lambda k: predict(cost, Scales(k, prefill), traffic, prefill_workers,
+                                              decode_workers).itl_s, traffic.observed_itl_s)
+            decode = _smoothed(decode, found)
+        remote = traffic.share_remote(prefill_workers)
+        if (traffic.observed_ttft_s is not None and prefill_workers > 0 and remote >= MIN_REMOTE_SHARE_TO_CALIBRATE
+                and math.isfinite(now.ttft_s)):
+            found = _solve(lambda k: predict(cost, Scales(decode, k), traffic, prefill_workers,
+                                              decode_workers).ttft_s, traffic.observed_ttft_s)
+            prefill = _smoothed(prefill, found)
+        self.scales = Scales(decode, prefill)
 
 
-def _smoothed(previous: float, observed: float, predicted: float) -> float:
-    if not math.isfinite(predicted) or predicted <= 0:
-        return previous  # a saturated prediction says nothing about the offset
-    ratio = min(CORRECTION_MAX, max(CORRECTION_MIN, observed / predicted))
-    return (1 - CORRECTION_EMA) * previous + CORRECTION_EMA * ratio
+def _solve(predicted: Callable[[float], float], observed: float) -> float:
+    """The scale in [SCALE_MIN, SCALE_MAX] whose prediction meets `observed` (predictions grow
+    with the scale; past saturation they are infinite), by bisection on its logarithm."""
+    low, high = math.log(SCALE_MIN), math.log(SCALE_MAX)
+    if predicted(SCALE_MIN) >= observed:
+        return SCALE_MIN
+    if predicted(SCALE_MAX) <= observed:
+        return SCALE_MAX
+    for _ in range(40):
+        mid = (low + high) / 2
+        if predicted(math.exp(mid)) < observed:
+            low = mid
+        else:
+            high = mid
+    return math.exp((low + high) / 2)
+
+
+def _smoothed(previous: float, found: float) -> float:
+    return math.exp((1 - SCALE_EMA) * math.log(previous) + SCALE_EMA * math.log(found))

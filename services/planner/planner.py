@@ -18,7 +18,7 @@ from services.planner.connectors.base import Connector, ConnectorError
 from services.planner.metrics import PlannerMetrics
 from services.planner.policy import Decision, Policy
 from services.planner.pools import PoolSizes
-from services.planner.traffic import FrontendTraffic
+from services.planner.traffic import MeshTraffic
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ APPLY_TIMEOUT_S = 120.0
 
 
 class Planner:
-    def __init__(self, policy: Policy, traffic: FrontendTraffic, prefill: ComponentView, decode: ComponentView,
+    def __init__(self, policy: Policy, traffic: MeshTraffic, prefill: ComponentView, decode: ComponentView,
                  connector: Connector, metrics: PlannerMetrics, interval_s: float) -> None:
         self.policy, self.traffic, self.connector, self.metrics = policy, traffic, connector, metrics
         self._prefill, self._decode = prefill, decode
@@ -57,12 +57,16 @@ class Planner:
         current = controlled or registered
         decision = self.policy.decide(now, current, traffic, measured=registered)
         self.last = decision
-        self.metrics.record(registered, traffic, self.policy.corrections, decision)
-        log.info("plan %s -> %s (%s): %.2f req/s, mean in %.0f / out %.0f tokens, TTFT %s ITL %s observed, "
-                 "%.3fs / %.4fs predicted, corrections %.2f / %.2f, registered %s", current, decision.desired,
-                 decision.reason, traffic.rate_per_s, traffic.mean_input_tokens, traffic.mean_output_tokens,
-                 _seconds(traffic.observed_ttft_s), _seconds(traffic.observed_itl_s), decision.predicted_ttft_s,
-                 decision.predicted_itl_s, self.policy.corrections.ttft, self.policy.corrections.itl, registered)
+        scales = self.policy.calibration.scales
+        self.metrics.record(registered, traffic, scales, decision)
+        hindsight = decision.hindsight
+        log.info("plan %s -> %s (%s): %.2f req/s, mean in %.0f / out %.0f tokens, remote prefill %s, "
+                 "TTFT %s ITL %s observed, %s / %s modelled, %.3fs / %.4fs predicted, profile scales %.2f / %.2f, "
+                 "registered %s", current, decision.desired, decision.reason, traffic.rate_per_s,
+                 traffic.mean_input_tokens, traffic.mean_output_tokens, _share(traffic.remote_share),
+                 _seconds(traffic.observed_ttft_s), _seconds(traffic.observed_itl_s),
+                 _seconds(hindsight.ttft_s if hindsight else None), _seconds(hindsight.itl_s if hindsight else None),
+                 decision.predicted_ttft_s, decision.predicted_itl_s, scales.prefill, scales.decode, registered)
         if decision.desired != current:
             await self._carry_out(current, decision.desired)
         return decision
@@ -81,3 +85,7 @@ class Planner:
 
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}s"
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"

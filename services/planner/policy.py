@@ -2,7 +2,9 @@
 
 Two modes:
 - **sized pools** (no `--total-workers`): each pool gets the fewest workers whose predicted
-  latency (model.py, corrected) meets its SLO, within its minimum and maximum. A pool grows as
+  latency (model.py, calibrated) meets its SLO, within its minimum and maximum: the decode
+  pool by ITL, then the prefill pool by TTFT at that decode size (a TTFT that no prefill pool
+  size changes, every prompt being prefilled locally, keeps the pool at its floor). A pool grows as
   soon as it falls short, but shrinks only when the smaller size would still meet the SLO with
   `headroom` to spare: between the two sizes the current one stays (hysteresis), so a load at
   the edge does not flap a worker in and out.
@@ -22,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.mesh.config_error import ConfigError
-from services.planner.model import Corrections, Traffic, WorkerProfile, raw_itl_s, raw_ttft_s
+from services.profiles.cost_model import CostModel
+from services.planner.model import Calibration, Prediction, Traffic, predict
 from services.planner.pools import PoolSizes
 
 
@@ -74,6 +77,9 @@ class Decision:
     predicted_itl_s: float
     # Why the plan is what it is, one phrase, for the log line.
     reason: str
+    # What the model said of the interval just measured, at the sizes it was measured at and
+    # before this interval's calibration: set against what was observed, the model's error.
+    hindsight: Prediction | None = None
 
     @property
     def score(self) -> float:
@@ -81,24 +87,22 @@ class Decision:
 
 
 class Policy:
-    """Decides every interval; remembers when each pool last changed and the corrections."""
+    """Decides every interval; remembers when each pool last changed and the calibration."""
 
-    def __init__(self, profile: WorkerProfile, slo: Slo, limits: Limits) -> None:
-        self.profile, self.slo, self.limits = profile, slo, limits
-        self.corrections = Corrections()
+    def __init__(self, cost: CostModel, slo: Slo, limits: Limits) -> None:
+        self.cost, self.slo, self.limits = cost, slo, limits
+        self.calibration = Calibration()
         self._changed_at = {"prefill": -math.inf, "decode": -math.inf}
 
-    def ttft_s(self, traffic: Traffic, prefill_workers: int) -> float:
-        return raw_ttft_s(self.profile, traffic, prefill_workers) * self.corrections.ttft
-
-    def itl_s(self, traffic: Traffic, decode_workers: int) -> float:
-        return raw_itl_s(self.profile, traffic, decode_workers) * self.corrections.itl
+    def predict(self, traffic: Traffic, sizes: PoolSizes) -> Prediction:
+        return predict(self.cost, self.calibration.scales, traffic, sizes.prefill, sizes.decode)
 
     def decide(self, now: float, current: PoolSizes, traffic: Traffic, measured: PoolSizes | None = None) -> Decision:
         """Plans from `current`; `measured` are the sizes the traffic was measured at, when they
         differ (a dry run plans from the sizes it would have set)."""
         sized = measured or current
-        self.corrections.update(self.profile, traffic, sized.prefill, sized.decode)
+        hindsight = None if traffic.idle else self.predict(traffic, sized)
+        self.calibration.update(self.cost, traffic, sized.prefill, sized.decode)
         if self.limits.total is None:
             desired, reason = self._sized(current, traffic)
         else:
@@ -109,21 +113,24 @@ class Policy:
         for role in ("prefill", "decode"):
             if desired.of(role) != current.of(role):
                 self._changed_at[role] = now
-        return Decision(desired, self.ttft_s(traffic, desired.prefill), self.itl_s(traffic, desired.decode), reason)
+        planned = self.predict(traffic, desired)
+        return Decision(desired, planned.ttft_s, planned.itl_s, reason, hindsight)
 
     # -- sized pools ---------------------------------------------------------------------------
 
     def _sized(self, current: PoolSizes, traffic: Traffic) -> tuple[PoolSizes, str]:
         lim = self.limits
-        prefill = self._size(current.prefill, lim.min_prefill, lim.max_prefill, traffic,
-                             lambda n: self.ttft_s(traffic, n) / self.slo.ttft_s)
         decode = self._size(current.decode, lim.min_decode, lim.max_decode, traffic,
-                            lambda n: self.itl_s(traffic, n) / self.slo.itl_s)
+                            lambda n: self.predict(traffic, PoolSizes(current.prefill, n)).itl_s / self.slo.itl_s)
+        prefill = self._size(current.prefill, lim.min_prefill, lim.max_prefill, traffic,
+                             lambda n: self.predict(traffic, PoolSizes(n, decode)).ttft_s / self.slo.ttft_s)
         desired = PoolSizes(prefill, decode)
         return desired, "sizes meet the SLOs" if desired == current else "resized to meet the SLOs"
 
     def _size(self, current: int, low: int, high: int, traffic: Traffic, ratio: Callable[[int], float]) -> int:
         floor = max(low, 0 if traffic.idle else 1)
+        if ratio(floor) == ratio(high) and math.isfinite(ratio(high)):
+            return floor  # the pool's size changes nothing predicted: the fewest it may have
         needed = next((n for n in range(floor, high + 1) if ratio(n) <= 1.0), high)
         if current < needed:
             return needed
@@ -148,8 +155,8 @@ class Policy:
         return best, f"split scores {self._score(traffic, best):.2f} against {now_score:.2f} now"
 
     def _score(self, traffic: Traffic, sizes: PoolSizes) -> float:
-        return max(self.ttft_s(traffic, sizes.prefill) / self.slo.ttft_s,
-                   self.itl_s(traffic, sizes.decode) / self.slo.itl_s)
+        predicted = self.predict(traffic, sizes)
+        return max(predicted.ttft_s / self.slo.ttft_s, predicted.itl_s / self.slo.itl_s)
 
     # -- cool-down -----------------------------------------------------------------------------
 

@@ -1,17 +1,22 @@
-"""What the planner knows of the traffic: the frontends' own Prometheus metrics, scraped.
+"""What the planner knows of the traffic: the frontends' and decode workers' own Prometheus
+metrics, scraped.
 
-Every frontend registers the port its /metrics is on. Each interval the planner reads the
-cumulative counters and histogram sums of all of them and turns the difference since the last
-reading into a `Traffic`: arrival rate (answered requests per second), mean prompt and output
-length, mean TTFT and ITL. A frontend that appears starts from its first reading; one that
-restarted (counters went down) is read from zero again, so a restart never shows a negative rate.
+Every frontend and worker registers the port its /metrics is on. Each interval the planner
+reads the cumulative counters and histogram sums of all of them and turns the difference since
+the last reading into a `Traffic`: from the frontends the arrival rate (answered requests per
+second), mean prompt and output length, mean TTFT and ITL; from the decode workers where the
+prompts were prefilled (the share sent to the prefill pool, and the uncached tokens of each
+kind). An instance that appears starts from its first reading; one that restarted (counters
+went down) is read from zero again, so a restart never shows a negative rate.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import ClassVar, Generic, Self, TypeVar
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -31,11 +36,43 @@ _SAMPLES = {
     "kvmesh_frontend_time_to_first_token_seconds_count": "ttft_count",
     "kvmesh_frontend_inter_token_latency_seconds_sum": "itl_sum",
     "kvmesh_frontend_inter_token_latency_seconds_count": "itl_count",
+    "kvmesh_frontend_inflight_requests": "inflight",
 }
 
 
+_PREFILL_SAMPLES = {
+    "kvmesh_decode_remote_prefill_total": "remote",
+    "kvmesh_decode_local_prefill_total": "local",
+    "kvmesh_decode_remote_prefill_tokens_total": "remote_tokens",
+    "kvmesh_decode_local_prefill_tokens_total": "local_tokens",
+}
+
+
+class _Sums:
+    """Field-wise arithmetic of a dataclass of cumulative counters (and of gauges, named in
+    GAUGES, whose difference may be negative)."""
+
+    GAUGES: ClassVar[frozenset[str]] = frozenset()
+
+    def _names(self) -> list[str]:
+        return [f.name for f in fields(self)]  # type: ignore[arg-type]
+
+    def minus(self, earlier: Self) -> Self:
+        names = self._names()
+        if any(getattr(self, n) < getattr(earlier, n) for n in names if n not in self.GAUGES):
+            return self  # the instance restarted: everything since its start is new
+        return type(self)(*(getattr(self, n) - getattr(earlier, n) for n in names))  # type: ignore[call-arg]
+
+    def plus(self, other: Self) -> Self:
+        return type(self)(*(getattr(self, n) + getattr(other, n) for n in self._names()))  # type: ignore[call-arg]
+
+
 @dataclass
-class Counters:
+class Counters(_Sums):
+    """A frontend's."""
+
+    GAUGES = frozenset({"inflight"})
+
     requests: float = 0.0
     prompt_tokens: float = 0.0
     completion_tokens: float = 0.0
@@ -43,52 +80,74 @@ class Counters:
     ttft_count: float = 0.0
     itl_sum: float = 0.0
     itl_count: float = 0.0
+    inflight: float = 0.0
 
-    def minus(self, earlier: Counters) -> Counters:
-        if self.requests < earlier.requests or self.ttft_count < earlier.ttft_count:
-            return self  # the frontend restarted: everything since its start is new
-        return Counters(*(getattr(self, f) - getattr(earlier, f) for f in self.__dataclass_fields__))
 
-    def plus(self, other: Counters) -> Counters:
-        return Counters(*(getattr(self, f) + getattr(other, f) for f in self.__dataclass_fields__))
+@dataclass
+class PrefillCounters(_Sums):
+    """A decode worker's: where it had prompts prefilled."""
+
+    remote: float = 0.0
+    local: float = 0.0
+    remote_tokens: float = 0.0
+    local_tokens: float = 0.0
+
+
+_C = TypeVar("_C", bound=_Sums)
 
 
 def parse_counters(text: str) -> Counters:
-    counters = Counters()
+    return _parse(text, Counters(), _SAMPLES)
+
+
+def parse_prefill_counters(text: str) -> PrefillCounters:
+    return _parse(text, PrefillCounters(), _PREFILL_SAMPLES)
+
+
+def _parse(text: str, counters: _C, samples: dict[str, str]) -> _C:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            name = _SAMPLES.get(sample.name)
+            name = samples.get(sample.name)
             if name is not None:
                 setattr(counters, name, getattr(counters, name) + sample.value)
     return counters
 
 
-def traffic_of(delta: Counters, seconds: float) -> Traffic:
+def traffic_of(delta: Counters, seconds: float, prefill: PrefillCounters | None = None) -> Traffic:
     n = delta.requests
+    prefilled = 0.0 if prefill is None else prefill.remote + prefill.local
+    # Requests that arrived: those answered, and the growth of those still in flight. The
+    # answered alone would read a saturated pool's backlog as less traffic.
+    arrived = max(0.0, n + delta.inflight)
     return Traffic(
-        rate_per_s=n / seconds if seconds > 0 else 0.0,
+        rate_per_s=arrived / seconds if seconds > 0 else 0.0,
         mean_input_tokens=delta.prompt_tokens / n if n else 0.0,
         mean_output_tokens=delta.completion_tokens / n if n else 0.0,
         observed_ttft_s=delta.ttft_sum / delta.ttft_count if delta.ttft_count else None,
         observed_itl_s=delta.itl_sum / delta.itl_count if delta.itl_count else None,
+        remote_share=prefill.remote / prefilled if prefill is not None and prefilled else None,
+        remote_prompt_tokens=prefill.remote_tokens / prefill.remote if prefill is not None and prefill.remote else None,
+        local_prompt_tokens=prefill.local_tokens / prefill.local if prefill is not None and prefill.local else None,
     )
 
 
 @dataclass
-class FrontendTraffic:
-    """Reads every frontend's metrics; `sample()` gives the traffic since the previous call."""
+class _Deltas(Generic[_C]):
+    """The sum over a component's instances of what each counted since the previous reading."""
 
-    frontends: ComponentView
-    client: httpx.AsyncClient = field(default_factory=lambda: httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_S))
-    _last: dict[str, Counters] = field(default_factory=dict)
-    _last_at: float | None = None
+    view: ComponentView
+    parse: Callable[[str], _C]
+    empty: Callable[[], _C]
+    client: httpx.AsyncClient
+    what: str
+    _last: dict[str, _C] = field(default_factory=dict)
 
-    async def sample(self, now: float) -> Traffic:
-        members = dict(self.frontends.instances)
+    async def read(self) -> _C:
+        members = dict(self.view.instances)
         readings = await asyncio.gather(*(self._read(f"{info.address.rsplit(':', 1)[0]}:{info.metrics_port}")
                                           for info in members.values()))
-        total = Counters()
-        current: dict[str, Counters] = {}
+        total = self.empty()
+        current: dict[str, _C] = {}
         for instance_id, reading in zip(members, readings, strict=True):
             if reading is None:
                 if instance_id in self._last:
@@ -96,18 +155,34 @@ class FrontendTraffic:
                 continue
             current[instance_id] = reading
             total = total.plus(reading.minus(self._last.get(instance_id, reading)))
-        seconds = 0.0 if self._last_at is None else now - self._last_at
-        self._last, self._last_at = current, now
-        return traffic_of(total, seconds)
+        self._last = current
+        return total
 
-    async def _read(self, host_port: str) -> Counters | None:
+    async def _read(self, host_port: str) -> _C | None:
         try:
             response = await self.client.get(f"http://{host_port}/metrics")
             response.raise_for_status()
         except httpx.HTTPError as exc:
-            log.warning("could not read the metrics of the frontend at %s: %s", host_port, exc)
+            log.warning("could not read the metrics of the %s at %s: %s", self.what, host_port, exc)
             return None
-        return parse_counters(response.text)
+        return self.parse(response.text)
+
+
+class MeshTraffic:
+    """Reads every frontend's and decode worker's metrics; `sample()` gives the traffic since
+    the previous call."""
+
+    def __init__(self, frontends: ComponentView, decode_workers: ComponentView) -> None:
+        self.client = httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_S)
+        self._frontends = _Deltas(frontends, parse_counters, Counters, self.client, "frontend")
+        self._workers = _Deltas(decode_workers, parse_prefill_counters, PrefillCounters, self.client, "decode worker")
+        self._last_at: float | None = None
+
+    async def sample(self, now: float) -> Traffic:
+        answered, prefilled = await asyncio.gather(self._frontends.read(), self._workers.read())
+        seconds = 0.0 if self._last_at is None else now - self._last_at
+        self._last_at = now
+        return traffic_of(answered, seconds, prefilled)
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -49,7 +49,7 @@ def _mocker(config: EngineConfig, instance_id: str, store: KeyValueStore, namesp
             block_size=config.block_size,
             num_gpu_blocks=config.num_gpu_blocks,
             max_num_seqs=config.max_num_seqs or MOCKER_MAX_NUM_SEQS,
-            timing=TimingModel.preset(config.timing, config.speedup),
+            timing=TimingModel.of_profile(config.timing_profile or config.timing, config.speedup),
             kv_bytes_per_token=config.kv_bytes_per_token,
             host_kv_blocks=config.host_kv_blocks,
             host_kv_gbps=config.host_kv_gbps,

@@ -11,7 +11,6 @@ import argparse
 from dataclasses import dataclass
 
 from services.engines.mocker.engine import MockerConfig
-from services.engines.mocker.timing import DEFAULT_PRESET, PRESETS
 from services.mesh.flags import (
     ConfigError,
     ModelRef,
@@ -23,6 +22,8 @@ from services.mesh.flags import (
     positive_int,
     validated,
 )
+from services.profiles.cost_model import ProfileError
+from services.profiles.profile_file import DEFAULT_PRESET, load_profile, preset_names
 from services.worker.pacing import DEFAULT_INTERVAL_S
 
 ENGINES = ("vllm", "mocker")
@@ -42,6 +43,8 @@ class EngineConfig:
     num_gpu_blocks: int = DEFAULT_NUM_GPU_BLOCKS
     speedup: float = 1.0
     timing: str = DEFAULT_TIMING
+    # A profile file the mocker runs as its timing instead of the `timing` preset.
+    timing_profile: str | None = None
     # None: the engine's own default (256 running requests on the mocker, 64 on vLLM).
     max_num_seqs: int | None = None
     max_model_len: int | None = None
@@ -59,8 +62,13 @@ class EngineConfig:
             raise ConfigError(f"--engine {self.engine!r} is not one of {', '.join(ENGINES)}")
         if self.kv_transfer not in KV_TRANSFERS:
             raise ConfigError(f"--kv-transfer {self.kv_transfer!r} is not one of {', '.join(KV_TRANSFERS)}")
-        if self.timing not in PRESETS:
-            raise ConfigError(f"--timing {self.timing!r} is not one of {', '.join(sorted(PRESETS))}")
+        if self.timing not in preset_names():
+            raise ConfigError(f"--timing {self.timing!r} is not one of {', '.join(preset_names())}")
+        if self.timing_profile is not None:
+            try:
+                load_profile(self.timing_profile)
+            except ProfileError as exc:
+                raise ConfigError(f"--timing-profile: {exc}") from exc
         for flag, value in (("--block-size", self.block_size), ("--num-gpu-blocks", self.num_gpu_blocks),
                             ("--kv-bytes-per-token", self.kv_bytes_per_token)):
             if value <= 0:
@@ -103,8 +111,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
                    help="mocker: KV blocks per worker")
     g.add_argument("--speedup", type=positive_float, default=1.0,
                    help="mocker: divides the timing model's durations ('inf' = no compute time)")
-    g.add_argument("--timing", choices=sorted(PRESETS), default=DEFAULT_TIMING,
-                   help="mocker: the machine its timing model imitates")
+    g.add_argument("--timing", choices=preset_names(), default=DEFAULT_TIMING,
+                   help="mocker: the machine its timing model imitates (a preset profile)")
+    g.add_argument("--timing-profile", default=None, metavar="FILE",
+                   help="mocker: a worker profile file (python -m services.planner profile) to run as its "
+                        "timing, instead of --timing")
     g.add_argument("--max-num-seqs", type=positive_int, default=None, help="running requests per worker")
     g.add_argument("--max-model-len", type=positive_int, default=None)
     g.add_argument("--kv-bytes-per-token", type=positive_int, default=DEFAULT_KV_BYTES_PER_TOKEN,
@@ -144,6 +155,7 @@ def engine_config(args: argparse.Namespace, advertise_host: str = "127.0.0.1") -
         num_gpu_blocks=args.num_gpu_blocks,
         speedup=args.speedup,
         timing=args.timing,
+        timing_profile=args.timing_profile,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         kv_bytes_per_token=args.kv_bytes_per_token,

@@ -37,6 +37,9 @@ MORE_BAD = [
     ("services.decode_worker", [*WORKER, "--switchable"], "--kv-transfer nixl"),
     ("services.decode_worker", [*WORKER, "--host-kv-gbps", "0"], "--host-kv-gbps"),
     ("services.kv_router", ["--host-overlap-weight", "1.5"], "--host-overlap-weight"),
+    ("services.decode_worker", [*WORKER, "--timing-profile", "/no/such/profile.json"], "--timing-profile"),
+    ("services.planner", ["--profile", "tpu-v9"], "--profile: no profile 'tpu-v9'"),
+    ("services.planner", ["--profile", "README.md"], "--profile: README.md: not JSON"),
 ]
 
 

@@ -11,8 +11,9 @@ import pytest
 from tests.procs import ROOT
 
 SERVICE_PACKAGES = ("frontend", "processor", "kv_router", "decode_worker", "prefill_worker", "launch", "planner")
-# The KV protocol (block hashing, tiers, KV events) is the one thing engines share with the rest.
-ENGINE_MAY_USE = ("services.kv_protocol",)
+# The KV protocol (block hashing, tiers, KV events) and the worker profiles (the mocker's timing)
+# are what engines share with the rest.
+ENGINE_MAY_USE = ("services.kv_protocol", "services.profiles")
 
 
 def imports_of(path: Path) -> set[str]:
@@ -50,6 +51,15 @@ def test_engines_import_nothing_of_the_mesh_but_the_kv_protocol() -> None:
 
 def test_the_kv_protocol_is_a_leaf() -> None:
     assert offending("services/kv_protocol", ("services.",), ("services.kv_protocol",)) == []
+
+
+def test_the_profiles_are_a_leaf() -> None:
+    assert offending("services/profiles", ("services.",), ("services.profiles",)) == []
+
+
+def test_the_planner_predicts_from_profiles_not_from_an_engine() -> None:
+    """Its predictions come from a profile file; the mocker's timing is one more reader of it."""
+    assert offending("services/planner", ("services.engines",)) == []
 
 
 def test_no_engine_reaches_into_the_mocker() -> None:

@@ -177,7 +177,11 @@ async def test_a_request_larger_than_the_whole_cache_is_refused() -> None:
 
 def test_timing_model_charges_uncached_prefill_and_batch_size() -> None:
     t = TimingModel()
-    assert t.step_seconds(2000, 0) > t.step_seconds(200, 0) > 0
-    assert t.step_seconds(0, 64) > t.step_seconds(0, 1) > 0
-    assert TimingModel(speedup=10).step_seconds(2000, 8) == pytest.approx(t.step_seconds(2000, 8) / 10)
-    assert TimingModel(speedup=float("inf")).step_seconds(2000, 8) == 0
+    assert t.step_seconds([2000], 0) > t.step_seconds([200], 0) > 0
+    assert t.step_seconds([], 64) > t.step_seconds([], 1) > 0
+    assert TimingModel(speedup=10).step_seconds([2000], 8) == pytest.approx(t.step_seconds([2000], 8) / 10)
+    assert TimingModel(speedup=float("inf")).step_seconds([2000], 8) == 0
+    # Prompts in one step share its prefill base; each pays its own attention over itself.
+    c = t.cost
+    assert t.step_seconds([1000, 1000], 0) == pytest.approx(c.prefill_base_s + 2 * c.prompt_s(1000))
+    assert t.step_seconds([1000, 1000], 0) < t.step_seconds([2000], 0)

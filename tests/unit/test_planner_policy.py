@@ -1,5 +1,5 @@
-"""The planner's model and decision, in-process: predictions, corrections, sizing with
-hysteresis and cool-down, and the split of a fixed budget."""
+"""The planner's model and decision, in-process: predictions, calibration of the profile's
+scale, sizing with hysteresis and cool-down, and the split of a fixed budget."""
 
 from __future__ import annotations
 
@@ -8,46 +8,94 @@ import math
 import pytest
 
 from services.mesh.config_error import ConfigError
-from services.planner.model import Corrections, Traffic, WorkerProfile, raw_itl_s, raw_ttft_s
+from services.planner.flags import profile_cost
+from services.planner.model import Calibration, Scales, Traffic, predict
 from services.planner.policy import Limits, Policy, Slo
 from services.planner.pools import PoolSizes
+from services.profiles.cost_model import CostModel
 
-PROFILE = WorkerProfile.preset("large-gpu-8b")
+PROFILE = profile_cost("large-gpu-8b", 1.0)
 SLO = Slo(ttft_s=0.5, itl_s=0.02)
-PREFILL_HEAVY = Traffic(rate_per_s=12.0, mean_input_tokens=6000, mean_output_tokens=20)
-DECODE_HEAVY = Traffic(rate_per_s=12.0, mean_input_tokens=200, mean_output_tokens=1500)
+PREFILL_HEAVY = Traffic(rate_per_s=18.0, mean_input_tokens=6000, mean_output_tokens=20, remote_share=1.0)
+DECODE_HEAVY = Traffic(rate_per_s=12.0, mean_input_tokens=200, mean_output_tokens=1500, remote_share=0.0)
+ONE = Scales()
 
 
-def test_prefill_prediction_follows_the_queue() -> None:
+def ttft(traffic: Traffic, prefill: int, decode: int = 2, scales: Scales = ONE) -> float:
+    return predict(PROFILE, scales, traffic, prefill, decode).ttft_s
+
+
+def itl(traffic: Traffic, decode: int, prefill: int = 1, scales: Scales = ONE) -> float:
+    return predict(PROFILE, scales, traffic, prefill, decode).itl_s
+
+
+def test_remote_prefill_follows_the_queue_and_saturates() -> None:
     t = PROFILE.prefill_s(6000)
-    assert raw_ttft_s(PROFILE, Traffic(0, 6000, 10), 1) == pytest.approx(t)
-    light = Traffic(1.0, 6000, 10)
-    assert raw_ttft_s(PROFILE, light, 1) == pytest.approx(t / (1 - t))
-    assert raw_ttft_s(PROFILE, light, 2) < raw_ttft_s(PROFILE, light, 1)
-    assert raw_ttft_s(PROFILE, Traffic(1 / t, 6000, 10), 1) == math.inf  # saturated
-    assert raw_ttft_s(PROFILE, light, 0) == math.inf
+    assert ttft(Traffic(0, 6000, 10, remote_share=1.0), 1) == pytest.approx(t)  # idle: the prefill alone
+    light = Traffic(1.0, 6000, 10, remote_share=1.0)
+    assert t < ttft(light, 2) < ttft(light, 1)
+    # Past what batching can absorb (rate x the prompts' own cost >= 1 per worker): unbounded.
+    assert ttft(Traffic(1.01 / PROFILE.prompt_s(6000), 6000, 10, remote_share=1.0), 1) == math.inf
+    assert ttft(light, 0) < math.inf  # no prefill pool: every prompt is prefilled where it is decoded
 
 
-def test_decode_prediction_follows_the_batch() -> None:
-    assert raw_itl_s(PROFILE, Traffic(0, 100, 100), 1) == pytest.approx(PROFILE.decode_base_s)
-    # 12 req/s x 1500 tokens over 2 workers: 9000 tokens/s each, a step of a / (1 - b x).
-    expected = PROFILE.decode_base_s / (1 - PROFILE.decode_per_seq_s * 9000)
-    assert raw_itl_s(PROFILE, DECODE_HEAVY, 2) == pytest.approx(expected)
-    assert raw_itl_s(PROFILE, DECODE_HEAVY, 3) < expected
-    assert raw_itl_s(PROFILE, Traffic(1000, 10, 1000), 1) == math.inf
+def test_batching_keeps_a_pool_past_one_prompt_at_a_time_unsaturated() -> None:
+    """Prompts arriving faster than one prefill each finishes still get through: waiting ones
+    share a step's base."""
+    t, q = PROFILE.prefill_s(512), PROFILE.prompt_s(512)
+    rate = 1.2 / t  # rho 1.2 one prompt at a time; rate x q < 1
+    assert rate * q < 1
+    assert ttft(Traffic(rate, 512, 8, remote_share=1.0), 1) < math.inf
 
 
-def test_correction_calibrates_a_constant_offset_and_is_clamped() -> None:
-    c = Corrections()
-    observed = Traffic(4.0, 6000, 20, observed_ttft_s=2 * raw_ttft_s(PROFILE, Traffic(4.0, 6000, 20), 2))
-    for _ in range(8):
-        c.update(PROFILE, observed, 2, 2)
-    assert c.ttft == pytest.approx(2.0, rel=0.01)
-    assert c.itl == 1.0  # nothing observed
-    wild = Traffic(4.0, 6000, 20, observed_ttft_s=1e6)
-    for _ in range(8):
-        c.update(PROFILE, wild, 2, 2)
-    assert c.ttft <= 4.0
+def test_decode_prediction_follows_the_batch_and_the_local_prefills() -> None:
+    assert itl(Traffic(0, 100, 100), 1) == pytest.approx(PROFILE.decode_base_s)
+    # 12 req/s x 1500 tokens over 2 workers: 9000 tokens/s each; a step of a / (1 - b x), plus the
+    # local prompts' share of the time and of the prefill base.
+    no_local = Traffic(12.0, 200, 1500, remote_share=1.0)
+    assert itl(no_local, 2) == pytest.approx(PROFILE.decode_base_s / (1 - PROFILE.decode_per_seq_s * 9000))
+    assert itl(DECODE_HEAVY, 2) > itl(no_local, 2)
+    assert itl(DECODE_HEAVY, 3) < itl(DECODE_HEAVY, 2)
+    assert itl(Traffic(1000, 10, 1000), 1) == math.inf
+
+
+def test_a_context_term_slows_long_sequences() -> None:
+    costly = CostModel(**(PROFILE.to_dict() | {"decode_per_context_token_s": 1e-8}))
+    # Prompts prefilled remotely: only the decode steps are on the decode workers.
+    short, long = Traffic(12.0, 200, 500, remote_share=1.0), Traffic(12.0, 8000, 500, remote_share=1.0)
+    assert predict(costly, ONE, long, 1, 4).itl_s > predict(costly, ONE, short, 1, 4).itl_s
+    assert predict(PROFILE, ONE, long, 1, 4).itl_s == predict(PROFILE, ONE, short, 1, 4).itl_s
+
+
+@pytest.mark.parametrize("factor", [0.5, 2.0, 3.0])
+def test_calibration_finds_how_far_off_the_profile_is(factor: float) -> None:
+    """The mesh runs `factor` x slower than the profile says: the scales converge on it."""
+    truth = Scales(factor, factor)
+    traffic = Traffic(6.0, 3000, 200, remote_share=0.5, remote_prompt_tokens=5800, local_prompt_tokens=200)
+    real = predict(PROFILE, truth, traffic, 2, 3)
+    observed = Traffic(**(traffic.__dict__ | {"observed_ttft_s": real.ttft_s, "observed_itl_s": real.itl_s}))
+    c = Calibration()
+    for _ in range(12):
+        c.update(PROFILE, observed, 2, 3)
+    assert c.scales.decode == pytest.approx(factor, rel=0.01)
+    assert c.scales.prefill == pytest.approx(factor, rel=0.01)
+    # Then the model predicts another split as the slower mesh would run it.
+    assert predict(PROFILE, c.scales, traffic, 3, 2).ttft_s == pytest.approx(predict(PROFILE, truth, traffic, 3, 2).ttft_s,
+                                                                             rel=0.02)
+
+
+def test_calibration_skips_what_it_cannot_learn_from() -> None:
+    c = Calibration()
+    # Nothing went to the prefill pool: a TTFT says nothing about it.
+    c.update(PROFILE, Traffic(6.0, 64, 64, observed_ttft_s=5.0, observed_itl_s=None, remote_share=0.0), 2, 3)
+    assert c.scales == Scales()
+    # The model calls the pool saturated: the latency of what got through is no measure either.
+    c.update(PROFILE, Traffic(1000, 10, 1000, observed_itl_s=0.05, remote_share=0.0), 1, 1)
+    assert c.scales == Scales()
+    # A wild observation is bounded by the range a calibration may find.
+    for _ in range(30):
+        c.update(PROFILE, Traffic(1.0, 200, 200, observed_itl_s=1e6, remote_share=0.0), 1, 1)
+    assert c.scales.decode <= 20.0
 
 
 def test_sized_pools_grow_at_once_and_shrink_with_headroom() -> None:
@@ -55,15 +103,15 @@ def test_sized_pools_grow_at_once_and_shrink_with_headroom() -> None:
     up = policy.decide(0, PoolSizes(1, 1), PREFILL_HEAVY)
     assert up.desired.prefill > 1
     assert up.predicted_ttft_s <= SLO.ttft_s
-    assert up.desired.prefill - 1 == 0 or policy.ttft_s(PREFILL_HEAVY, up.desired.prefill - 1) > SLO.ttft_s
+    assert up.desired.prefill - 1 == 0 or ttft(PREFILL_HEAVY, up.desired.prefill - 1, up.desired.decode) > SLO.ttft_s
     # The same load again: nothing moves.
     assert policy.decide(1, up.desired, PREFILL_HEAVY).desired == up.desired
     # Load just under what one fewer worker handles, but without headroom: the size holds.
     n = up.desired.prefill
     edge = PREFILL_HEAVY
-    while policy.ttft_s(edge, n - 1) > SLO.ttft_s:
-        edge = Traffic(edge.rate_per_s * 0.97, edge.mean_input_tokens, edge.mean_output_tokens)
-    if policy.ttft_s(edge, n - 1) > Limits().headroom * SLO.ttft_s:
+    while ttft(edge, n - 1, up.desired.decode) > SLO.ttft_s:
+        edge = Traffic(edge.rate_per_s * 0.97, edge.mean_input_tokens, edge.mean_output_tokens, remote_share=1.0)
+    if ttft(edge, n - 1, up.desired.decode) > Limits().headroom * SLO.ttft_s:
         assert policy.decide(2, up.desired, edge).desired.prefill == n
     # The burst is over: it shrinks to the floor of one worker while traffic remains.
     quiet = Traffic(0.2, 300, 20)
@@ -120,8 +168,10 @@ def test_limits_name_the_bad_flag(kwargs: dict, flag: str) -> None:
 def test_slo_and_profile_validate() -> None:
     with pytest.raises(ConfigError, match="--ttft-slo-ms"):
         Slo(0, 1)
-    with pytest.raises(ConfigError, match="--profile"):
-        WorkerProfile.preset("no-such-gpu")
+    with pytest.raises(ConfigError, match="--profile: no profile 'no-such-gpu'"):
+        profile_cost("no-such-gpu", 1.0)
+    with pytest.raises(ConfigError, match="--profile-speedup"):
+        profile_cost("h100-8b", math.inf)
 
 
 def test_a_role_that_is_neither_prefill_nor_decode_is_an_error_not_the_decode_pool() -> None:

@@ -100,6 +100,8 @@ class MockerEngine(Engine):
         self._prompt_tokens_seen = 0
         self._prompt_tokens_hit = 0
         self.kv_endpoint = kv_endpoint
+        # Summing every running sequence's length each step only where the profile charges it.
+        self._charges_context = config.timing.cost.decode_per_context_token_s > 0
 
     async def start(self) -> None:
         self._loop_task = asyncio.create_task(self._step_loop(), name="mocker-steps")
@@ -215,9 +217,10 @@ class MockerEngine(Engine):
                 step_end = None  # idle: the next step starts its own clock
                 await self._wake.wait()
             decode_seqs = len(self._running)
-            admitted, prefill_tokens, loaded_blocks = self._admit()
+            context = sum(len(seq.tokens) for seq in self._running) if self._charges_context else 0
+            admitted, prompts, loaded_blocks = self._admit()
             timing = self.config.timing
-            duration = timing.step_seconds(prefill_tokens, decode_seqs)
+            duration = timing.step_seconds(prompts, decode_seqs, context)
             if loaded_blocks:
                 kv_bytes = loaded_blocks * self.config.block_size * self.config.kv_bytes_per_token
                 duration += timing.load_seconds(kv_bytes, self.config.host_kv_gbps)
@@ -233,12 +236,13 @@ class MockerEngine(Engine):
             await asyncio.sleep(max(0.0, step_end - now))
             self._emit_tokens(admitted)
 
-    def _admit(self) -> tuple[list[_Seq], int, int]:
-        """Admits waiting sequences; returns them, the prompt tokens the step computes, and the
-        blocks it loads back from the host tier."""
+    def _admit(self) -> tuple[list[_Seq], list[int], int]:
+        """Admits waiting sequences; returns them, the uncached tokens of each prompt the step
+        computes, and the blocks it loads back from the host tier."""
         admitted: list[_Seq] = []
         budget = self.config.max_num_batched_tokens
         used = loaded = 0
+        prompts: list[int] = []
         while self._waiting and len(self._running) + len(admitted) < self.config.max_num_seqs:
             seq = self._waiting[0]
             bs = self.config.block_size
@@ -265,10 +269,13 @@ class MockerEngine(Engine):
                 self._prompt_tokens_seen += seq.prompt_len
                 self._prompt_tokens_hit += seq.cached_tokens
             if not seq.remote_kv:
-                used += len(seq.tokens) - reused * bs
+                computed = len(seq.tokens) - reused * bs
+                if computed > 0:
+                    prompts.append(computed)
+                used += computed
                 loaded += host_blocks
             admitted.append(seq)
-        return admitted, used, loaded
+        return admitted, prompts, loaded
 
     def _emit_tokens(self, admitted: list[_Seq]) -> None:
         running = self._running

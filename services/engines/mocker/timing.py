@@ -1,40 +1,40 @@
-"""How long the mocker's engine steps take.
+"""How long the mocker's engine steps take: a worker profile's cost model, run as a clock.
 
-Defaults approximate an 8B-parameter model on one H100-class GPU (bf16): prefill around
-16k tokens/s with a mild quadratic attention term, and a decode step of ~12 ms that grows
-by ~0.08 ms per sequence in the batch. `speedup` divides every duration; `inf` makes steps free.
-PRESETS name other machines (`--timing NAME`).
+The model is a profile (services/profiles): a preset by name (`--timing h100-8b`, the default:
+an 8B model on one H100-class GPU) or a file `python -m services.planner profile` measured
+(`--timing-profile FILE`), so the mocker can imitate a worker that was really measured and a
+benchmark can give it a different profile than the planner's. `speedup` divides every
+duration; `inf` makes steps free.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from services.profiles.cost_model import CostModel
+from services.profiles.profile_file import DEFAULT_PRESET, load_profile
+
+
+def _default_cost() -> CostModel:
+    return load_profile(DEFAULT_PRESET).cost
 
 
 @dataclass(frozen=True)
 class TimingModel:
-    prefill_base_ms: float = 5.0
-    prefill_per_token_us: float = 60.0
-    # Attention cost of a long prompt grows with its square; per token of prompt, per 1k tokens.
-    prefill_quadratic_us_per_1k: float = 4.0
-    decode_base_ms: float = 12.0
-    decode_per_seq_us: float = 80.0
+    cost: CostModel = field(default_factory=_default_cost)
     speedup: float = 1.0
 
     @classmethod
-    def preset(cls, name: str, speedup: float = 1.0) -> TimingModel:
-        return replace(PRESETS[name], speedup=speedup)
+    def of_profile(cls, name_or_path: str, speedup: float = 1.0) -> TimingModel:
+        return cls(load_profile(name_or_path).cost, speedup)
 
-    def step_seconds(self, prefill_tokens: int, decode_seqs: int) -> float:
-        if self.speedup == float("inf") or (prefill_tokens == 0 and decode_seqs == 0):
+    def step_seconds(self, prompts: Sequence[int], decode_seqs: int, context_tokens: int = 0) -> float:
+        """A step that prefills `prompts` (uncached tokens of each) and decodes `decode_seqs`
+        sequences holding `context_tokens` tokens in all."""
+        if self.speedup == float("inf"):
             return 0.0
-        ms = 0.0
-        if prefill_tokens:
-            ms += self.prefill_base_ms + prefill_tokens * self.prefill_per_token_us / 1000.0
-            ms += prefill_tokens * (prefill_tokens / 1000.0) * self.prefill_quadratic_us_per_1k / 1000.0
-        if decode_seqs:
-            ms += self.decode_base_ms + decode_seqs * self.decode_per_seq_us / 1000.0
-        return ms / 1000.0 / self.speedup
+        return self.cost.step_s(prompts, decode_seqs, context_tokens) / self.speedup
 
     def load_seconds(self, nbytes: int, gbps: float) -> float:
         """Moving `nbytes` of KV over a `gbps` GB/s link (a host-tier load-back)."""
@@ -42,22 +42,11 @@ class TimingModel:
             return 0.0
         return nbytes / (gbps * 1e9) / self.speedup
 
+    @property
+    def prefill_per_token_us(self) -> float:
+        return self.cost.prefill_per_token_s * 1e6
+
     def prefill_us_per_token_per_1k(self) -> float:
         """The growth of one prompt token's cost per 1k tokens before it: the derivative of the
         quadratic term, whose integral over a prompt of n tokens is n * n / 1000 * the term."""
-        return 2.0 * self.prefill_quadratic_us_per_1k
-
-
-DEFAULT_PRESET = "h100-8b"
-PRESETS: dict[str, TimingModel] = {
-    # The defaults above.
-    DEFAULT_PRESET: TimingModel(),
-    # A larger accelerator (B200/GB200 class) serving the same 8B model: ~2.5x the prefill rate,
-    # an 8 ms decode step. An 8k-token prompt prefills in ~250 ms.
-    "large-gpu-8b": TimingModel(prefill_base_ms=5.0, prefill_per_token_us=20.0, prefill_quadratic_us_per_1k=1.2,
-                                decode_base_ms=8.0, decode_per_seq_us=50.0),
-    # A fixed 20 ms decode step whatever the batch, and near-free prefill: for measuring what the
-    # mesh adds to the time between tokens under many concurrent streams.
-    "fixed-step-20ms": TimingModel(prefill_base_ms=0.5, prefill_per_token_us=1.0, prefill_quadratic_us_per_1k=0.0,
-                                   decode_base_ms=20.0, decode_per_seq_us=0.0),
-}
+        return 2.0 * self.cost.prefill_quadratic_s_per_1k * 1e6

@@ -1,0 +1,81 @@
+"""The cost model of one worker: seconds per engine step, from a few coefficients.
+
+A step runs some prompts (prefill) and advances every running sequence by one token (decode):
+
+    step = [prefill_base + sum over prompts of (n * per_token + n * n / 1000 * quadratic)]
+         + [decode_base + seqs * per_seq + context_tokens * per_context_token]
+
+The prefill bracket is charged only when the step has prompts, the decode bracket only when it
+has running sequences. The quadratic term is attention over the prompt itself (a prompt of n
+tokens costs n * n / 1000 * quadratic on top of its linear cost); the context term is the KV a
+decode step reads, the sum of every running sequence's length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+
+class ProfileError(ValueError):
+    """A profile that cannot describe a worker; the message is one line."""
+
+
+@dataclass(frozen=True)
+class CostModel:
+    prefill_base_s: float
+    prefill_per_token_s: float
+    prefill_quadratic_s_per_1k: float
+    decode_base_s: float
+    decode_per_seq_s: float
+    decode_per_context_token_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ProfileError(f"cost model: {f.name} must be a finite number >= 0, got {value!r}")
+        if self.decode_base_s <= 0 or self.prefill_per_token_s <= 0:
+            raise ProfileError("cost model: prefill_per_token_s and decode_base_s must be > 0")
+
+    def prefill_s(self, tokens: float) -> float:
+        """One prompt of `tokens` uncached tokens alone in a step."""
+        return self.prefill_base_s + self.prompt_s(tokens)
+
+    def prompt_s(self, tokens: float) -> float:
+        """What one prompt adds to a step that already pays the prefill base."""
+        return tokens * self.prefill_per_token_s + tokens * (tokens / 1000.0) * self.prefill_quadratic_s_per_1k
+
+    def decode_step_s(self, seqs: int, context_tokens: int) -> float:
+        return self.decode_base_s + seqs * self.decode_per_seq_s + context_tokens * self.decode_per_context_token_s
+
+    def step_s(self, prompts: Sequence[int], seqs: int, context_tokens: int) -> float:
+        s = 0.0
+        if prompts:
+            s += self.prefill_base_s + sum(self.prompt_s(n) for n in prompts)
+        if seqs:
+            s += self.decode_step_s(seqs, context_tokens)
+        return s
+
+    def scaled(self, factor: float) -> CostModel:
+        """Every duration times `factor` (a slower or faster machine of the same shape)."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ProfileError(f"cost model: a scale must be a finite number > 0, got {factor!r}")
+        return replace(self, **{f.name: getattr(self, f.name) * factor for f in fields(self)})
+
+    def to_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: object) -> CostModel:
+        if not isinstance(data, dict):
+            raise ProfileError("cost model: expected an object of coefficients")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ProfileError(f"cost model: unknown coefficient {unknown[0]!r}")
+        missing = sorted(n for n in names - set(data) if n != "decode_per_context_token_s")
+        if missing:
+            raise ProfileError(f"cost model: missing coefficient {missing[0]!r}")
+        return cls(**data)
