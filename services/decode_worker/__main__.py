@@ -17,6 +17,7 @@ from services.engines.base import Engine
 from services.mesh.discovery import DECODE_WORKER, ROUTER
 from services.mesh.router_client import RouterClient
 from services.worker.kv_event_log import KvEventLog
+from services.mesh.worker_roles import RoleName
 from services.worker.role_switch import always
 from services.worker.runtime import Role, ServicesFactory, WorkerContext, WorkerServices, main
 
@@ -50,11 +51,11 @@ def check_flags(args: argparse.Namespace, spec: EngineConfig) -> None:
     disagg_config(args, kv_transfer=spec.kv_transfer == "nixl")
     if args.switchable and spec.kv_transfer != "nixl":
         die("--switchable needs --kv-transfer nixl (the prefill role hands its KV over NIXL)")
-    if args.start_as != "decode" and not args.switchable:
+    if args.start_as != RoleName.DECODE and not args.switchable:
         die("--start-as needs --switchable")
 
 
-ROLE = Role(DECODE_WORKER, "decode", prepare, add_flags, check_flags=check_flags)
+ROLE = Role(DECODE_WORKER, RoleName.DECODE, prepare, add_flags, check_flags=check_flags)
 
 if __name__ == "__main__":
     main(ROLE)

@@ -28,6 +28,7 @@ from services.mesh.session_kind import CallInfo
 from services.mesh.tasks import cancel_and_wait
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
+from services.mesh.worker_roles import RoleName
 from services.worker.kv_event_log import KvEventLog
 from services.worker.pacing import DEFAULT_INTERVAL_S
 from services.worker.role_switch import Admit, always
@@ -69,7 +70,7 @@ class DecodeServicer(WorkerServicer):
     async def generate(self, request: worker_pb2.WorkerGenerateRequest,
                        call: CallInfo) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         REQUEST_ID.set(request.request_id)  # this call's task: its log lines carry the id
-        async with self.admit("decode"):
+        async with self.admit(RoleName.DECODE):
             with self.tracing.server_span("decode", call, GENERATE_RPC) as span:
                 if span.is_recording():
                     span.set_attributes(generate_attributes(request, self.worker_id))

@@ -13,6 +13,7 @@ from gen.kvmesh.v1 import worker_pb2_grpc
 from services.engines.base import Engine
 from services.mesh.grpc_server import ServiceBinding
 from services.worker.prefill_servicer import PREFILLER_SERVICE, PrefillServicer
+from services.mesh.worker_roles import RoleName
 from services.worker.role_switch import ROLE_CONTROL_SERVICE, RoleSwitch
 from services.worker.runtime import WorkerContext, WorkerServices
 from services.worker.servicer import WorkerServicer
@@ -23,7 +24,7 @@ def add_switch_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     g.add_argument("--switchable", action="store_true",
                    help="serve both roles' services and the RoleControl service, so a planner can move this "
                         "worker between the prefill and decode pools without a restart (needs --kv-transfer nixl)")
-    g.add_argument("--start-as", choices=("decode", "prefill"), default="decode",
+    g.add_argument("--start-as", type=RoleName, choices=tuple(RoleName), default=RoleName.DECODE,
                    help="the pool a --switchable worker joins first")
     return g
 

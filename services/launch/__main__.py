@@ -19,6 +19,7 @@ from services.launch.children import Child
 from services.launch.config import LaunchConfig, load
 from services.launch.console import Console
 from services.launch.etcd_child import EtcdChild
+from services.mesh.worker_roles import RoleName
 from services.launch.plan import plan_children, worker_factory
 from services.launch.readiness import wait_ready
 from services.launch.run_dir import create_run_dir
@@ -51,7 +52,7 @@ async def assemble(runner: ServiceRunner, cfg: LaunchConfig, console: Console, r
         runner.on_teardown("stop the mesh's processes", stop.stop_all, stop.teardown_s)
         for child in children:
             if control is not None and "--switchable" in child.argv:
-                await control.start(child.component.removesuffix("-worker"))
+                await control.start(RoleName(child.component.removesuffix("-worker")))
             else:
                 await stop.start(child)
         children = [c for c in children if "--switchable" not in c.argv]
@@ -65,7 +66,7 @@ async def assemble(runner: ServiceRunner, cfg: LaunchConfig, console: Console, r
 
 
 async def start_worker_control(runner: ServiceRunner, cfg: LaunchConfig,
-                               make_child: Callable[[str], Child]) -> WorkerControl:
+                               make_child: Callable[[RoleName], Child]) -> WorkerControl:
     """The workers a local planner starts and stops, and the loopback server it asks through."""
     control = WorkerControl(make_child, cfg.on_child_exit, cfg.drain_timeout_s, cfg.ready_timeout_s,
                             on_lost=lambda label: runner.request_stop(f"{label} ended", 1))

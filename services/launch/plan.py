@@ -11,6 +11,7 @@ from services.launch.config import LaunchConfig
 from services.launch.console import Console
 from services.launch.readiness import ready_pattern
 from services.launch.run_dir import log_names
+from services.mesh.worker_roles import RoleName
 
 
 def plan_children(cfg: LaunchConfig, etcd: str, model: str, console: Console | None = None,
@@ -30,8 +31,8 @@ def plan_children(cfg: LaunchConfig, etcd: str, model: str, console: Console | N
                                                    *cfg.processor_argv, *cfg.router_argv), env)
                  for _ in range(cfg.processors)]
     if cfg.planner_switches:
-        children += [switchable_worker(cfg, common, model, "decode", env) for _ in range(cfg.decode_workers)]
-        children += [switchable_worker(cfg, common, model, "prefill", env) for _ in range(cfg.prefill_workers)]
+        children += [switchable_worker(cfg, common, model, RoleName.DECODE, env) for _ in range(cfg.decode_workers)]
+        children += [switchable_worker(cfg, common, model, RoleName.PREFILL, env) for _ in range(cfg.prefill_workers)]
     else:
         children += _fixed_workers(cfg, common, model, env)
     if cfg.planner != "off":
@@ -53,12 +54,12 @@ def _common(cfg: LaunchConfig, etcd: str) -> list[str]:
 
 
 def worker_factory(cfg: LaunchConfig, etcd: str, model: str, console: Console,
-                   run_dir: Path) -> Callable[[str], Child]:
+                   run_dir: Path) -> Callable[[RoleName], Child]:
     """Makes the planner's workers: a new switchable worker of a role, logging to its own file."""
     env = child_env()
     started = itertools.count(1)
 
-    def make(role: str) -> Child:
+    def make(role: RoleName) -> Child:
         child = switchable_worker(cfg, _common(cfg, etcd), model, role, env)
         child.console = console
         child.log_path = run_dir / f"{role}-worker-{next(started)}.log"
@@ -84,7 +85,8 @@ def _fixed_workers(cfg: LaunchConfig, common: list[str], model: str, env: dict[s
     return children
 
 
-def switchable_worker(cfg: LaunchConfig, common: list[str], model: str, role: str, env: dict[str, str]) -> Child:
+def switchable_worker(cfg: LaunchConfig, common: list[str], model: str, role: RoleName,
+                      env: dict[str, str]) -> Child:
     """One worker in its own process that the planner can switch, start and stop: it prefills
     long prompts remotely while it decodes, and hands KV over NIXL while it prefills."""
     argv = [*_engine_argv(cfg, common, model), *cfg.disagg_argv, "--kv-transfer", "nixl", "--remote-prefill",

@@ -19,7 +19,7 @@ from gen.kvmesh.v1 import launcher_pb2, launcher_pb2_grpc
 from services.launch.children import Child
 from services.launch.supervision import CHILD_EXIT_MARGIN_S, keep_running
 from services.mesh.tasks import cancel_and_wait
-from services.mesh.worker_roles import requested_role
+from services.mesh.worker_roles import RoleName, requested_role
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class _Worker:
 
 
 class WorkerControl(launcher_pb2_grpc.LauncherControlServicer):
-    def __init__(self, make_child: Callable[[str], Child], on_child_exit: str, drain_timeout_s: float,
+    def __init__(self, make_child: Callable[[RoleName], Child], on_child_exit: str, drain_timeout_s: float,
                  ready_timeout_s: float, on_lost: Callable[[str], None]) -> None:
         self._make_child = make_child
         # Told when a worker's supervision ends by itself (`--on-child-exit exit`: the mesh stops).
@@ -45,7 +45,7 @@ class WorkerControl(launcher_pb2_grpc.LauncherControlServicer):
         self._ready_timeout_s = ready_timeout_s
         self._workers: list[_Worker] = []
 
-    async def start(self, role: str) -> _Worker:
+    async def start(self, role: RoleName) -> _Worker:
         """Starts a worker in `role` and waits until it is registered; raises RuntimeError if it
         exits first, TimeoutError past the ready timeout (and stops it)."""
         child = self._make_child(role)

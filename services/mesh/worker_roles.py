@@ -3,21 +3,33 @@ say it): one mapping, so an unknown role is refused where it arrives instead of 
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import grpc
 
 from gen.kvmesh.v1 import common_pb2
 from gen.kvmesh.v1.common_pb2 import WorkerRole
 
-ROLE_NAMES: dict[WorkerRole, str] = {common_pb2.WORKER_ROLE_DECODE: "decode", common_pb2.WORKER_ROLE_PREFILL: "prefill"}
-ROLE_OF: dict[str, WorkerRole] = {name: role for role, name in ROLE_NAMES.items()}
 
 
-def role_name(role: WorkerRole) -> str | None:
+class RoleName(StrEnum):
+    """A worker role inside a process: its pool, what its flags and logs call it."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+ROLE_NAMES: dict[WorkerRole, RoleName] = {common_pb2.WORKER_ROLE_DECODE: RoleName.DECODE,
+                                          common_pb2.WORKER_ROLE_PREFILL: RoleName.PREFILL}
+ROLE_OF: dict[RoleName, WorkerRole] = {name: role for role, name in ROLE_NAMES.items()}
+
+
+def role_name(role: WorkerRole) -> RoleName | None:
     """"prefill" or "decode"; None for an unspecified or unknown role."""
     return ROLE_NAMES.get(role)
 
 
-async def requested_role(role: WorkerRole, context: grpc.aio.ServicerContext) -> str:
+async def requested_role(role: WorkerRole, context: grpc.aio.ServicerContext) -> RoleName:
     """The name of the role an RPC asks for; an unspecified or unknown one ends the call with
     INVALID_ARGUMENT."""
     name = ROLE_NAMES.get(role)

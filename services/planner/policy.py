@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from services.mesh.config_error import ConfigError
 from services.profiles.cost_model import CostModel
 from services.planner.model import Calibration, Prediction, Traffic, predict
-from services.planner.pools import PoolSizes
+from services.planner.pools import ROLES, PoolSizes
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class Policy:
     def __init__(self, cost: CostModel, slo: Slo, limits: Limits) -> None:
         self.cost, self.slo, self.limits = cost, slo, limits
         self.calibration = Calibration()
-        self._changed_at = {"prefill": -math.inf, "decode": -math.inf}
+        self._changed_at = {role: -math.inf for role in ROLES}
 
     def predict(self, traffic: Traffic, sizes: PoolSizes) -> Prediction:
         return predict(self.cost, self.calibration.scales, traffic, sizes.prefill, sizes.decode)
@@ -110,7 +110,7 @@ class Policy:
         desired, held = self._cool_down(now, current, desired)
         if held:
             reason = f"{reason}; {held} cooling down"
-        for role in ("prefill", "decode"):
+        for role in ROLES:
             if desired.of(role) != current.of(role):
                 self._changed_at[role] = now
         planned = self.predict(traffic, desired)
@@ -161,7 +161,7 @@ class Policy:
     # -- cool-down -----------------------------------------------------------------------------
 
     def _cool_down(self, now: float, current: PoolSizes, desired: PoolSizes) -> tuple[PoolSizes, str]:
-        cooling = [r for r in ("prefill", "decode")
+        cooling = [r for r in ROLES
                    if desired.of(r) != current.of(r) and now - self._changed_at[r] < self.limits.cooldown_s]
         if not cooling:
             return desired, ""

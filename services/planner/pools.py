@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.mesh.config_error import ConfigError
+from services.mesh.worker_roles import RoleName
 
-ROLES = ("prefill", "decode")
+ROLES = (RoleName.PREFILL, RoleName.DECODE)
 
 
 @dataclass(frozen=True)
@@ -24,17 +25,17 @@ class PoolSizes:
     def total(self) -> int:
         return self.prefill + self.decode
 
-    def of(self, role: str) -> int:
-        return self.prefill if _checked(role) == "prefill" else self.decode
+    def of(self, role: RoleName) -> int:
+        return self.prefill if _checked(role) == RoleName.PREFILL else self.decode
 
-    def with_role(self, role: str, n: int) -> PoolSizes:
-        return PoolSizes(n, self.decode) if _checked(role) == "prefill" else PoolSizes(self.prefill, n)
+    def with_role(self, role: RoleName, n: int) -> PoolSizes:
+        return PoolSizes(n, self.decode) if _checked(role) == RoleName.PREFILL else PoolSizes(self.prefill, n)
 
     def __str__(self) -> str:
         return f"{self.prefill}P:{self.decode}D"
 
 
-def _checked(role: str) -> str:
+def _checked(role: RoleName) -> RoleName:
     """A role name; anything else is a bug to surface, not a decode pool to resize."""
     if role not in ROLES:
         raise ValueError(f"unknown worker role {role!r}: one of {', '.join(ROLES)}")

@@ -13,6 +13,7 @@ from services.engines.base import Engine
 from services.mesh.discovery import PREFILL_WORKER
 from services.mesh.grpc_server import ServiceBinding
 from services.mesh.tracing import TRACING_OFF, Tracing
+from services.mesh.worker_roles import RoleName
 from services.worker.prefill_servicer import PREFILLER_SERVICE, PrefillServicer
 from services.worker.kv_event_log import KvEventLog
 from services.worker.runtime import Role, ServicesFactory, WorkerContext, WorkerServices, main
@@ -32,7 +33,7 @@ async def prepare(ctx: WorkerContext) -> ServicesFactory:
 
 
 # A prefill worker without KV transfer could hand nothing over: NIXL is its default.
-ROLE = Role(PREFILL_WORKER, "prefill", prepare, default_kv_transfer="nixl")
+ROLE = Role(PREFILL_WORKER, RoleName.PREFILL, prepare, default_kv_transfer="nixl")
 
 if __name__ == "__main__":
     main(ROLE)

@@ -18,6 +18,7 @@ from services.mesh.grpc_server import abort_with
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
 from services.mesh.session_kind import CallError
+from services.mesh.worker_roles import RoleName
 from services.worker.role_switch import Admit, always
 from services.worker.servicer import refused, sampling_from_proto
 
@@ -41,7 +42,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
                       context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
         REQUEST_ID.set(request.request_id)  # this call's task: its log lines carry the id
         try:
-            async with self.admit("prefill"):
+            async with self.admit(RoleName.PREFILL):
                 return await self._traced_prefill(request, context)
         except CallError as exc:
             await abort_with(context, exc)

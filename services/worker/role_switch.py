@@ -28,13 +28,13 @@ from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, InstanceInfo, instance_key
 from services.mesh.etcd_lease import LeasedRegistration
 from services.mesh.logs import LogComponent
-from services.mesh.worker_roles import ROLE_OF, requested_role
+from services.mesh.worker_roles import ROLE_OF, RoleName, requested_role
 from services.mesh.session_kind import CallError
 from services.mesh.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
-COMPONENT_OF = {"decode": DECODE_WORKER, "prefill": PREFILL_WORKER}
+COMPONENT_OF = {RoleName.DECODE: DECODE_WORKER, RoleName.PREFILL: PREFILL_WORKER}
 ROLE_CONTROL_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["RoleControl"].full_name
 
 
@@ -44,36 +44,36 @@ class _Ended(Exception):
 
 # Admits one call of a role for as long as the context lasts, or refuses it with a retryable
 # CallError: how a role's servicer is gated when the worker can switch roles.
-Admit = Callable[[str], AbstractAsyncContextManager[None]]
+Admit = Callable[[RoleName], AbstractAsyncContextManager[None]]
 
 
 @asynccontextmanager
-async def always(role: str) -> AsyncIterator[None]:
+async def always(role: RoleName) -> AsyncIterator[None]:
     """The admission of a worker that serves one role for good: every call."""
     yield
 
 
 class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
-    def __init__(self, initial_role: str, namespace: str, drain_timeout_s: float,
+    def __init__(self, initial_role: RoleName, namespace: str, drain_timeout_s: float,
                  log_component: LogComponent | None = None) -> None:
         if initial_role not in COMPONENT_OF:
             raise ValueError(f"unknown role {initial_role!r}")
         # The process's log lines name the role it serves, from the start and after each switch.
         self._log_component = log_component or LogComponent(COMPONENT_OF[initial_role])
         self._log_component.name = COMPONENT_OF[initial_role]
-        self.role: str | None = initial_role
+        self.role: RoleName | None = initial_role
         self._registered_role = initial_role
         self._namespace = namespace
         self._drain_timeout_s = drain_timeout_s
         self._info: InstanceInfo | None = None
         self._registration: LeasedRegistration | None = None
-        self._inflight: dict[str, set[asyncio.Task[object]]] = {"decode": set(), "prefill": set()}
+        self._inflight: dict[RoleName, set[asyncio.Task[object]]] = {role: set() for role in RoleName}
         self._ending: set[asyncio.Task[object]] = set()
         self._lock = asyncio.Lock()
         self.switches = 0
 
     @property
-    def registered_role(self) -> str:
+    def registered_role(self) -> RoleName:
         """The pool the worker is registered in (during a switch: the new one)."""
         return self._registered_role
 
@@ -86,7 +86,7 @@ class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
         self._info, self._registration = info, registration
 
     @asynccontextmanager
-    async def work(self, role: str) -> AsyncIterator[None]:
+    async def work(self, role: RoleName) -> AsyncIterator[None]:
         """Admits one call of `role`, or refuses it (a retryable CallError); tracked so a switch
         can wait for it."""
         if self.role != role:
@@ -119,7 +119,7 @@ class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
             return worker_pb2.SwitchRoleResponse(previous_role=ROLE_OF[previous], role=request.role, finished=finished,
                                                  ended=ended)
 
-    async def _switch(self, previous: str, target: str, deadline_s: float) -> tuple[int, int]:
+    async def _switch(self, previous: RoleName, target: RoleName, deadline_s: float) -> tuple[int, int]:
         assert self._info is not None and self._registration is not None
         started = time.monotonic()
         self.role = None
@@ -139,7 +139,7 @@ class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
                  new_info.instance_id, previous, target, time.monotonic() - started, finished, ended)
         return finished, ended
 
-    async def _drain(self, role: str, deadline_s: float) -> tuple[int, int]:
+    async def _drain(self, role: RoleName, deadline_s: float) -> tuple[int, int]:
         """Waits for the old role's calls; ends those still running at the deadline."""
         calls = set(self._inflight[role])
         if not calls:

@@ -41,6 +41,7 @@ from services.mesh.grpc_server import ServiceBinding
 from services.mesh.logs import LogComponent, setup_logging
 from services.mesh.service_runner import ServiceRunner, run_service
 from services.mesh.tracing import TRACING_OFF, Tracing, start_tracing
+from services.mesh.worker_roles import RoleName
 from services.worker.engine_factory import build_engine
 from services.worker.engine_health import watch_engine
 from services.worker.engine_flags import EngineConfig, add_engine_flags, add_kv_transfer_flag, engine_config
@@ -87,7 +88,7 @@ ServicesFactory = Callable[[Engine, str, KvEventLog], WorkerServices]
 @dataclass(frozen=True)
 class Role:
     component: str
-    name: str
+    name: RoleName
     # Sets up what the role's workers share in this process; returns how to build each one's services.
     prepare: Callable[[WorkerContext], Awaitable[ServicesFactory]]
     add_flags: Callable[[argparse.ArgumentParser], object] | None = None
@@ -106,7 +107,7 @@ class _Running:
     health: health.HealthServicer
     switch: RoleSwitch | None = None
 
-    def role(self, started_as: Role) -> str:
+    def role(self, started_as: Role) -> RoleName:
         return started_as.name if self.switch is None else self.switch.registered_role
 
 

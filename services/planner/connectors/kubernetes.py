@@ -21,7 +21,8 @@ from urllib3.exceptions import HTTPError
 
 from services.mesh.config_error import ConfigError
 from services.planner.connectors.base import ConnectorError
-from services.planner.pools import PoolSizes
+from services.mesh.worker_roles import RoleName
+from services.planner.pools import ROLES, PoolSizes
 
 # The API server answers in milliseconds; one that takes longer than this is unreachable for a
 # plan that will be made again at the next interval anyway.
@@ -42,8 +43,8 @@ class KubernetesTarget:
             if not _DNS_LABEL.match(name):
                 raise ConfigError(f"{flag}: {name!r} is not a Kubernetes name (lowercase letters, digits and '-')")
 
-    def deployment(self, role: str) -> str:
-        return self.prefill_deployment if role == "prefill" else self.decode_deployment
+    def deployment(self, role: RoleName) -> str:
+        return self.prefill_deployment if role == RoleName.PREFILL else self.decode_deployment
 
 
 def scale_patch(replicas: int) -> dict[str, Any]:
@@ -73,24 +74,24 @@ class KubernetesConnector:
         self._apps = client.AppsV1Api(api_client)
 
     async def current(self) -> PoolSizes | None:
-        prefill, decode = await asyncio.gather(self._replicas("prefill"), self._replicas("decode"))
+        prefill, decode = await asyncio.gather(self._replicas(RoleName.PREFILL), self._replicas(RoleName.DECODE))
         return PoolSizes(prefill, decode)
 
     async def apply(self, current: PoolSizes, desired: PoolSizes) -> int:
-        changes = [role for role in ("prefill", "decode") if desired.of(role) != current.of(role)]
+        changes = [role for role in ROLES if desired.of(role) != current.of(role)]
         await asyncio.gather(*(self._scale(role, desired.of(role)) for role in changes))
         return 0  # pods are started and stopped, never switched
 
     async def close(self) -> None:
         await asyncio.to_thread(self._client.close)
 
-    async def _replicas(self, role: str) -> int:
+    async def _replicas(self, role: RoleName) -> int:
         name = self.target.deployment(role)
         scale = await self._call(name, lambda: self._apps.read_namespaced_deployment_scale(
             name, self.target.namespace, _request_timeout=CALL_TIMEOUT_S))
         return int(scale.spec.replicas or 0) if scale.spec is not None else 0
 
-    async def _scale(self, role: str, replicas: int) -> None:
+    async def _scale(self, role: RoleName, replicas: int) -> None:
         name = self.target.deployment(role)
         await self._call(name, lambda: self._apps.patch_namespaced_deployment_scale(
             name, self.target.namespace, scale_patch(replicas), _request_timeout=CALL_TIMEOUT_S))

@@ -17,9 +17,9 @@ import grpc
 from gen.kvmesh.v1 import launcher_pb2, launcher_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.mesh.channels import ChannelPool
 from services.mesh.discovery import ComponentView, InstanceInfo
-from services.mesh.worker_roles import ROLE_OF, role_name
+from services.mesh.worker_roles import ROLE_OF, RoleName, role_name
 from services.planner.connectors.base import ConnectorError
-from services.planner.pools import PoolSizes
+from services.planner.pools import ROLES, PoolSizes
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +37,15 @@ class LocalConnector:
                  drain_timeout_s: float) -> None:
         self._launcher = launcher
         self._channels = channels
-        self._views = {"prefill": prefill, "decode": decode}
+        self._views = {RoleName.PREFILL: prefill, RoleName.DECODE: decode}
         self._drain_timeout_s = drain_timeout_s
 
     async def current(self) -> PoolSizes | None:
         return None  # the pools are what etcd shows: the workers register themselves
 
     async def apply(self, current: PoolSizes, desired: PoolSizes) -> int:
-        shrinking = [r for r in ("prefill", "decode") if desired.of(r) < current.of(r)]
-        growing = [r for r in ("prefill", "decode") if desired.of(r) > current.of(r)]
+        shrinking = [r for r in ROLES if desired.of(r) < current.of(r)]
+        growing = [r for r in ROLES if desired.of(r) > current.of(r)]
         switched = 0
         if shrinking and growing:
             source, target = shrinking[0], growing[0]
@@ -53,7 +53,7 @@ class LocalConnector:
             switched = await self._switch(source, target, count)
             current = current.with_role(source, current.of(source) - switched)
             current = current.with_role(target, current.of(target) + switched)
-        for role in ("prefill", "decode"):
+        for role in ROLES:
             change = desired.of(role) - current.of(role)
             if change > 0:
                 await asyncio.gather(*(self._start(role) for _ in range(change)))
@@ -65,7 +65,7 @@ class LocalConnector:
     async def close(self) -> None:
         return None
 
-    async def _switch(self, source: str, target: str, count: int) -> int:
+    async def _switch(self, source: RoleName, target: RoleName, count: int) -> int:
         movers = await self._least_busy(source, count, switchable=True)
         results = await asyncio.gather(*(self._switch_one(info, target) for info in movers), return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
@@ -73,7 +73,7 @@ class LocalConnector:
             log.warning("a role switch failed: %s", failure)
         return len(results) - len(failures)
 
-    async def _switch_one(self, info: InstanceInfo, target: str) -> None:
+    async def _switch_one(self, info: InstanceInfo, target: RoleName) -> None:
         stub = worker_pb2_grpc.RoleControlStub(self._channels.get(info.address))
         try:
             reply = await stub.SwitchRole(worker_pb2.SwitchRoleRequest(role=ROLE_OF[target]),
@@ -83,7 +83,7 @@ class LocalConnector:
         log.info("switched worker %s from %s to %s (%d calls finished, %d migrated)", info.instance_id,
                  role_name(reply.previous_role), role_name(reply.role), reply.finished, reply.ended)
 
-    async def _start(self, role: str) -> None:
+    async def _start(self, role: RoleName) -> None:
         stub = launcher_pb2_grpc.LauncherControlStub(self._channels.get(self._launcher))
         try:
             reply = await stub.StartWorker(launcher_pb2.StartWorkerRequest(role=ROLE_OF[role]), timeout=LAUNCHER_CALL_TIMEOUT_S)
@@ -102,7 +102,7 @@ class LocalConnector:
                                  f"{exc.code().name} {exc.details()}") from exc
         log.info("stopped %s worker %s (exit %d)", info.role, info.instance_id, reply.exit_code)
 
-    async def _least_busy(self, role: str, count: int, switchable: bool = False) -> list[InstanceInfo]:
+    async def _least_busy(self, role: RoleName, count: int, switchable: bool = False) -> list[InstanceInfo]:
         members = [i for i in self._views[role].instances.values() if i.switchable or not switchable]
         loads = await asyncio.gather(*(self._load(info) for info in members))
         ranked = sorted(zip(loads, members, strict=True), key=lambda pair: pair[0])
