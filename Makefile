@@ -32,7 +32,7 @@ protos: install
 bench: install
 	$(VPY) -m bench $(ARGS)
 
-# Streaming load on a disaggregated mocker mesh while its processes are killed (bench/chaos.py).
+# Streaming load on a disaggregated mocker mesh while its processes are killed (bench/chaos/).
 chaos: install
 	$(VPY) -m bench.chaos $(ARGS)
 

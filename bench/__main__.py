@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import argparse
 
-from bench import disagg_serving, hot_path, indexer, mesh_overhead, nixl_transfer, planner, routing_quality, tiers
+from bench import disagg_serving, mesh_overhead, routing_quality
+from bench.hot_path import run as hot_path
+from bench.indexer import run as indexer
+from bench.nixl import run as nixl
+from bench.planner import run as planner
+from bench.tiers import run as tiers
 
+# One module per single-file benchmark; a folder (its `run` module) per benchmark with parts.
 BENCHMARKS = {
     "mesh": mesh_overhead.run,
     "indexer": indexer.run,
     "routing": routing_quality.run,
-    "nixl": nixl_transfer.run,
+    "nixl": nixl.run,
     "disagg": disagg_serving.run,
     "hot-path": hot_path.run,
     "planner": planner.run,

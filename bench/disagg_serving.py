@@ -25,9 +25,9 @@ import aiohttp
 
 from pathlib import Path
 
-from bench.client import StreamResult, stream_completion
-from bench.mesh_process import launched
-from bench.report import percentile, save_json, table
+from bench.common.client import StreamResult, stream_completion
+from bench.common.mesh_process import launched
+from bench.common.report import percentile, save_json, table
 from services.tools.make_demo_model import DemoModelSpec, ensure_demo_model
 
 RATES = (4.0, 8.0, 12.0, 16.0, 20.0, 24.0)
@@ -131,7 +131,7 @@ def _plot(points: dict[str, list[Point]]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from bench.report import save_figure
+    from bench.common.report import save_figure
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for mode, pts in points.items():

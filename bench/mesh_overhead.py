@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from bench.mesh_process import launched
-from bench.report import bar_plot, median, percentile, save_json, table
+from bench.common.mesh_process import launched
+from bench.common.report import bar_plot, median, percentile, save_json, table
 from services.engines.base import EngineRequest, Sampling
 from services.engines.mocker.engine import MockerConfig, MockerEngine
 from services.engines.mocker.timing import TimingModel

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from bench.client import ReuseTally, stream_completion
-from bench.mesh_process import launched
-from bench.report import bar_plot, percentile, save_json, table
+from bench.common.client import ReuseTally, stream_completion
+from bench.common.mesh_process import launched
+from bench.common.report import bar_plot, percentile, save_json, table
 
 WORKERS = 8
 PREFIXES = 64

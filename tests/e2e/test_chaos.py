@@ -1,7 +1,7 @@
 """The short form of `make chaos`: a disaggregated mocker mesh under streaming load while a decode
 worker, a prefill worker, a processor and a router are SIGKILLed and replaced, a decode worker is
 rolled, and etcd is down for 12 s. Every request must complete with exactly the text the healthy
-mesh gives for it, and nothing of the run may be left running (bench/chaos.py says how)."""
+mesh gives for it, and nothing of the run may be left running (bench/chaos/ says how)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.chaos_faults import FAULT_KINDS, OUTAGE, plan
-from bench.chaos_load import Outcome, difference
+from bench.chaos.faults import FAULT_KINDS, OUTAGE, plan
+from bench.chaos.load import Outcome, difference
 
 ROOT = Path(__file__).resolve().parents[2]
 

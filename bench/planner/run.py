@@ -42,13 +42,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.mesh_process import launched_mesh
-from bench.planner_cpu import CpuMeter
-from bench.planner_load import PHASES, Arrival, Outcome, Shape, Workload, replay, schedule
-from bench.planner_predictions import intervals, plot, print_accuracy
-from bench.planner_profile import measured_profile, off_by
-from bench.planner_split import PlanLine, SplitSampler, etcd_endpoint, plan_lines, warnings_of
-from bench.report import bar_plot, median, save_figure, save_json, table
+from bench.common.mesh_process import launched_mesh
+from bench.planner.cpu import CpuMeter
+from bench.planner.load import PHASES, Arrival, Outcome, Shape, Workload, replay, schedule
+from bench.planner.predictions import intervals, plot, print_accuracy
+from bench.planner.profiles import measured_profile, off_by
+from bench.planner.split import PlanLine, SplitSampler, etcd_endpoint, plan_lines, warnings_of
+from bench.common.report import bar_plot, median, save_figure, save_json, table
 
 TOTAL_WORKERS = 6
 # The simulated GPU at a tenth of the preset's speed: a decode step of 80 ms and up, a 512-token

@@ -1,7 +1,7 @@
 """KV tiers under a real conversation trace: device cache only vs a host-memory tier, and how the router credits it.
 
 Workload: the first 1,500 requests of Mooncake's public conversation trace (bench/traces/, loaded by
-bench/mooncake_trace.py), prompts cut to MAX_INPUT_TOKENS, replayed in arrival order with the trace's clock
+bench/tiers/mooncake_trace.py), prompts cut to MAX_INPUT_TOKENS, replayed in arrival order with the trace's clock
 compressed TIME_SCALE times, each a streamed completion of min(its output length, OUTPUT_CAP) tokens. Mesh: 4 mocker
 decode workers timed as an 8B model on a large GPU (sped up SPEEDUP times), each with 4,096 device blocks of 64
 tokens (262,144 tokens) and 128 KiB of KV per token; the "host 8x" configurations give each worker 8x that in host
@@ -22,11 +22,11 @@ from urllib.request import urlopen
 
 import aiohttp
 
-from bench.client import ReuseTally, stream_completion
-from bench.tiers_index import pooled_bound
-from bench.mesh_process import LaunchedMesh, launched_mesh
-from bench.mooncake_trace import TraceRequest, ideal_reuse, load
-from bench.report import bar_plot, percentile, save_json, table
+from bench.common.client import ReuseTally, stream_completion
+from bench.tiers.index import pooled_bound
+from bench.common.mesh_process import LaunchedMesh, launched_mesh
+from bench.tiers.mooncake_trace import TraceRequest, ideal_reuse, load
+from bench.common.report import bar_plot, percentile, save_json, table
 from services.tools.make_demo_model import DemoModelSpec, ensure_demo_model
 
 SPEEDUP = 5.0

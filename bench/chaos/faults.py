@@ -26,8 +26,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench.chaos_mesh import DECODE, PREFILL, PROCESSOR, ROUTER, ChaosMesh
-from bench.chaos_procs import Child, ChildFailed
+from bench.chaos.mesh import DECODE, PREFILL, PROCESSOR, ROUTER, ChaosMesh
+from bench.chaos.procs import Child, ChildFailed
 
 KILLS = {"kill-decode": DECODE, "kill-prefill": PREFILL, "kill-processor": PROCESSOR, "kill-router": ROUTER}
 ROLL, OUTAGE = "roll-decode", "etcd-outage"

@@ -9,7 +9,7 @@ Measures (the issue's table):
   client sees, against the engine's own step (mesh-added ITL p99, and max/median per stream);
 - what a token and a request cost in CPU across the mesh's processes (to size a cluster), and
   how 2 frontends (one port, SO_REUSEPORT) and 2 processors share the load.
-Dynamo is installed into its own venv on first use (bench/dynamo_baseline.py); where that is
+Dynamo is installed into its own venv on first use (bench/hot_path/dynamo.py); where that is
 impossible its column says why and kvmesh's figures still print.
 """
 
@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from bench import dynamo_baseline
+from bench.hot_path import dynamo
 from bench.mesh_overhead import Level, drive
-from bench.hot_path_scale import run_scale
-from bench.mesh_process import LaunchedMesh, cpu_seconds, launched_mesh
-from bench.stream_load import PROMPT, StreamLoad, one_stream, stream_load
-from bench.report import bar_plot, save_json, table
+from bench.hot_path.scale import run_scale
+from bench.common.mesh_process import LaunchedMesh, cpu_seconds, launched_mesh
+from bench.hot_path.stream_load import PROMPT, StreamLoad, one_stream, stream_load
+from bench.common.report import bar_plot, save_json, table
 from services.tools.make_demo_model import ensure_demo_model
 
 STREAMS, STREAM_TOKENS, STREAM_ROUNDS = 64, 128, 3
@@ -156,9 +156,9 @@ def _dynamo(figures: Figures) -> None:
     model_dir = ensure_demo_model()
     try:
         print("hot path: NVIDIA Dynamo, zero-compute mocker ...", flush=True)
-        with dynamo_baseline.served(model_dir, "kvmesh-demo", speedup=100000.0) as base:
+        with dynamo.served(model_dir, "kvmesh-demo", speedup=100000.0) as base:
             measure(base, "kvmesh-demo", figures)
-    except dynamo_baseline.Unavailable as exc:
+    except dynamo.Unavailable as exc:
         figures.note = str(exc)
         print(f"hot path: Dynamo skipped: {exc}", flush=True)
 

@@ -37,12 +37,12 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.chaos_faults import Fault, FaultRunner, plan
-from bench.chaos_load import Load, RequestSpec, Verdict, catalogue, drive, stream_one, verify
-from bench.chaos_mesh import ChaosMesh, MeshLayout
-from bench.chaos_metrics import MetricsWatcher
-from bench.chaos_procs import ChildFailed, Leftover, leftovers
-from bench.chaos_report import print_report, result_line, summarize
+from bench.chaos.faults import Fault, FaultRunner, plan
+from bench.chaos.load import Load, RequestSpec, Verdict, catalogue, drive, stream_one, verify
+from bench.chaos.mesh import ChaosMesh, MeshLayout
+from bench.chaos.metrics import MetricsWatcher
+from bench.chaos.procs import ChildFailed, Leftover, leftovers
+from bench.chaos.report import print_report, result_line, summarize
 
 # Short form for the test suite: ~40 s of load, a 12 s outage, a small catalogue to verify.
 QUICK = {"duration": 40.0, "rate": 2.0, "etcd_outage": 12.0, "shorts": 4, "longs": 8}

@@ -12,8 +12,8 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.planner_split import PlanLine
-from bench.report import median, save_figure, table
+from bench.planner.split import PlanLine
+from bench.common.report import median, save_figure, table
 
 WITHIN = 0.25
 

@@ -14,8 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.kv_trace import TraceSpec, write_trace
-from bench.report import bar_plot, save_json, table
+from bench.indexer.kv_trace import TraceSpec, write_trace
+from bench.common.report import bar_plot, save_json, table
 
 TRACE_DIR = Path(".cache/bench/trace-16w")
 SPEC = TraceSpec()
@@ -54,7 +54,7 @@ def run() -> dict:
              {"radix tree": [fast["query_p50_us"], fast["query_p99_us"]],
               "naive baseline": [naive["query_p50_us"], naive["query_p99_us"]]}, "microseconds")
     print("indexer: the conversation trace through 4 tiered mockers into one index ...", flush=True)
-    out = subprocess.run([sys.executable, "-m", "bench.tiers_index"], capture_output=True, text=True, timeout=900, check=True)
+    out = subprocess.run([sys.executable, "-m", "bench.tiers.index"], capture_output=True, text=True, timeout=900, check=True)
     tiered = json.loads(out.stdout.strip().splitlines()[-1])
     table("Index memory, Mooncake conversation trace, device and host tiers held (tracemalloc)",
           ["requests", "device blocks held", "host blocks held", "bytes/held block"],

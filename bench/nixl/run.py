@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from bench.report import bar_plot, save_json, table
+from bench.common.report import bar_plot, save_json, table
 
 SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 MIN_SECONDS = 0.5
@@ -45,7 +45,7 @@ def memcpy_seconds(n: int, src: np.ndarray, dst: np.ndarray) -> float:
 def run() -> dict:
     from nixl._api import nixl_agent, nixl_agent_config
 
-    peer = subprocess.Popen([sys.executable, "-m", "bench.nixl_peer", *map(str, SIZES)], stdin=subprocess.PIPE,
+    peer = subprocess.Popen([sys.executable, "-m", "bench.nixl.peer", *map(str, SIZES)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert peer.stdout is not None

@@ -9,11 +9,11 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from bench.chaos_faults import Fault
-from bench.chaos_load import Load, Outcome, Verdict
-from bench.chaos_metrics import FALLBACKS, LOCAL, MIGRATIONS, REMOTE, WORKER_FAILURES, MetricsWatcher
-from bench.chaos_procs import Leftover
-from bench.report import table
+from bench.chaos.faults import Fault
+from bench.chaos.load import Load, Outcome, Verdict
+from bench.chaos.metrics import FALLBACKS, LOCAL, MIGRATIONS, REMOTE, WORKER_FAILURES, MetricsWatcher
+from bench.chaos.procs import Leftover
+from bench.common.report import table
 
 SUMMARY = ["sent", "completed", "failed", "corrupted", "migrated", "fell back to local prefill", "retried"]
 

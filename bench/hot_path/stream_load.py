@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import aiohttp
 import msgspec
 
-from bench.mesh_process import LaunchedMesh
-from bench.report import median, percentile
+from bench.common.mesh_process import LaunchedMesh
+from bench.common.report import median, percentile
 
 PROMPT = "The router keeps a tree of the cached blocks of every worker."
 # The load generator shares the machine with the mesh: it decodes each chunk with msgspec (a

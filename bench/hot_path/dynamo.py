@@ -23,7 +23,7 @@ from pathlib import Path
 from services.mesh.etcd_member import EtcdMember
 from services.mesh.net import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VERSION = "1.6.1"
 VENV = ROOT / ".cache" / "bench" / f"dynamo-{VERSION}"
 # Its runtime and the Python packages its frontend and mocker import (torch: the CPU build the

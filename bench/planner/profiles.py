@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.mesh_process import launched_mesh
-from bench.planner_split import etcd_endpoint
+from bench.common.mesh_process import launched_mesh
+from bench.planner.split import etcd_endpoint
 from services.profiles.profile_file import WorkerProfile, load_profile, save_profile
 
 PROFILE_NAMESPACE = "bench-planner-profile"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from bench.client import StreamResult, stream_completion
+from bench.common.client import StreamResult, stream_completion
 
 PHASES = ("A", "ramp", "B")
 # Token ids of the random prompts: above the demo tokenizer's special tokens, inside its vocabulary (1114 ids).

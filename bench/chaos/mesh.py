@@ -18,7 +18,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.chaos_procs import Child, ChildFailed, EtcdServer, spawn
+from bench.chaos.procs import Child, ChildFailed, EtcdServer, spawn
 from services.launch.children import python_module
 from services.mesh.net import free_port
 from services.mesh.discovery import InstanceInfo, component_prefix

@@ -5,7 +5,7 @@ host tier of 8x that each) take the Mooncake conversation trace in order, each r
 the worker whose tiers hold over half the prompt, else to the next in turn, and send their KV
 events to one radix tree, as a router's would. Requests finish at once, so what they leave is
 what the caches hold. Memory is counted with tracemalloc: every allocation made in the index's
-modules and still live. Run as `python -m bench.tiers_index`; the last stdout line is one JSON
+modules and still live. Run as `python -m bench.tiers.index`; the last stdout line is one JSON
 object.
 """
 
@@ -18,7 +18,7 @@ import tracemalloc
 from collections.abc import Sequence
 from functools import partial
 
-from bench.mooncake_trace import TraceRequest, load
+from bench.tiers.mooncake_trace import TraceRequest, load
 from services.engines.mocker.block_manager import BlockManager
 from services.kv_router.kv_index import apply_kv_event
 from services.kv_router.radix_tree import RadixTree

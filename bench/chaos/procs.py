@@ -21,7 +21,7 @@ from pathlib import Path
 from services.mesh.etcd_member import EtcdMember
 from services.mesh.net import accepts_connections, free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUN_MARKER = "KVMESH_CHAOS_RUN"
 POLL_S = 0.1
 

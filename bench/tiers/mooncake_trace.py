@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_PATH = Path(__file__).resolve().parent / "traces" / "mooncake_conversation_1500.jsonl"
+DEFAULT_PATH = Path(__file__).resolve().parents[1] / "traces" / "mooncake_conversation_1500.jsonl"
 TRACE_BLOCK_TOKENS = 512
 TOKEN_LOW = 10
 TOKEN_HIGH = 1000  # exclusive

@@ -12,7 +12,7 @@ from services.mesh.stats import percentile
 
 __all__ = ["percentile", "median", "table", "save_json", "bar_plot"]
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def median(values: Sequence[float]) -> float:

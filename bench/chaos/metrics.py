@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.chaos_mesh import DECODE, PROCESSOR, ChaosMesh
+from bench.chaos.mesh import DECODE, PROCESSOR, ChaosMesh
 from services.mesh.discovery import InstanceInfo
 from services.mesh.etcd_store import StoreUnavailable
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import aiohttp
 
 from bench.mesh_overhead import drive
-from bench.mesh_process import LaunchedMesh, launched_mesh
-from bench.report import table
-from bench.stream_load import StreamLoad, stream_load
+from bench.common.mesh_process import LaunchedMesh, launched_mesh
+from bench.common.report import table
+from bench.hot_path.stream_load import StreamLoad, stream_load
 from services.tools.make_demo_model import DemoModelSpec, ensure_demo_model
 
 WIDE_STREAMS, WIDE_WORKERS, WIDE_TOKENS = 4096, 8, 40

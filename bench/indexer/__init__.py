@@ -1,0 +1,1 @@
+"""The KV index against a naive index on a synthetic trace (make bench ARGS="--only indexer")."""

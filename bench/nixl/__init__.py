@@ -1,0 +1,1 @@
+"""NIXL transfer throughput against memcpy (make bench ARGS="--only nixl")."""
