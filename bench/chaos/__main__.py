@@ -10,7 +10,7 @@ What it does, and why:
 2. Streams a seeded mix of short text prompts and long token-id prompts at `--rate` requests/s
    from a bounded pool of clients, all `ignore_eos` with a fixed `max_tokens` and greedy or
    seeded sampling, so every answer is a known pure function of its request.
-3. Meanwhile carries out a seeded fault schedule (bench/chaos_faults.py): SIGKILL a decode
+3. Meanwhile carries out a seeded fault schedule (faults.py): SIGKILL a decode
    worker, a prefill worker, a processor and a router, each replaced at once; roll (SIGTERM) a
    decode worker; stop etcd for `--etcd-outage` seconds and restart it on the same ports and
    data dir. The load runs until the last fault has played out.

@@ -2,7 +2,7 @@
 
 A mocker mesh of 6 workers (`--timing large-gpu-8b`, slowed by SPEEDUP so that the simulated
 GPU time, not this 2-core machine's CPU, sets the latencies) serves a two-phase workload
-(planner_load.py): phase A, long prompts with short outputs, which needs a large prefill pool;
+(load.py): phase A, long prompts with short outputs, which needs a large prefill pool;
 a ramp; phase B, short prompts with long outputs, which needs a large decode pool. Open-loop
 Poisson arrivals from a fixed seed: every configuration gets the same requests at the same times.
 
@@ -25,7 +25,7 @@ the splits with too small a prefill pool for phase A show it.
 Measured per configuration and phase (a request belongs to the phase it arrived in): goodput,
 requests per second of the phase meeting both SLOs (TTFT <= TTFT_SLO_S, and the mean time
 between the tokens of its stream <= ITL_SLO_S); p50 TTFT and p50 of the requests' mean ITL.
-The split over time is sampled from etcd every second (planner_split.py). Goal: the planner's
+The split over time is sampled from etcd every second (split.py). Goal: the planner's
 overall goodput >= 1.2x the best fixed split's, and within 10% of the best fixed split in each
 of phase A and phase B. Output: a table, bench/results/planner.json, planner_goodput.png
 (goodput per configuration and phase), planner_split.png (the planner's split over time) and
