@@ -11,7 +11,7 @@ process, a planner running): every fixed split p:(6-p), p = 1..5, pinned by
 `--min/--max-prefill-workers p --min/--max-decode-workers 6-p --total-workers 6` so its planner
 can never change anything; and the planner twice, starting from 3:3 with the same budget of 6
 (`--total-workers 6`: it only switches roles), free between 1:5 and 5:1: once with the profile
-`python -m services.planner profile` measured on one worker like these (planner_profile.py), once
+`python -m services.planner profile` measured on one worker like these (profiles.py), once
 with that profile made 2x too fast, so that its calibration has to do real work.
 
 Prompts longer than MAX_LOCAL_PREFILL tokens (phase A's) are prefilled on the prefill pool, the
