@@ -20,8 +20,8 @@ from functools import partial
 
 from bench.tiers.mooncake_trace import TraceRequest, load
 from services.engines.mocker.block_manager import BlockManager
-from services.kv_router.kv_index import apply_kv_event
-from services.kv_router.radix_tree import RadixTree
+from services.routing.kv_index import apply_kv_event
+from services.routing.radix_tree import RadixTree
 from services.kv_protocol.hashing import chained_block_hashes, local_block_hashes
 
 WORKERS = 4

@@ -10,8 +10,8 @@ prefix is otherwise nobody's business). The value is `; `-separated sections of 
 `<id>` is a worker's instance id (as in `x-kvmesh-worker`), `overlap` the prompt blocks the
 worker already caches on its device; a worker that holds further prompt blocks in host memory
 only adds `host=N credit=C` after it (those blocks, and what each is worth against a device block,
-services/kv_router/host_credit.py); `usage` its KV cache usage (0..1), `waiting` its queued requests as the
-router counted them, `logit` the cost function's score (services/kv_router/cost_function.py).
+services/routing/host_credit.py); `usage` its KV cache usage (0..1), `waiting` its queued requests as the
+router counted them, `logit` the cost function's score (services/routing/cost_function.py).
 There is no runner-up section when only one worker could take the request; `round-robin` and
 `random` weigh nothing and say only `mode=...; chosen=<id>`.
 """

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from services.kv_router.cost_function import CostWeights
-from services.kv_router.service import ROUTER_MODES, RouterConfig
+from services.routing.cost_function import CostWeights
+from services.routing.servicer import ROUTER_MODES, RouterConfig
 from services.mesh.flags import non_negative_float, validated
 
 _WEIGHTS = CostWeights()

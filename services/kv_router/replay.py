@@ -30,9 +30,9 @@ import msgspec
 from services.mesh.flags import FlagParser
 from services.kv_protocol.hashing import SequenceHash, local_block_hashes
 from services.mesh.stats import percentile
-from services.kv_router.kv_index import EventError, KvIndex, StoredBlock
-from services.kv_router.radix_tree import RadixTree
-from services.kv_router.reference_index import ReferenceIndex
+from services.routing.kv_index import EventError, KvIndex, StoredBlock
+from services.routing.radix_tree import RadixTree
+from services.routing.reference_index import ReferenceIndex
 
 CHUNK_LINES = 4_000
 INDEXES: dict[str, Callable[[], KvIndex]] = {"radix": RadixTree, "reference": ReferenceIndex}

@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry
 
 from gen.kvmesh.v1 import common_pb2, processor_pb2, processor_pb2_grpc
 from services.kv_router.flags import add_router_flags, router_config
-from services.kv_router.service import RouterMetrics, RouterServicer
-from services.kv_router.worker_pool import SYNC_TIMEOUT_S, WorkerPool
+from services.routing.servicer import RouterMetrics, RouterServicer
+from services.routing.worker_pool import SYNC_TIMEOUT_S, WorkerPool
 from services.mesh.discovery import DECODE_WORKER, PROCESSOR, ROUTER, InstanceInfo, new_instance_id
 from services.mesh.flags import (
     FlagParser,

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import grpc
 
 from gen.kvmesh.v1 import common_pb2, router_pb2
-from services.kv_router.service import RouterServicer
+from services.routing.servicer import RouterServicer
 from services.mesh.router_client import NoWorkerError, RouteChoice, RoutingUnavailable
 from services.mesh.session_kind import CallError
 from services.mesh.tracing import TRACING_OFF, Tracing

@@ -17,8 +17,8 @@ import pytest
 
 from gen.kvmesh.v1 import common_pb2, router_pb2
 from services.frontend.route_header import route_header, wants_explanation
-from services.kv_router.cost_function import Candidate, CostWeights, Terms, choose, ranked, terms
-from services.kv_router.explanation import explain
+from services.routing.cost_function import Candidate, CostWeights, Terms, choose, ranked, terms
+from services.routing.explanation import explain
 from services.mesh.net import free_port
 from tests.procs import MODEL, Etcd, Proc, ServiceMesh, service
 from tests.unit.test_router_route import PROMPT, AbortingContext, cache, info, make_pool, router, set_load

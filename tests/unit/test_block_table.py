@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from services.kv_router.block_table import GONE, BlockTable
-from services.kv_router.kv_index import EventError
-from services.kv_router.radix_tree import RadixTree
-from services.kv_router.reference_index import ReferenceIndex
+from services.routing.block_table import GONE, BlockTable
+from services.routing.kv_index import EventError
+from services.routing.radix_tree import RadixTree
+from services.routing.reference_index import ReferenceIndex
 
 
 def crowded_hash(k: int) -> int:

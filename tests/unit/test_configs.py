@@ -9,8 +9,8 @@ import pytest
 
 from services.decode_worker.disagg_decision import DisaggConfig
 from services.frontend.app import FrontendConfig
-from services.kv_router.cost_function import CostWeights
-from services.kv_router.service import RouterConfig
+from services.routing.cost_function import CostWeights
+from services.routing.servicer import RouterConfig
 from services.mesh.flags import ConfigError, MeshConfig, ModelRef, forward_flags
 from services.processor.service import ProcessorConfig
 from services.tools.make_demo_model import ensure_demo_model

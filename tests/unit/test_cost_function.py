@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from services.kv_router.cost_function import Candidate, CostWeights, choose, logits
+from services.routing.cost_function import Candidate, CostWeights, choose, logits
 
 W = CostWeights()
 

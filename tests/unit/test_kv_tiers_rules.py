@@ -13,10 +13,10 @@ from services.engines.mocker.block_manager import BlockManager
 from services.kv_protocol.events import KvEventData, KvRemoved, KvStored
 from services.kv_protocol.hashing import chained_block_hashes, local_block_hashes
 from services.kv_protocol.tier import Tier
-from services.kv_router.cost_function import Candidate, CostWeights, choose
-from services.kv_router.host_credit import FALLBACK_CREDIT, host_credit
-from services.kv_router.kv_index import apply_kv_event
-from services.kv_router.radix_tree import RadixTree
+from services.routing.cost_function import Candidate, CostWeights, choose
+from services.routing.host_credit import FALLBACK_CREDIT, host_credit
+from services.routing.kv_index import apply_kv_event
+from services.routing.radix_tree import RadixTree
 from services.worker.kv_event_log import KvEventLog
 
 BS = 4

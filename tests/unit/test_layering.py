@@ -69,13 +69,17 @@ def test_no_engine_reaches_into_the_mocker() -> None:
             if name.startswith("services.engines.mocker")] == []
 
 
-# What one service may take from another: the launcher reads each service's flags to start it;
-# `--routing local` runs the router's index and pool inside the processor (the one exception left:
-# the router's core is a library the processor embeds, until it moves out of the service package).
+# What one service may take from another: the launcher reads each service's flags to start it,
+# and a processor with `--routing local` offers the router's flags (the router's core itself is
+# the services.routing library, which both embed).
 SERVICE_MAY_USE = {
     "launch": tuple(f"services.{p}.flags" for p in SERVICE_PACKAGES),
-    "processor": ("services.kv_router.flags", "services.kv_router.service", "services.kv_router.worker_pool"),
+    "processor": ("services.kv_router.flags",),
 }
+
+
+def test_the_routing_library_imports_no_service() -> None:
+    assert offending("services/routing", tuple(f"services.{p}" for p in SERVICE_PACKAGES)) == []
 
 
 @pytest.mark.parametrize("package", SERVICE_PACKAGES)

@@ -13,9 +13,9 @@ from functools import cache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.kv_router.kv_index import KvIndex
-from services.kv_router.radix_tree import EventError, RadixTree
-from services.kv_router.reference_index import ReferenceIndex
+from services.routing.kv_index import KvIndex
+from services.routing.radix_tree import EventError, RadixTree
+from services.routing.reference_index import ReferenceIndex
 from services.kv_protocol.hashing import LocalBlockHash, SequenceHash, chain_from
 from services.kv_protocol.tier import Tier
 

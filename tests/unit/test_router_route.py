@@ -18,10 +18,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gen.kvmesh.v1 import common_pb2, router_pb2, worker_pb2
-from services.kv_router.cost_function import CostWeights
-from services.kv_router.pickers import PICKERS, make_picker
-from services.kv_router.service import ROUTER_MODES, RouterConfig, RouterMetrics, RouterServicer
-from services.kv_router.worker_pool import WorkerPool
+from services.routing.cost_function import CostWeights
+from services.routing.pickers import PICKERS, make_picker
+from services.routing.servicer import ROUTER_MODES, RouterConfig, RouterMetrics, RouterServicer
+from services.routing.worker_pool import WorkerPool
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, InstanceInfo, Listener
 from services.kv_protocol.hashing import chained_block_hashes, local_block_hashes
 

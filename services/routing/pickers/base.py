@@ -12,8 +12,8 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.kv_router.cost_function import Terms
-from services.kv_router.worker_pool import WorkerState
+from services.routing.cost_function import Terms
+from services.routing.worker_pool import WorkerState
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from opentelemetry.util.types import AttributeValue
 
 from gen.kvmesh.v1 import common_pb2
-from services.kv_router.cost_function import Terms, ranked
+from services.routing.cost_function import Terms, ranked
 from services.kv_protocol.tier import host_terms
 
 

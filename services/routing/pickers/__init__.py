@@ -10,11 +10,11 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from services.kv_router.cost_function import CostWeights
-from services.kv_router.pickers.base import PickContext, Picker
-from services.kv_router.pickers.kv import KvPicker
-from services.kv_router.pickers.random_choice import RandomPicker
-from services.kv_router.pickers.round_robin import RoundRobinPicker
+from services.routing.cost_function import CostWeights
+from services.routing.pickers.base import PickContext, Picker
+from services.routing.pickers.kv import KvPicker
+from services.routing.pickers.random_choice import RandomPicker
+from services.routing.pickers.round_robin import RoundRobinPicker
 
 PickerFactory = Callable[[random.Random, CostWeights], Picker]
 

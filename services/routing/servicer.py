@@ -4,7 +4,7 @@ mode it was started in, and reports the chosen worker's cached prefix whatever t
 `kv` mode scores every eligible worker with the cost function (cached prefix vs load); with no
 cached prefix anywhere that reduces to least-loaded. `round-robin` and `random` ignore the
 cache for the choice but still report the chosen worker's overlap, which the decode worker's
-disaggregation decision uses (services/kv_router/pickers/ holds the modes).
+disaggregation decision uses (services/routing/pickers/ holds the modes).
 
 No eligible worker is NOT_FOUND, not UNAVAILABLE: every router sees the same pools, so another
 router would answer the same, and a caller must not retry the request elsewhere.
@@ -26,12 +26,12 @@ from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.kv_router.cost_function import CostWeights, overlap_ratio
-from services.kv_router.explanation import explain
-from services.kv_router.host_credit import host_credit
-from services.kv_router.pickers import ROUTER_MODES as ROUTER_MODES
-from services.kv_router.pickers import PickContext, make_picker
-from services.kv_router.worker_pool import WorkerPool
+from services.routing.cost_function import CostWeights, overlap_ratio
+from services.routing.explanation import explain
+from services.routing.host_credit import host_credit
+from services.routing.pickers import ROUTER_MODES as ROUTER_MODES
+from services.routing.pickers import PickContext, make_picker
+from services.routing.worker_pool import WorkerPool
 from services.mesh.flags import ConfigError
 from services.kv_protocol.hashing import local_block_hashes
 from services.mesh.grpc_server import abort_with, as_unary_rpc

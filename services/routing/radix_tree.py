@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-from services.kv_router.block_table import FREE, GONE, BlockTable
-from services.kv_router.kv_index import EventError, HostCopy, KvIndex, StoredBlock, holder
-from services.kv_router.tree_nodes import ROOT, TreeNodes
+from services.routing.block_table import FREE, GONE, BlockTable
+from services.routing.kv_index import EventError, HostCopy, KvIndex, StoredBlock, holder
+from services.routing.tree_nodes import ROOT, TreeNodes
 from services.kv_protocol.hashing import LocalBlockHash, SequenceHash
 from services.kv_protocol.tier import Tier
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.kv_router.cost_function import Terms
-from services.kv_router.pickers.base import PickContext
-from services.kv_router.worker_pool import WorkerState
+from services.routing.cost_function import Terms
+from services.routing.pickers.base import PickContext
+from services.routing.worker_pool import WorkerState
 
 
 class RoundRobinPicker:

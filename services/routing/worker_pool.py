@@ -23,8 +23,8 @@ from services.mesh.channels import ChannelPool
 from services.mesh.tasks import cancel_and_wait
 from services.kv_protocol.hashing import SequenceHash
 from services.kv_protocol.tier import Tier
-from services.kv_router.kv_index import EventError, KvIndex, StoredBlock
-from services.kv_router.radix_tree import RadixTree
+from services.routing.kv_index import EventError, KvIndex, StoredBlock
+from services.routing.radix_tree import RadixTree
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from services.kv_router.cost_function import Candidate, CostWeights, Terms, choose, terms
-from services.kv_router.host_credit import host_credit
-from services.kv_router.pickers.base import PickContext
-from services.kv_router.worker_pool import WorkerState
+from services.routing.cost_function import Candidate, CostWeights, Terms, choose, terms
+from services.routing.host_credit import host_credit
+from services.routing.pickers.base import PickContext
+from services.routing.worker_pool import WorkerState
 
 
 class KvPicker:

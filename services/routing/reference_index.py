@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-from services.kv_router.kv_index import EventError, HostCopy, KvIndex, StoredBlock, holder
+from services.routing.kv_index import EventError, HostCopy, KvIndex, StoredBlock, holder
 from services.kv_protocol.hashing import LocalBlockHash, SequenceHash
 from services.kv_protocol.tier import Tier
 
