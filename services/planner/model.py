@@ -29,8 +29,9 @@ What the model leaves out (the mesh's hops, the KV transfer, a machine unlike th
 calibrated by scaling the profile, not the prediction: after each interval the scale of the
 decode workers' costs that reproduces the observed ITL is found (predictions grow with it, so
 a bisection finds it), then the scale of the prefill pool's that reproduces the observed TTFT,
-and both are smoothed. A profile 2x too fast thus predicts saturation where the mesh really
-saturates, which scaling the predicted latency afterwards would not.
+and both are smoothed (the first measurement is taken as it is). A profile 2x too fast thus
+predicts saturation where the mesh really saturates, which scaling the predicted latency
+afterwards would not.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from services.mesh.worker_roles import RoleName
 from services.profiles.cost_model import CostModel
 
 # The scales a bisection may find: a profile 20x off is another system, not a calibration.
@@ -154,9 +156,13 @@ def _remote_prefill_s(cost: CostModel, traffic: Traffic, share: float, workers: 
 
 @dataclass
 class Calibration:
-    """The smoothed scales, updated from each interval's observations at the sizes it had."""
+    """The smoothed scales, updated from each interval's observations at the sizes it had. A
+    pool's first measured scale is taken as it is: the 1.0 before it is the profile's claim, not
+    a measurement to average with, and half-way there a planner would pick a split it has to
+    undo one cool-down later."""
 
     scales: Scales = field(default_factory=Scales)
+    measured: set[RoleName] = field(default_factory=set)
 
     def update(self, cost: CostModel, traffic: Traffic, prefill_workers: int, decode_workers: int) -> None:
         if traffic.idle:
@@ -168,14 +174,20 @@ class Calibration:
         if traffic.observed_itl_s is not None and decode_workers > 0 and math.isfinite(now.itl_s):
             found = _solve(lambda k: predict(cost, Scales(k, prefill), traffic, prefill_workers,
                                               decode_workers).itl_s, traffic.observed_itl_s)
-            decode = _smoothed(decode, found)
+            decode = self._blend(RoleName.DECODE, decode, found)
         remote = traffic.share_remote(prefill_workers)
         if (traffic.observed_ttft_s is not None and prefill_workers > 0 and remote >= MIN_REMOTE_SHARE_TO_CALIBRATE
                 and math.isfinite(now.ttft_s)):
             found = _solve(lambda k: predict(cost, Scales(decode, k), traffic, prefill_workers,
                                               decode_workers).ttft_s, traffic.observed_ttft_s)
-            prefill = _smoothed(prefill, found)
+            prefill = self._blend(RoleName.PREFILL, prefill, found)
         self.scales = Scales(decode, prefill)
+
+    def _blend(self, pool: RoleName, previous: float, found: float) -> float:
+        if pool not in self.measured:
+            self.measured.add(pool)
+            return found
+        return _smoothed(previous, found)
 
 
 def _solve(predicted: Callable[[float], float], observed: float) -> float:

@@ -84,6 +84,20 @@ def test_calibration_finds_how_far_off_the_profile_is(factor: float) -> None:
                                                                              rel=0.02)
 
 
+def test_the_first_measurement_is_taken_whole_and_later_ones_smoothed() -> None:
+    traffic = Traffic(6.0, 3000, 200, remote_share=0.5, remote_prompt_tokens=5800, local_prompt_tokens=200)
+
+    def observed(factor: float) -> Traffic:
+        real = predict(PROFILE, Scales(factor, factor), traffic, 2, 3)
+        return Traffic(**(traffic.__dict__ | {"observed_ttft_s": real.ttft_s, "observed_itl_s": real.itl_s}))
+
+    c = Calibration()
+    c.update(PROFILE, observed(2.0), 2, 3)
+    assert c.scales.decode == pytest.approx(2.0, rel=0.01) and c.scales.prefill == pytest.approx(2.0, rel=0.01)
+    c.update(PROFILE, observed(4.0), 2, 3)  # one odd interval moves it part of the way
+    assert 2.2 < c.scales.decode < 3.8
+
+
 def test_calibration_skips_what_it_cannot_learn_from() -> None:
     c = Calibration()
     # Nothing went to the prefill pool: a TTFT says nothing about it.
