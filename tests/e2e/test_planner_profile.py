@@ -55,7 +55,7 @@ def test_a_mesh_runs_and_plans_on_a_profile_file(etcd: Etcd, tmp_path: Path) -> 
     profile = tmp_path / "measured.json"
     profile.write_text(load_profile("large-gpu-8b").scaled(2.0, "a slower machine").to_json())
     mesh = Mesh.launch(etcd.endpoint, f"profrun-{uuid.uuid4().hex[:6]}", "mocker", "--timing-profile", str(profile),
-                       "--planner", "none", "--adjustment-interval", "1")
+                       "--planner", "none", "--adjustment-interval", "1", "--speedup", "1")
     try:
         r = httpx.post(f"{mesh.base_url}/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 4},
                        timeout=60)
@@ -63,7 +63,8 @@ def test_a_mesh_runs_and_plans_on_a_profile_file(etcd: Etcd, tmp_path: Path) -> 
         children = {line.split()[1]: int(line.split("pid=")[1]) for line in mesh.launcher.lines
                     if line.startswith("CHILD ")}
         argv = Path(f"/proc/{children['planner']}/cmdline").read_text().split("\0")
-        # The planner predicts from the mocker's own profile, as measured (no speedup applied).
-        assert argv[argv.index("--profile") + 1] == str(profile) and "--profile-speedup" not in argv
+        # The planner predicts from the mocker's own profile, at the mocker's speedup (1 here).
+        assert argv[argv.index("--profile") + 1] == str(profile)
+        assert float(argv[argv.index("--profile-speedup") + 1]) == 1.0
     finally:
         assert mesh.stop() == 0
