@@ -1,6 +1,7 @@
 """make chaos: streaming load on a disaggregated mocker mesh while its processes are killed.
 
     python -m bench.chaos [--quick] [--duration S] [--rate R] [--seed N] [--etcd-outage S]
+    python -m bench.chaos --hosts [--workers N] [--cut S] [--rate R]   (bench/hosts/: across namespaces)
 
 What it does, and why:
 1. Starts etcd and, each as its own process in one fresh namespace, 2 kv-routers, 2 processors,
@@ -188,7 +189,12 @@ async def _orphans(namespace: str, mesh: ChaosMesh) -> list[Leftover]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    opts = parse_args(argv)
+    args = sys.argv[1:] if argv is None else argv
+    if "--hosts" in args:  # the mesh across network namespaces (bench/hosts/)
+        from bench.hosts.__main__ import main as hosts
+
+        return hosts([a for a in args if a != "--hosts"])
+    opts = parse_args(args)
 
     async def guarded() -> int:
         task = asyncio.current_task()

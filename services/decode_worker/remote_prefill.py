@@ -57,8 +57,8 @@ class DisaggMetrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
 
     def prefilled(self, remote: bool, uncached_tokens: int) -> None:
-        """Counts where one request's prompt was prefilled (a remote prefill that fell back to a
-        local one counts on both sides)."""
+        """Counts where one request's prompt was prefilled (a remote prefill whose KV turned out
+        unusable after it finished counts on both sides)."""
         (self.remote if remote else self.local).inc()
         (self.remote_tokens if remote else self.local_tokens).inc(uncached_tokens)
 

@@ -177,6 +177,7 @@ class _Gateway:
             if not self.mesh.knows_model(req.model):
                 raise ApiError(404, f"the model {req.model[:200]!r} does not exist", param="model",
                                code="model_not_found")
+            self.metrics.arrived.inc()
             lease = self.inflight.acquire(req.streams())
             explain = self.config.allow_explain and wants_explanation(request.headers.get(EXPLAIN_HEADER))
             streams = [ProcessorStream(self.mesh, msg, self.config.request_timeout_s, self.failed_processors)

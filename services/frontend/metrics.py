@@ -16,6 +16,10 @@ class FrontendMetrics:
         self.requests = Counter("kvmesh_frontend_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.inflight = Gauge("kvmesh_frontend_inflight_requests", "requests being served", registry=r)
+        # Counted on arrival, admitted or not: the load a planner sizes for, which the requests
+        # answered understate while a pool is saturated.
+        self.arrived = Counter("kvmesh_frontend_arrived_requests",
+                               "generation requests for a served model, counted as they arrive", registry=r)
         self.ttft = Histogram("kvmesh_frontend_time_to_first_token_seconds", "time to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("kvmesh_frontend_inter_token_latency_seconds", "time between streamed deltas",

@@ -184,7 +184,9 @@ class Calibration:
         self.scales = Scales(decode, prefill)
 
     def _blend(self, pool: RoleName, previous: float, found: float) -> float:
-        if pool not in self.measured:
+        # A first scale at the edge of the range is an interval the model cannot explain, not a
+        # measurement to adopt whole.
+        if pool not in self.measured and SCALE_MIN < found < SCALE_MAX:
             self.measured.add(pool)
             return found
         return _smoothed(previous, found)

@@ -121,6 +121,8 @@ async def prefill_point(target: Target, rng: random.Random, tokens: int, repeats
         started = time.perf_counter()
         arrivals = await _stream(target, f"profile-prefill-{tokens}-{i}-{rng.getrandbits(32):08x}",
                                  _prompt(rng, tokens), 1)
+        if not arrivals:
+            raise ProfileError(f"a {tokens}-token prompt produced no token")
         seconds.append(arrivals[0][0] - started)
     return statistics.median(seconds)
 
@@ -129,6 +131,8 @@ async def decode_point(target: Target, rng: random.Random, batch: int, context: 
     tag = f"{rng.getrandbits(32):08x}"
     streams = await asyncio.gather(*(_stream(target, f"profile-decode-{batch}-{context}-{i}-{tag}",
                                              _prompt(rng, context), decode_tokens) for i in range(batch)))
+    if not all(streams):
+        raise ProfileError(f"decode batch {batch} at context {context}: a stream produced no token")
     start = max(s[0][0] for s in streams)  # every stream decoding from here ...
     end = min(s[-1][0] for s in streams)  # ... until the first one ends
     counts = [sum(n for at, n in s if start < at <= end) for s in streams]

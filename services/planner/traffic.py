@@ -3,8 +3,8 @@ metrics, scraped.
 
 Every frontend and worker registers the port its /metrics is on. Each interval the planner
 reads the cumulative counters and histogram sums of all of them and turns the difference since
-the last reading into a `Traffic`: from the frontends the arrival rate (answered requests per
-second), mean prompt and output length, mean TTFT and ITL; from the decode workers where the
+the last reading into a `Traffic`: from the frontends the arrival rate (requests per second as
+they arrive), mean prompt and output length and mean TTFT and ITL (of the requests answered); from the decode workers where the
 prompts were prefilled (the share sent to the prefill pool, and the uncached tokens of each
 kind). An instance that appears starts from its first reading; one that restarted (counters
 went down) is read from zero again, so a restart never shows a negative rate.
@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
-from typing import ClassVar, Generic, Self, TypeVar
+from dataclasses import dataclass, field, fields, replace
+from typing import Generic, Self, TypeVar
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,7 +36,7 @@ _SAMPLES = {
     "kvmesh_frontend_time_to_first_token_seconds_count": "ttft_count",
     "kvmesh_frontend_inter_token_latency_seconds_sum": "itl_sum",
     "kvmesh_frontend_inter_token_latency_seconds_count": "itl_count",
-    "kvmesh_frontend_inflight_requests": "inflight",
+    "kvmesh_frontend_arrived_requests_total": "arrived",
 }
 
 
@@ -49,17 +49,14 @@ _PREFILL_SAMPLES = {
 
 
 class _Sums:
-    """Field-wise arithmetic of a dataclass of cumulative counters (and of gauges, named in
-    GAUGES, whose difference may be negative)."""
-
-    GAUGES: ClassVar[frozenset[str]] = frozenset()
+    """Field-wise arithmetic of a dataclass of cumulative counters."""
 
     def _names(self) -> list[str]:
         return [f.name for f in fields(self)]  # type: ignore[arg-type]
 
     def minus(self, earlier: Self) -> Self:
         names = self._names()
-        if any(getattr(self, n) < getattr(earlier, n) for n in names if n not in self.GAUGES):
+        if any(getattr(self, n) < getattr(earlier, n) for n in names):
             return self  # the instance restarted: everything since its start is new
         return type(self)(*(getattr(self, n) - getattr(earlier, n) for n in names))  # type: ignore[call-arg]
 
@@ -71,8 +68,6 @@ class _Sums:
 class Counters(_Sums):
     """A frontend's."""
 
-    GAUGES = frozenset({"inflight"})
-
     requests: float = 0.0
     prompt_tokens: float = 0.0
     completion_tokens: float = 0.0
@@ -80,7 +75,7 @@ class Counters(_Sums):
     ttft_count: float = 0.0
     itl_sum: float = 0.0
     itl_count: float = 0.0
-    inflight: float = 0.0
+    arrived: float = 0.0
 
 
 @dataclass
@@ -116,9 +111,9 @@ def _parse(text: str, counters: _C, samples: dict[str, str]) -> _C:
 def traffic_of(delta: Counters, seconds: float, prefill: PrefillCounters | None = None) -> Traffic:
     n = delta.requests
     prefilled = 0.0 if prefill is None else prefill.remote + prefill.local
-    # Requests that arrived: those answered, and the growth of those still in flight. The
-    # answered alone would read a saturated pool's backlog as less traffic.
-    arrived = max(0.0, n + delta.inflight)
+    # The load is what arrived: the requests answered understate it while a pool is saturated.
+    # (A frontend without the arrivals counter is read by its answers.)
+    arrived = delta.arrived or n
     return Traffic(
         rate_per_s=arrived / seconds if seconds > 0 else 0.0,
         mean_input_tokens=delta.prompt_tokens / n if n else 0.0,
@@ -177,12 +172,25 @@ class MeshTraffic:
         self._frontends = _Deltas(frontends, parse_counters, Counters, self.client, "frontend")
         self._workers = _Deltas(decode_workers, parse_prefill_counters, PrefillCounters, self.client, "decode worker")
         self._last_at: float | None = None
+        # The latest interval in which requests were answered: the shape of the traffic.
+        self._shape: Traffic | None = None
 
     async def sample(self, now: float) -> Traffic:
         answered, prefilled = await asyncio.gather(self._frontends.read(), self._workers.read())
         seconds = 0.0 if self._last_at is None else now - self._last_at
         self._last_at = now
-        return traffic_of(answered, seconds, prefilled)
+        traffic = traffic_of(answered, seconds, prefilled)
+        if answered.requests:
+            self._shape = traffic
+        elif not traffic.idle and self._shape is not None:
+            # Requests arrived and none was answered (a stalled pool): their lengths are taken
+            # to be those of the last requests answered, not zero, which would read as no load.
+            shape = self._shape
+            traffic = replace(traffic, mean_input_tokens=shape.mean_input_tokens,
+                              mean_output_tokens=shape.mean_output_tokens, remote_share=shape.remote_share,
+                              remote_prompt_tokens=shape.remote_prompt_tokens,
+                              local_prompt_tokens=shape.local_prompt_tokens)
+        return traffic
 
     async def close(self) -> None:
         await self.client.aclose()

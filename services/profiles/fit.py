@@ -3,8 +3,10 @@
 Prefill: seconds = base + n * per_token + n * n / 1000 * quadratic, over (n, seconds).
 Decode: step = base + batch * per_seq + batch * context * per_context_token, over
 (batch, context per sequence, step seconds). A coefficient the fit would make negative (noise on
-a term too small to see) is set to 0 and the rest fitted again. Errors are relative, so a short
-prompt's 10% weighs as much as a long one's.
+a term too small to see) is set to 0, the most negative first, and the rest fitted again.
+Errors are relative, so a short prompt's 10% weighs as much as a long one's. A sweep at one
+context cannot tell the per-sequence cost from the per-context one: the context term is then
+left at 0.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ def fit_cost_model(prefill: Sequence[tuple[int, float]], decode: Sequence[tuple[
     if len({(b, c) for b, c, _ in decode}) < MIN_DECODE_POINTS:
         raise ProfileError(f"fit: need decode points at {MIN_DECODE_POINTS} or more (batch, context) pairs")
     pb, pt, pq = _nonnegative_fit([[1.0, n, n * n / 1000.0] for n, _ in prefill], [s for _, s in prefill])
-    db, ds, dc = _nonnegative_fit([[1.0, b, b * c] for b, c, _ in decode], [s for _, _, s in decode])
+    if len({c for _, c, _ in decode}) > 1:
+        db, ds, dc = _nonnegative_fit([[1.0, b, b * c] for b, c, _ in decode], [s for _, _, s in decode])
+    else:
+        (db, ds), dc = _nonnegative_fit([[1.0, b] for b, _, _ in decode], [s for _, _, s in decode]), 0.0
     if pt <= 0 or db <= 0:
         raise ProfileError("fit: the points show no cost per prompt token or no decode step time; "
                            "were the prompts served from cache?")
@@ -54,5 +59,6 @@ def _nonnegative_fit(rows: list[list[float]], seconds: list[float]) -> list[floa
             coef[:] = 0
             coef[active] = solved
             break
-        active = [c for c, v in zip(active, solved, strict=True) if v > 0]
+        # Drop the most negative term only: another may turn positive once it is gone.
+        active.pop(int(np.argmin(solved)))
     return [float(c) for c in coef]

@@ -1,5 +1,5 @@
 """What the planner reads from the mesh's metrics, in-process: where prompts were prefilled (the
-decode workers' counters), arrivals counted with the requests still in flight, and restarts."""
+decode workers' counters), the requests that arrived, and restarts."""
 
 from __future__ import annotations
 
@@ -30,15 +30,12 @@ def test_the_decode_workers_say_where_prompts_were_prefilled() -> None:
     assert traffic_of(Counters(requests=28), 2.0).remote_share is None
 
 
-def test_arrivals_count_the_requests_still_in_flight() -> None:
-    """A saturated pool answers fewer requests than arrive: the growth of those in flight is load."""
-    earlier, later = Counters(requests=100, inflight=5), Counters(requests=110, inflight=45)
-    t = traffic_of(later.minus(earlier), 2.0)
-    assert t.rate_per_s == pytest.approx((10 + 40) / 2)
-    # In flight falling is the backlog being answered, not a restart.
-    drained = Counters(requests=160, inflight=5).minus(later)
-    assert drained.requests == 50 and drained.inflight == -40
-    assert traffic_of(drained, 2.0).rate_per_s == pytest.approx(5.0)
+def test_the_load_is_what_arrived_not_what_was_answered() -> None:
+    """A saturated pool answers fewer requests than arrive: the planner sizes for the arrivals."""
+    earlier, later = Counters(requests=100, arrived=105), Counters(requests=110, arrived=165)
+    assert traffic_of(later.minus(earlier), 2.0).rate_per_s == pytest.approx(60 / 2)
+    # A frontend without the arrivals counter is read by its answers.
+    assert traffic_of(Counters(requests=10), 2.0).rate_per_s == pytest.approx(5.0)
 
 
 def test_a_restarted_instance_counts_from_zero() -> None:

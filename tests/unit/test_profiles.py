@@ -61,6 +61,14 @@ def test_a_term_the_points_do_not_show_is_zero_not_negative() -> None:
     assert all(v >= 0 for v in fitted.to_dict().values())
 
 
+def test_one_context_fits_the_batch_term_alone() -> None:
+    decode = [(b, 512, TRUTH.decode_step_s(b, b * 512)) for b in (1, 8, 32, 128)]
+    prefill = [(n, TRUTH.prefill_s(n)) for n in (64, 256, 1024)]
+    fitted = fit_cost_model(prefill, decode)
+    assert fitted.decode_per_context_token_s == 0.0  # it cannot be told from the per-sequence cost here
+    assert fitted.decode_step_s(64, 0) == pytest.approx(TRUTH.decode_step_s(64, 64 * 512), rel=0.01)
+
+
 def test_too_few_points_or_cached_prompts_are_refused() -> None:
     decode = [(b, 256, TRUTH.decode_step_s(b, b * 256)) for b in (1, 8, 32)]
     with pytest.raises(ProfileError, match="prefill points at 3 or more"):

@@ -1,0 +1,151 @@
+"""Hosts on one machine: network namespaces joined by a bridge, one address each.
+
+Host i is the namespace `<prefix>-h<i>` with `eth0` at 10.77.0.i/24, one end of a veth pair
+whose other end sits on the bridge `<prefix>-br` in the root namespace; the bridge itself has
+10.77.0.254, so the machine (the load generator) reaches every host. Each host has its own
+network stack: its own loopback, routes and firewall, so a route or a rule set in one host
+cuts or degrades what crosses the network to it and nothing else.
+
+Everything the bed makes carries the prefix, so `remove_stale` takes away what a killed run
+left behind (its namespaces, the processes still inside them, the bridge) before a new bed is
+made. Making namespaces needs root (CAP_NET_ADMIN): `unavailable()` says why not, in one line.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+PREFIX = "kvmb"
+SUBNET = "10.77.0"
+BRIDGE_ADDRESS = f"{SUBNET}.254"
+COMMAND_TIMEOUT_S = 10.0
+
+
+class BedError(RuntimeError):
+    """The bed could not be made; the message is one line."""
+
+
+def unavailable() -> str | None:
+    """Why hosts cannot be made here (one line), or None when they can."""
+    if shutil.which("ip") is None:
+        return "no `ip` command (iproute2 is not installed)"
+    if os.geteuid() != 0:
+        return "network namespaces need root (CAP_NET_ADMIN); run as root to test across hosts"
+    probe = f"{PREFIX}-probe"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    if made.returncode != 0:
+        return f"cannot make a network namespace: {made.stderr.strip() or made.returncode}"
+    subprocess.run(["ip", "netns", "delete", probe], capture_output=True, timeout=COMMAND_TIMEOUT_S)
+    return None
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    if check and done.returncode != 0:
+        raise BedError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+    return done
+
+
+def _namespaces(prefix: str) -> list[str]:
+    out = _ip("netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(f"{prefix}-")]
+
+
+def remove_stale(prefix: str = PREFIX, grace_s: float = 5.0) -> list[str]:
+    """Removes every namespace, process inside one, and bridge of a bed with this prefix; returns
+    the namespaces it removed."""
+    names = _namespaces(prefix)
+    pids = {int(p) for name in names for p in _ip("netns", "pids", name, check=False).stdout.split()}
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.1)
+    for name in names:
+        _ip("netns", "delete", name, check=False)
+    _ip("link", "delete", f"{prefix}-br", check=False)
+    return names
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class Host:
+    index: int
+    namespace: str
+
+    @property
+    def address(self) -> str:
+        return f"{SUBNET}.{self.index}"
+
+    def argv(self, *command: str) -> list[str]:
+        """`command` run inside this host's network namespace."""
+        return ["ip", "netns", "exec", self.namespace, *command]
+
+    def run(self, *command: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(self.argv(*command), capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+        if done.returncode != 0:
+            raise BedError(f"{self.namespace}: {' '.join(command)}: {done.stderr.strip()}")
+        return done
+
+    def cut_from(self, other: Host) -> None:
+        """Packets from this host to `other` go nowhere (a partition, one direction)."""
+        self.run("ip", "route", "add", "blackhole", f"{other.address}/32")
+
+    def heal_from(self, other: Host) -> None:
+        self.run("ip", "route", "del", "blackhole", f"{other.address}/32")
+
+
+@dataclass
+class Bed:
+    """`hosts` namespaces on one bridge; a context manager that removes everything on exit."""
+
+    size: int
+    prefix: str = PREFIX
+    hosts: list[Host] = field(default_factory=list)
+
+    def __enter__(self) -> Bed:
+        if not 1 <= self.size <= 250:
+            raise BedError(f"a bed has 1 to 250 hosts, not {self.size}")
+        remove_stale(self.prefix)
+        try:
+            self._make()
+        except BaseException:
+            remove_stale(self.prefix)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        remove_stale(self.prefix)
+
+    def _make(self) -> None:
+        bridge = f"{self.prefix}-br"
+        _ip("link", "add", bridge, "type", "bridge")
+        _ip("addr", "add", f"{BRIDGE_ADDRESS}/24", "dev", bridge)
+        _ip("link", "set", bridge, "up")
+        for i in range(1, self.size + 1):
+            host = Host(i, f"{self.prefix}-h{i}")
+            outside = f"{self.prefix}-v{i}"
+            _ip("netns", "add", host.namespace)
+            _ip("link", "add", outside, "type", "veth", "peer", "name", "eth0", "netns", host.namespace)
+            _ip("link", "set", outside, "master", bridge)
+            _ip("link", "set", outside, "up")
+            host.run("ip", "link", "set", "lo", "up")
+            host.run("ip", "addr", "add", f"{host.address}/24", "dev", "eth0")
+            host.run("ip", "link", "set", "eth0", "up")
+            self.hosts.append(host)
