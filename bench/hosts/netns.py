@@ -36,12 +36,19 @@ def unavailable() -> str | None:
         return "no `ip` command (iproute2 is not installed)"
     if os.geteuid() != 0:
         return "network namespaces need root (CAP_NET_ADMIN); run as root to test across hosts"
-    probe = f"{PREFIX}-probe"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
-    if made.returncode != 0:
-        return f"cannot make a network namespace: {made.stderr.strip() or made.returncode}"
-    subprocess.run(["ip", "netns", "delete", probe], capture_output=True, timeout=COMMAND_TIMEOUT_S)
-    return None
+    # What a bed needs, tried once on throw-away names: a namespace, a bridge, a veth pair into it.
+    probe, bridge = f"{PREFIX}-probe", f"{PREFIX}-pbr"
+    steps = [(["netns", "add", probe], "a network namespace"), (["link", "add", bridge, "type", "bridge"], "a bridge"),
+             (["link", "add", f"{PREFIX}-pv", "type", "veth", "peer", "name", "eth0", "netns", probe], "a veth pair")]
+    try:
+        for args, what in steps:
+            done = _ip(*args, check=False)
+            if done.returncode != 0:
+                return f"cannot make {what}: {done.stderr.strip() or done.returncode}"
+        return None
+    finally:
+        _ip("link", "delete", bridge, check=False)
+        _ip("netns", "delete", probe, check=False)
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -73,6 +80,11 @@ def remove_stale(prefix: str = PREFIX, grace_s: float = 5.0) -> list[str]:
     for name in names:
         _ip("netns", "delete", name, check=False)
     _ip("link", "delete", f"{prefix}-br", check=False)
+    # A veth whose namespace is gone goes with it, but the kernel takes its time: not left to chance.
+    for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
+        link = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
+        if link.startswith(f"{prefix}-v") or link == f"{prefix}-pv":
+            _ip("link", "delete", link, check=False)
     return names
 
 
