@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.common.proc_stat import stat_fields
 from services.mesh.etcd_member import EtcdMember
 from services.mesh.net import accepts_connections, free_port
 
@@ -169,10 +170,8 @@ def _read(path: Path) -> bytes:
 
 
 def _ppid_and_state(pid: int) -> tuple[int, str]:
-    stat = _read(Path(f"/proc/{pid}/stat")).decode(errors="replace")
-    # "pid (comm) state ppid ...": comm may hold spaces and parentheses; split after the last ')'.
-    rest = stat.rsplit(")", 1)[-1].split()
-    return (int(rest[1]), rest[0]) if len(rest) > 1 else (0, "?")
+    fields = stat_fields(pid)
+    return (int(fields[1]), fields[0]) if fields is not None and len(fields) > 1 else (0, "?")
 
 
 def leftovers(namespace: str, our_pids: set[int]) -> list[Leftover]:

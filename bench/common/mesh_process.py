@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from bench.common.proc_stat import stat_fields
 from services.mesh.net import free_port
 
 
@@ -76,6 +77,7 @@ def launched(*flags: str, timeout_s: float = 180) -> Iterator[str]:
 
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU time a process has used so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+    fields = stat_fields(pid)
+    if fields is None:
+        raise ProcessLookupError(f"process {pid} is gone")
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

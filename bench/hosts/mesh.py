@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -19,7 +18,9 @@ import httpx
 from bench.chaos.procs import Child, ChildFailed, spawn
 from bench.hosts.netns import Bed, Host
 from services.launch.readiness import ready_pattern
+from services.mesh.discovery import InstanceInfo, component_prefix
 from services.mesh.etcd_member import EtcdMember
+from services.mesh.etcd_store import EtcdStore
 from services.tools.make_demo_model import ensure_demo_model
 
 ETCD_CLIENT_PORT, ETCD_PEER_PORT = 2379, 2380
@@ -59,6 +60,18 @@ class HostsMesh:
     def base_url(self) -> str:
         return f"http://{self.front.address}:{HTTP_PORT}/v1"
 
+    async def instances(self, component: str, endpoints: tuple[str, ...] | None = None) -> list[InstanceInfo]:
+        """The instances of `component` registered now, read through `endpoints` (default: the
+        whole cluster). A read needs a quorum: through one member, it answers only while that
+        member is part of one."""
+        store = EtcdStore(endpoints or tuple(self.endpoints.split(",")), timeout_s=2)
+        try:
+            await store.connect()
+            items, _ = await store.get_prefix(component_prefix(self.namespace, component))
+        finally:
+            await store.close()
+        return [InstanceInfo.from_json(kv.value) for kv in items]
+
     async def start(self) -> None:
         if len(self.bed.hosts) < 5:
             raise ChildFailed("a mesh across hosts needs 5 hosts at least (3 etcd, 1 front, 1 worker)")
@@ -74,7 +87,7 @@ class HostsMesh:
         await self._healthy()
 
     async def _start_etcd(self) -> None:
-        data = Path(tempfile.mkdtemp(prefix="kvmesh-hosts-etcd-"))
+        data = self.run_dir / "etcd-data"  # beside the logs, gone with the run directory
         members = [EtcdMember(f"e{h.index}", str(data / f"e{h.index}"), h.address, ETCD_CLIENT_PORT, ETCD_PEER_PORT,
                               extra=("--initial-cluster-state", "new", "--logger", "zap", "--log-level", "warn"))
                    for h in self.etcd_hosts]

@@ -20,6 +20,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
+from bench.common.proc_stat import running
+
 PREFIX = "kvmb"
 SUBNET = "10.77.0"
 BRIDGE_ADDRESS = f"{SUBNET}.254"
@@ -75,7 +77,7 @@ def remove_stale(prefix: str = PREFIX, grace_s: float = 5.0) -> list[str]:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        while time.monotonic() < deadline and any(running(pid) for pid in pids):
             time.sleep(0.1)
     for name in names:
         _ip("netns", "delete", name, check=False)
@@ -86,14 +88,6 @@ def remove_stale(prefix: str = PREFIX, grace_s: float = 5.0) -> list[str]:
         if link.startswith(f"{prefix}-v") or link == f"{prefix}-pv":
             _ip("link", "delete", link, check=False)
     return names
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.common.mesh_process import launched_mesh
+from bench.common.proc_stat import running
 from bench.planner.cpu import CpuMeter
 from bench.planner.load import PHASES, Arrival, Outcome, Shape, Workload, replay, schedule
 from bench.planner.predictions import intervals, plot, print_accuracy
@@ -183,13 +184,11 @@ def reap(pids: list[int], grace_s: float = 10.0) -> None:
 def _alive(pid: int) -> bool:
     """Still running, and still ours (a recycled pid would run something else)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             ours = any(name in f.read() for name in (b"services.", b"etcd"))
     except OSError:
         return False
-    return ours and state != "Z"  # a zombie has exited
+    return ours and running(pid)
 
 
 # -- figures -----------------------------------------------------------------------------------

@@ -103,10 +103,11 @@ class Scales:
 def predict(cost: CostModel, scales: Scales, traffic: Traffic, prefill_workers: int, decode_workers: int) -> Prediction:
     # Without a prefill pool every prompt is prefilled where it is decoded.
     share = traffic.share_remote(prefill_workers) if prefill_workers > 0 else 0.0
-    itl, busy_share = _decode(cost.scaled(scales.decode), traffic, decode_workers, 1.0 - share)
+    decode_cost = cost.scaled(scales.decode)
+    itl, busy_share = _decode(decode_cost, traffic, decode_workers, 1.0 - share)
     ttft = 0.0
     if share < 1.0:
-        local_p = cost.scaled(scales.decode).prefill_s(traffic.local_tokens())
+        local_p = decode_cost.prefill_s(traffic.local_tokens())
         ttft += (1.0 - share) * (local_p + 1.5 * itl * busy_share)
     if share > 0.0:
         wait = _remote_prefill_s(cost.scaled(scales.prefill), traffic, share, prefill_workers)

@@ -4,9 +4,9 @@ metrics, scraped.
 Every frontend and worker registers the port its /metrics is on. Each interval the planner
 reads the cumulative counters and histogram sums of all of them and turns the difference since
 the last reading into a `Traffic`: from the frontends the arrival rate (requests per second as
-they arrive), mean prompt and output length and mean TTFT and ITL (of the requests answered); from the decode workers where the
-prompts were prefilled (the share sent to the prefill pool, and the uncached tokens of each
-kind). An instance that appears starts from its first reading; one that restarted (counters
+they arrive), and the mean prompt and output length, TTFT and ITL of the requests answered;
+from the decode workers where the prompts were prefilled (the share sent to the prefill pool,
+and the uncached tokens of each kind). An instance that appears starts from its first reading; one that restarted (counters
 went down) is read from zero again, so a restart never shows a negative rate.
 """
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,9 +17,8 @@ import pytest
 
 from bench.hosts.mesh import HostsMesh, isolate, rejoin
 from bench.hosts.netns import PREFIX, Bed, remove_stale, unavailable
-from services.mesh.discovery import DECODE_WORKER, FRONTEND, PROCESSOR, ROUTER, InstanceInfo, component_prefix
+from services.mesh.discovery import DECODE_WORKER, FRONTEND, PROCESSOR, ROUTER
 from services.mesh.etcd_lease import LeaseConfig
-from services.mesh.etcd_store import EtcdStore
 from tests.procs import MODEL
 
 WHY_NOT = unavailable()
@@ -33,10 +31,9 @@ HEALED_WITHIN_S = LeaseConfig().ttl_s + 2.0
 
 
 @pytest.fixture
-def mesh() -> Iterator[HostsMesh]:
-    run_dir = Path(tempfile.mkdtemp(prefix="kvmesh-test-hosts-"))
+def mesh(tmp_path: Path) -> Iterator[HostsMesh]:
     with Bed(6) as bed:
-        placed = HostsMesh(bed, run_dir)
+        placed = HostsMesh(bed, tmp_path)
         try:
             asyncio.run(placed.start())
             yield placed
@@ -44,16 +41,6 @@ def mesh() -> Iterator[HostsMesh]:
             codes = asyncio.run(placed.stop())
             assert all(code in (0, -15) for code in codes.values()), codes
     assert remove_stale(PREFIX) == []  # the bed took everything with it
-
-
-async def _instances(mesh: HostsMesh, component: str) -> list[InstanceInfo]:
-    store = EtcdStore(tuple(mesh.endpoints.split(",")))
-    await store.connect()
-    try:
-        items, _ = await store.get_prefix(component_prefix(mesh.namespace, component))
-        return [InstanceInfo.from_json(kv.value) for kv in items]
-    finally:
-        await store.close()
 
 
 async def _complete(client: httpx.AsyncClient, base: str, prompt: str) -> str:
@@ -64,7 +51,7 @@ async def _complete(client: httpx.AsyncClient, base: str, prompt: str) -> str:
 
 
 async def _scenario(mesh: HostsMesh) -> None:
-    everyone = {c: await _instances(mesh, c) for c in (ROUTER, PROCESSOR, FRONTEND, DECODE_WORKER)}
+    everyone = {c: await mesh.instances(c) for c in (ROUTER, PROCESSOR, FRONTEND, DECODE_WORKER)}
     addresses = {i.address.rsplit(":", 1)[0] for infos in everyone.values() for i in infos}
     assert addresses == {mesh.front.address, *(h.address for h in mesh.worker_hosts)}, addresses
     async with httpx.AsyncClient(timeout=120) as client:
@@ -81,7 +68,7 @@ async def _scenario(mesh: HostsMesh) -> None:
         finally:
             rejoin(victim, rest)
     healed = time.monotonic()
-    while not any(i.address.startswith(victim.address) for i in await _instances(mesh, DECODE_WORKER)):
+    while not any(i.address.startswith(victim.address) for i in await mesh.instances(DECODE_WORKER)):
         assert time.monotonic() - healed < HEALED_WITHIN_S, "the cut worker was not registered again in time"
         await asyncio.sleep(0.2)
     assert os.path.exists(f"/proc/{victim_pid}"), "the cut worker restarted instead of rejoining"
