@@ -18,6 +18,19 @@ if ! command -v etcd >/dev/null 2>&1; then
   fi
 fi
 
+# The many-hosts bed (make chaos ARGS=--hosts) drops packets with nftables and finds the etcd
+# leader with etcdctl; both optional: without them those faults say what is missing.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  missing=()
+  command -v nft >/dev/null 2>&1 || missing+=(nftables)
+  command -v etcdctl >/dev/null 2>&1 || missing+=(etcd-client)
+  if [ ${#missing[@]} -gt 0 ]; then
+    step "installing ${missing[*]} for the many-hosts bed"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null; } \
+      || echo "could not install ${missing[*]}: the hosts bed's loss and etcd-leader faults will say so" >&2
+  fi
+fi
+
 step "creating $VENV"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"

@@ -1,7 +1,8 @@
 """make chaos: streaming load on a disaggregated mocker mesh while its processes are killed.
 
     python -m bench.chaos [--quick] [--duration S] [--rate R] [--seed N] [--etcd-outage S]
-    python -m bench.chaos --hosts [--workers N] [--cut S] [--rate R]   (bench/hosts/: across namespaces)
+    python -m bench.chaos --hosts [--layout P,R,F,D] [--cut S] [--rate R] [--loss PCT] [--link H=SHAPE] [--only TEXT]
+        (bench/hosts/: the mesh across network namespaces, under partitions and loss)
 
 What it does, and why:
 1. Starts etcd and, each as its own process in one fresh namespace, 2 kv-routers, 2 processors,

@@ -44,9 +44,17 @@ class MeshLayout:
     max_local_prefill_length: int = 256
     drain_timeout_s: float = 10.0
 
+    def __post_init__(self) -> None:
+        for role, n in self.counts().items():
+            if n < (0 if role == PREFILL else 1):
+                raise ValueError(f"a mesh needs at least {0 if role == PREFILL else 1} {role}, got {n}")
+
     def counts(self) -> dict[str, int]:
         return {ROUTER: self.routers, PROCESSOR: self.processors, FRONTEND: 1,
                 PREFILL: self.prefill_workers, DECODE: self.decode_workers}
+
+    def __str__(self) -> str:
+        return ", ".join(f"{n} {role}" for role, n in self.counts().items() if n)
 
 
 class ChaosMesh:

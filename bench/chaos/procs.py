@@ -95,10 +95,12 @@ class Child:
         return code if code is not None else -999
 
 
-def spawn(name: str, role: str, argv: list[str], run_dir: Path, namespace: str) -> Child:
-    """Starts `argv` in the repository root with stdout and stderr in `run_dir/<name>.log`."""
+def spawn(name: str, role: str, argv: list[str], run_dir: Path, namespace: str,
+          env: dict[str, str] | None = None) -> Child:
+    """Starts `argv` in the repository root with stdout and stderr in `run_dir/<name>.log`, with
+    `env` on top of this process's environment."""
     log_path = run_dir / f"{name}.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **{RUN_MARKER: namespace})
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{RUN_MARKER: namespace}, **(env or {}))
     with log_path.open("wb") as log:
         popen = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                  stderr=subprocess.STDOUT)

@@ -1,193 +1,149 @@
-"""make chaos ARGS="--hosts": the mesh across network namespaces, under partitions.
+"""make chaos ARGS="--hosts": the mesh across network namespaces, under partitions and loss.
 
-    make chaos ARGS="--hosts [--workers N] [--cut S] [--rate R]"    (or python -m bench.hosts ...)
+    make chaos ARGS="--hosts [--layout P,R,F,D] [--cut S] [--rate R] [--loss PCT] [--link HOST=SHAPE]"
+    (or python -m bench.hosts ...)
 
-A bed of 4 + N hosts (bench/hosts/netns.py: 3 etcd members, the router, processor and frontend,
-N mocker decode workers) serves a steady load of requests drawn from a catalogue whose exact
-answers were taken on the healthy mesh first. One fault at a time, each healed after `--cut` s:
+A bed of hosts (bench/hosts/netns.py): 3 etcd members, then one host per service instance of the
+layout (by default 1 frontend, 2 processors, 2 routers, 2 prefill and 4 mocker decode workers:
+14 hosts). First NIXL's throughput between two hosts is measured against one host. Then the
+mesh serves a steady load of requests, each with a prompt of its own, a third of them long
+enough to be prefilled on the prefill pool, while one fault at a time is applied and healed
+(bench/hosts/faults.py):
 
 - a decode worker cut from every other host mid-stream (its requests move across hosts);
 - a decode worker cut from the etcd hosts only (its lease lapses while it still serves);
-- an etcd member cut from the other two (a minority partition).
+- a processor cut from one of the two routers;
+- the etcd leader cut from the other two members (a minority partition);
+- a prefill worker cut from the decode workers while KV transfers are in flight;
+- packet loss on one decode worker's link (default 2% for 20 s).
 
-Every answer is checked against the catalogue. After each heal, time-to-recover is how long
-until the cut instance is registered in etcd again (for the etcd member: until it answers a
-read that needs a quorum again). Goals: 0 corrupted, 0 failed, every recovery within the lease TTL + 2 s.
-Exits 0 when they hold, 1 when not, 2 where namespaces cannot be made (with the reason).
-Not built yet: a processor cut from one of two routers, a prefill worker cut during a NIXL
-transfer, packet loss on a link (nftables), and NIXL throughput between hosts.
+After each heal, every answer is checked by asking its prompt again (bench/hosts/load.py), and
+time-to-recover is how long until the mesh is whole again (every instance registered; for the
+etcd leader, also a quorum read through it). Goals: 0 corrupted, >= 99% of requests answered,
+every recovery within the lease TTL + 2 s. Exits 0 when they hold, 1 when not, 2 where
+namespaces cannot be made (with the reason).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import sys
 import tempfile
-import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 
-from bench.common.report import table
-from bench.hosts.mesh import ETCD_CLIENT_PORT, HostsMesh, isolate, rejoin
-from bench.hosts.netns import Bed, Host, unavailable
-from services.mesh.discovery import DECODE_WORKER
+from bench.common.report import save_json, table
+from bench.hosts import nixl_between
+from bench.hosts.faults import faults
+from bench.hosts.links import LinkShape, delay_unavailable, loss_unavailable, shape
+from bench.hosts.load import Row, Tally, under_load
+from bench.chaos.mesh import MeshLayout
+from bench.hosts.mesh import HostsMesh, hosts_for
+from bench.hosts.netns import Bed, unavailable
 from services.mesh.etcd_lease import LeaseConfig
 
-MODEL = "kvmesh-demo"
-CATALOGUE = 16
-TOKENS = 120
 RECOVER_GOAL_S = LeaseConfig().ttl_s + 2.0
-RECOVER_TIMEOUT_S = 60.0
+ANSWERED_GOAL = 0.99
 
 
-@dataclass
-class Tally:
-    sent: int = 0
-    exact: int = 0
-    corrupted: int = 0
-    failed: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Row:
-    fault: str
-    tally: Tally
-    recover_s: float
-
-
-async def _answer(client: httpx.AsyncClient, base: str, prompt: str) -> str:
-    r = await client.post(f"{base}/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": TOKENS})
-    r.raise_for_status()
-    return str(r.json()["choices"][0]["text"])
-
-
-async def _load(client: httpx.AsyncClient, base: str, expected: dict[str, str], rate: float, stop: asyncio.Event,
-                tally: Tally) -> None:
-    rng = random.Random(7)
-    running: set[asyncio.Task[None]] = set()
-
-    async def one(prompt: str) -> None:
-        tally.sent += 1
-        try:
-            text = await _answer(client, base, prompt)
-        except httpx.HTTPError as exc:
-            tally.failed.append(f"{type(exc).__name__}: {exc}"[:200])
-            return
-        if text == expected[prompt]:
-            tally.exact += 1
-        else:
-            tally.corrupted += 1
-
-    while not stop.is_set():
-        task = asyncio.create_task(one(rng.choice(list(expected))))
-        running.add(task)
-        task.add_done_callback(running.discard)
-        try:
-            await asyncio.wait_for(stop.wait(), rng.expovariate(rate))
-        except TimeoutError:
-            pass
-    if running:
-        await asyncio.wait(running, timeout=120)
-
-
-async def _registered(mesh: HostsMesh, host: Host) -> bool:
-    try:
-        workers = await mesh.instances(DECODE_WORKER)
-    except Exception:  # noqa: BLE001 - etcd busy for a moment: not registered yet, ask again
-        return False
-    return any(i.address.startswith(f"{host.address}:") for i in workers)
-
-
-async def _member_serves(mesh: HostsMesh, host: Host) -> bool:
-    """The member answers a read that needs a quorum: it is part of the cluster again."""
-    try:
-        await mesh.instances(DECODE_WORKER, (f"http://{host.address}:{ETCD_CLIENT_PORT}",))
-    except Exception:  # noqa: BLE001 - still cut off from the quorum: ask again
-        return False
-    return True
-
-
-async def _recovered(check: Callable[[], Awaitable[bool]]) -> float:
-    healed = time.monotonic()
-    while time.monotonic() - healed < RECOVER_TIMEOUT_S:
-        if await check():
-            return time.monotonic() - healed
-        await asyncio.sleep(0.2)
-    return float("inf")
-
-
-async def run(workers: int, cut_s: float, rate: float) -> list[Row]:
+async def run(layout: MeshLayout, cut_s: float, rate: float, loss_pct: float, loss_s: float,
+              links: dict[int, LinkShape], only: str = "", engine: str = "mocker") -> list[Row]:
     run_dir = Path(tempfile.mkdtemp(prefix="kvmesh-hosts-"))
-    print(f"hosts: {4 + workers} namespaces, logs in {run_dir}", flush=True)
-    with Bed(4 + workers) as bed:
-        mesh = HostsMesh(bed, run_dir)
+    print(f"hosts: {hosts_for(layout)} namespaces ({layout}), logs in {run_dir}", flush=True)
+    long_share = 1 / 3 if layout.prefill_workers else 0.0
+    with Bed(hosts_for(layout)) as bed:
+        for index, link in links.items():
+            shape(bed.hosts[index - 1], link)
+        mesh = HostsMesh(bed, run_dir, layout, engine=engine)
         try:
             await mesh.start()
-            return await _faults(mesh, cut_s, rate)
+            rows = []
+            chosen, skipped = faults(mesh, loss_pct, loss_s)
+            for why in skipped:
+                print(f"hosts: skipped: {why}", flush=True)
+            async with httpx.AsyncClient(timeout=120) as client:
+                rows.append(await under_load(mesh, client, None, cut_s, rate, long_share))
+                for fault in (f for f in chosen if only in f.name):
+                    rows.append(await under_load(mesh, client, fault, fault.hold_s or cut_s, rate, long_share))
+            missing = await mesh.missing()
+            print(f"hosts: after every fault: {'full strength' if not missing else 'MISSING ' + ', '.join(missing)}")
+            if missing:
+                rows.append(Row("after every fault: full strength", Tally(), float("inf"), "missing: " + ", ".join(missing)))
+            return rows
         finally:
             await mesh.stop()
 
 
-async def _faults(mesh: HostsMesh, cut_s: float, rate: float) -> list[Row]:
-    hosts = mesh.bed.hosts
-    worker_a, worker_b = mesh.worker_hosts[0], mesh.worker_hosts[-1]
-    etcd_member = mesh.etcd_hosts[0]
-    faults: list[tuple[str, Host, list[Host], Callable[[], Awaitable[bool]]]] = [
-        ("decode worker cut from every host, mid-stream", worker_a, [h for h in hosts if h is not worker_a],
-         lambda: _registered(mesh, worker_a)),
-        ("decode worker cut from etcd only", worker_b, mesh.etcd_hosts, lambda: _registered(mesh, worker_b)),
-        ("etcd member cut from the other two", etcd_member, mesh.etcd_hosts[1:],
-         lambda: _member_serves(mesh, etcd_member)),
-    ]
-    rows = []
-    async with httpx.AsyncClient(timeout=120) as client:
-        prompts = [f"hosts {i}: " + "lorem ipsum " * (i % 5 + 1) for i in range(CATALOGUE)]
-        expected = dict(zip(prompts, await asyncio.gather(*(_answer(client, mesh.base_url, p) for p in prompts)),
-                            strict=True))
-        for name, victim, others, check in faults:
-            print(f"hosts: {name} for {cut_s:.0f}s ...", flush=True)
-            tally, stop = Tally(), asyncio.Event()
-            load = asyncio.create_task(_load(client, mesh.base_url, expected, rate, stop, tally))
-            await asyncio.sleep(1.0)
-            isolate(victim, others)
-            try:
-                await asyncio.sleep(cut_s)
-            finally:
-                rejoin(victim, others)
-            recover_s = await _recovered(check)
-            stop.set()
-            await load
-            rows.append(Row(name, tally, recover_s))
-            print(f"hosts: {name}: {tally.exact}/{tally.sent} exact, {tally.corrupted} corrupted, "
-                  f"{len(tally.failed)} failed, recovered {recover_s:.1f}s after the heal", flush=True)
-    return rows
+def _layout(text: str) -> MeshLayout:
+    """P,R,F,D: processors, routers, prefill and decode workers (one frontend)."""
+    try:
+        p, r, f, d = (int(n) for n in text.split(","))
+        return MeshLayout(processors=p, routers=r, prefill_workers=f, decode_workers=d)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"a layout is P,R,F,D (processors, routers, prefill, decode): {exc}") from exc
+
+
+def _link(text: str) -> tuple[int, LinkShape]:
+    host, _, spec = text.partition("=")
+    try:
+        return int(host), LinkShape.parse(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--link HOST=loss=PCT,rate=MBIT,delay=MS,jitter=MS: {exc}") from exc
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="make chaos ARGS=\"--hosts ...\"", description=__doc__.split("\n\n")[0])
-    p.add_argument("--workers", type=int, default=2, help="decode workers, one host each")
-    p.add_argument("--cut", type=float, default=12.0, help="seconds each fault lasts (above the 10 s lease TTL)")
+    p.add_argument("--layout", type=_layout, default=MeshLayout(),
+                   help="processors,routers,prefill,decode (default 2,2,2,4; one frontend)")
+    p.add_argument("--cut", type=float, default=12.0, help="seconds each partition lasts (above the 10 s lease TTL)")
     p.add_argument("--rate", type=float, default=4.0, help="requests per second of steady load")
+    p.add_argument("--loss", type=float, default=2.0, help="packet loss of the lossy-link fault, %%")
+    p.add_argument("--loss-for", type=float, default=20.0, help="seconds the lossy-link fault lasts")
+    p.add_argument("--link", type=_link, action="append", default=[],
+                   help="HOST=loss=PCT,rate=MBIT,delay=MS,jitter=MS: shape host HOST's link for the whole run")
+    p.add_argument("--engine", choices=("mocker", "vllm"), default="mocker",
+                   help="the workers' engine (vllm: the demo model on CPU; use a small layout and rate)")
+    p.add_argument("--only", default="", help="run only the faults whose name contains this text")
+    p.add_argument("--no-nixl", action="store_true", help="skip the NIXL throughput measurement")
     args = p.parse_args(argv)
     why = unavailable()
     if why is not None:
         print(f"hosts: cannot make hosts here: {why}", file=sys.stderr)
         return 2
-    rows = asyncio.run(run(max(2, args.workers), args.cut, args.rate))
-    table(f"Faults across hosts (each healed after {args.cut:.0f}s; recovery goal {RECOVER_GOAL_S:.0f}s)",
-          ["fault", "requests", "exact", "corrupted", "failed", "time to recover (s)"],
-          [[r.fault, r.tally.sent, r.tally.exact, r.tally.corrupted, len(r.tally.failed), f"{r.recover_s:.1f}"]
-           for r in rows])
+    links = dict(args.link)
+    if bad := [h for h in links if not 1 <= h <= hosts_for(args.layout)]:
+        p.error(f"--link: the bed has hosts 1 to {hosts_for(args.layout)}, not {bad}")
+    if any(link.delay_ms for link in links.values()) and (no_delay := delay_unavailable()) is not None:
+        print(f"hosts: delay and jitter skipped: {no_delay}", flush=True)
+        links = {host: replace(link, delay_ms=0.0, jitter_ms=0.0) for host, link in links.items()}
+    if any(link.loss_pct for link in links.values()) and (no_loss := loss_unavailable()) is not None:
+        print(f"hosts: cannot shape links with loss: {no_loss}", file=sys.stderr)
+        return 2
+    if not args.no_nixl:
+        print("hosts: NIXL between two hosts vs one host ...", flush=True)
+        table("NIXL READ throughput, one host vs two (UCX, DRAM to DRAM)", *nixl_between.measure())
+    rows = asyncio.run(run(args.layout, args.cut, args.rate, args.loss, args.loss_for, links, args.only,
+                           args.engine))
+    table(f"Faults across hosts ({args.layout}; partitions healed after {args.cut:.0f}s; recovery goal "
+          f"{RECOVER_GOAL_S:.0f}s)",
+          ["fault", "requests", "exact", "corrupted", "failed", "p50 (s)", "p99 (s)", "time to recover (s)", "what it showed"],
+          [[r.fault, r.tally.sent, r.tally.exact, r.tally.corrupted, len(r.tally.failures), r.tally.latency(0.5),
+            r.tally.latency(0.99), f"{r.recover_s:.1f}", r.note] for r in rows])
     for r in rows:
-        for failure in r.tally.failed[:3]:
+        for failure in r.tally.failures[:3]:
             print(f"  {r.fault}: {failure}")
-    ok = all(not r.tally.corrupted and not r.tally.failed and r.recover_s <= RECOVER_GOAL_S for r in rows)
-    print(f"goal: 0 corrupted, 0 failed, every recovery within {RECOVER_GOAL_S:.0f}s: {'met' if ok else 'NOT met'}")
+    save_json("hosts", [{"fault": r.fault, "requests": r.tally.sent, "exact": r.tally.exact,
+                         "corrupted": r.tally.corrupted, "failed": r.tally.failures, "recover_s": r.recover_s,
+                         "p50_s": r.tally.latency(0.5), "p99_s": r.tally.latency(0.99), "note": r.note} for r in rows])
+    sent = sum(r.tally.sent for r in rows)
+    answered = sum(r.tally.sent - len(r.tally.failures) for r in rows)
+    ok = (all(not r.tally.corrupted and r.recover_s <= RECOVER_GOAL_S for r in rows)
+          and answered >= ANSWERED_GOAL * sent)
+    print(f"answered {answered}/{sent} ({answered / max(1, sent):.1%}); goal: 0 corrupted, >= {ANSWERED_GOAL:.0%} "
+          f"answered, every recovery within {RECOVER_GOAL_S:.0f}s: {'met' if ok else 'NOT met'}")
     return 0 if ok else 1
 
 

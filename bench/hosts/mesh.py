@@ -1,9 +1,14 @@
 """A mesh placed across the bed's hosts, every process bound to its own host's address.
 
-Layout (host index: what runs there): 1-3 an etcd member each (one 3-member cluster); 4 the
-kv-router, processor and frontend; 5 onwards a mocker decode worker each. Every service gets
+Hosts 1-3 run an etcd member each (one 3-member cluster); then every service instance of the
+layout (the chaos run's `MeshLayout`) gets a host of its own, in this order: the frontend,
+processors, routers, prefill workers, decode workers (mockers, or vLLM). Every service gets
 `--host <its address>`, so anything that still assumed loopback (an address registered in etcd,
 a side port, NIXL metadata) shows up as a peer that cannot be reached.
+
+NIXL goes over TCP on the hosts' interfaces (`UCX_TLS=tcp`): between namespaces of one machine
+UCX would otherwise pick shared memory, which no partition of the network cuts, and a transfer
+"between hosts" would not cross the network at all.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.chaos.mesh import DECODE, FRONTEND, MODULES, PREFILL, PROCESSOR, ROUTER, MeshLayout
 from bench.chaos.procs import Child, ChildFailed, spawn
 from bench.hosts.netns import Bed, Host
 from services.launch.readiness import ready_pattern
@@ -24,33 +30,62 @@ from services.mesh.etcd_store import EtcdStore
 from services.tools.make_demo_model import ensure_demo_model
 
 ETCD_CLIENT_PORT, ETCD_PEER_PORT = 2379, 2380
+ETCD_MEMBERS = 3
 HTTP_PORT = 8000
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 20.0
-# The mocker's default clock (an 8B model on an H100-class GPU): a 200-token answer takes ~2.5 s,
-# long enough to cut a worker mid-stream.
-SPEEDUP = 1.0
+# KV per token of a small model (8 layers x 8 KV heads x 128 dims x K and V x 2 bytes): a
+# 700-token prompt moves 22 MiB, so a transfer on a slow link lasts long enough to be cut in the
+# middle, and the mocker's 256 MiB of KV held for pulling fits eleven of them.
+KV_BYTES_PER_TOKEN = 32 << 10
+WORKER_ENV = {"UCX_TLS": "tcp"}
+# The order hosts are given out in: the front first, the workers last.
+ORDER = (FRONTEND, PROCESSOR, ROUTER, PREFILL, DECODE)
+
+
+def hosts_for(layout: MeshLayout) -> int:
+    """The hosts a bed needs for `layout`: the etcd members, then one per service instance."""
+    return ETCD_MEMBERS + sum(layout.counts().values())
 
 
 @dataclass
 class HostsMesh:
     bed: Bed
     run_dir: Path
+    layout: MeshLayout = MeshLayout(routers=1, processors=1, prefill_workers=0, decode_workers=2)
     namespace: str = "hosts"
-    speedup: float = SPEEDUP
+    # "mocker", or "vllm" (the demo model; on CPU, one or two workers at most).
+    engine: str = "mocker"
     children: list[Child] = field(default_factory=list)
+    # Service instance name ("decode-worker-2") -> its host.
+    placed: dict[str, Host] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.engine not in ("mocker", "vllm"):
+            raise ValueError(f"engine is mocker or vllm, not {self.engine!r}")
+        if len(self.bed.hosts) < hosts_for(self.layout):
+            raise ChildFailed(f"the layout ({self.layout}) needs {hosts_for(self.layout)} hosts, the bed has "
+                              f"{len(self.bed.hosts)}")
+        free = iter(self.bed.hosts[ETCD_MEMBERS:])
+        for kind in ORDER:
+            for i in range(1, self.layout.counts()[kind] + 1):
+                self.placed[f"{kind}-{i}"] = next(free)
+
+    def hosts_of(self, kind: str) -> list[Host]:
+        """The hosts running `kind` ("decode-worker", ...), in instance order."""
+        return [host for name, host in self.placed.items() if name.rsplit("-", 1)[0] == kind]
 
     @property
     def etcd_hosts(self) -> list[Host]:
-        return self.bed.hosts[:3]
+        return self.bed.hosts[:ETCD_MEMBERS]
 
     @property
     def front(self) -> Host:
-        return self.bed.hosts[3]
+        return self.hosts_of("frontend")[0]
 
     @property
     def worker_hosts(self) -> list[Host]:
-        return self.bed.hosts[4:]
+        return self.hosts_of("decode-worker")
 
     @property
     def endpoints(self) -> str:
@@ -59,6 +94,9 @@ class HostsMesh:
     @property
     def base_url(self) -> str:
         return f"http://{self.front.address}:{HTTP_PORT}/v1"
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
 
     async def instances(self, component: str, endpoints: tuple[str, ...] | None = None) -> list[InstanceInfo]:
         """The instances of `component` registered now, read through `endpoints` (default: the
@@ -72,18 +110,32 @@ class HostsMesh:
             await store.close()
         return [InstanceInfo.from_json(kv.value) for kv in items]
 
+    async def missing(self) -> list[str]:
+        """The service instances not registered in etcd now (empty: the mesh is at full strength);
+        an instance is known by its host's address."""
+        registered: set[str] = set()
+        for kind, n in self.layout.counts().items():
+            if n:
+                registered |= {i.address.rsplit(":", 1)[0] for i in await self.instances(kind)}
+        return [name for name, host in self.placed.items() if host.address not in registered]
+
     async def start(self) -> None:
-        if len(self.bed.hosts) < 5:
-            raise ChildFailed("a mesh across hosts needs 5 hosts at least (3 etcd, 1 front, 1 worker)")
         await self._start_etcd()
         model = str(ensure_demo_model())
-        front = self.front
-        await self._service("kv-router", front, "services.kv_router")
-        await self._service("processor", front, "services.processor", "--model", model)
-        for i, host in enumerate(self.worker_hosts, start=1):
-            await self._service(f"decode-worker-{i}", host, "services.decode_worker", "--engine", "mocker",
-                                "--model", model, "--speedup", str(self.speedup), ready="decode-worker")
-        await self._service("frontend", front, "services.frontend", "--http-port", str(HTTP_PORT))
+        engine: tuple[str, ...] = ("--engine", self.engine, "--model", model)
+        if self.engine == "mocker":
+            engine += ("--speedup", str(self.layout.speedup), "--kv-bytes-per-token", str(KV_BYTES_PER_TOKEN))
+        if self.layout.prefill_workers:
+            engine += ("--kv-transfer", "nixl")
+        decode = ("--max-local-prefill-length", str(self.layout.max_local_prefill_length))
+        flags = {FRONTEND: ("--http-port", str(HTTP_PORT)), PROCESSOR: ("--model", model), ROUTER: (),
+                 PREFILL: engine, DECODE: engine + decode}
+        waits = []
+        for name, host in self.placed.items():
+            kind = name.rsplit("-", 1)[0]
+            env = WORKER_ENV if kind.endswith("-worker") else None
+            waits.append(self._service(name, host, MODULES[kind], *flags[kind], ready=kind, env=env))
+        await asyncio.gather(*waits)
         await self._healthy()
 
     async def _start_etcd(self) -> None:
@@ -96,12 +148,13 @@ class HostsMesh:
             argv = replace(member, cluster=cluster).argv()
             self.children.append(spawn(f"etcd-{member.name}", "etcd", host.argv(*argv), self.run_dir, self.namespace))
 
-    async def _service(self, name: str, host: Host, module: str, *flags: str, ready: str | None = None) -> Child:
+    async def _service(self, name: str, host: Host, module: str, *flags: str, ready: str,
+                       env: dict[str, str] | None) -> Child:
         argv = host.argv(sys.executable, "-m", module, "--etcd-endpoints", self.endpoints, "--namespace",
                          self.namespace, "--host", host.address, *flags)
-        child = spawn(name, name, argv, self.run_dir, self.namespace)
+        child = spawn(name, ready, argv, self.run_dir, self.namespace, env)
         self.children.append(child)
-        await child.wait_for_line(ready_pattern(ready or name).pattern, START_TIMEOUT_S)
+        await child.wait_for_line(ready_pattern(ready).pattern, START_TIMEOUT_S)
         return child
 
     async def _healthy(self) -> None:
@@ -118,11 +171,12 @@ class HostsMesh:
                 await asyncio.sleep(0.25)
 
     async def stop(self) -> dict[str, int]:
-        """Stops the services (frontend first, etcd last); returns each exit status."""
+        """Stops the services together, then etcd; returns each exit status."""
         codes: dict[str, int] = {}
-        services = [c for c in reversed(self.children) if c.role != "etcd"]
-        for child in [*services, *(c for c in self.children if c.role == "etcd")]:
-            codes[child.name] = await child.stop(STOP_TIMEOUT_S)
+        for last in (False, True):
+            group = [c for c in self.children if (c.role == "etcd") == last]
+            for child, code in zip(group, await asyncio.gather(*(c.stop(STOP_TIMEOUT_S) for c in group)), strict=True):
+                codes[child.name] = code
         return codes
 
 

@@ -94,6 +94,8 @@ def remove_stale(prefix: str = PREFIX, grace_s: float = 5.0) -> list[str]:
 class Host:
     index: int
     namespace: str
+    # Its veth's end on the bridge, in the root namespace: what this host receives leaves by it.
+    outside: str
 
     @property
     def address(self) -> str:
@@ -145,8 +147,8 @@ class Bed:
         _ip("addr", "add", f"{BRIDGE_ADDRESS}/24", "dev", bridge)
         _ip("link", "set", bridge, "up")
         for i in range(1, self.size + 1):
-            host = Host(i, f"{self.prefix}-h{i}")
-            outside = f"{self.prefix}-v{i}"
+            host = Host(i, f"{self.prefix}-h{i}", f"{self.prefix}-v{i}")
+            outside = host.outside
             _ip("netns", "add", host.namespace)
             _ip("link", "add", outside, "type", "veth", "peer", "name", "eth0", "netns", host.namespace)
             _ip("link", "set", outside, "master", bridge)

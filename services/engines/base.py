@@ -53,6 +53,11 @@ class Sampling:
         return named
 
 
+class EngineBusy(Exception):
+    """The engine has no room for this call now (KV memory held for other requests); another
+    worker, or this one a moment later, may take it."""
+
+
 class UnsupportedFieldError(ValueError):
     """The engine cannot honour a request field; `param` names it (the HTTP error's `param`)."""
 

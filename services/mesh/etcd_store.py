@@ -148,16 +148,22 @@ class EtcdStore:
         """A caller's own deadline ran out on a call: treat the connection as failed."""
         self._broken = True
 
-    def _failed(self, exc: Exception, client: aetcd.Client) -> StoreUnavailable:
+    def _failed(self, exc: BaseException, client: aetcd.Client) -> StoreUnavailable:
         # A call that failed on a client already replaced says nothing of the current one.
         if client is self._client:
             self._broken = True
         return StoreUnavailable(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
 
     async def _call(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
-        client = await self._ready()
+        return await self._on(await self._ready(), op)
+
+    async def _on(self, client: aetcd.Client, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
         try:
             return await op(client)
+        except asyncio.CancelledError as exc:
+            if _cancelled_here():
+                raise
+            raise self._failed(exc, client) from exc
         except Exception as exc:  # noqa: BLE001 - aetcd raises more than ClientError (its watcher)
             raise self._failed(exc, client) from exc
 
@@ -178,15 +184,19 @@ class EtcdStore:
 
     async def watch_prefix(self, prefix: str, start_revision: int) -> AsyncIterator[WatchEvent]:
         client = await self._ready()
-        try:
-            watch = await client.watch_prefix(prefix.encode(), start_revision=start_revision)
-        except Exception as exc:  # noqa: BLE001 - see _call
-            raise self._failed(exc, client) from exc
+        watch = await self._on(client, lambda c: c.watch_prefix(prefix.encode(), start_revision=start_revision))
         try:
             async for event in watch:
                 yield WatchEvent(event.kv.key.decode(), event.kv.value, event.kind == "DELETE")
+        except asyncio.CancelledError as exc:
+            if _cancelled_here():
+                raise
+            raise self._failed(exc, client) from exc
         except Exception as exc:  # noqa: BLE001 - see _call
             raise self._failed(exc, client) from exc
+        else:
+            # An etcd watch never ends by itself: its connection was closed (a failover).
+            raise StoreUnavailable("the watch stream ended with its connection")
         finally:
             try:
                 await asyncio.wait_for(watch.cancel(), self._timeout_s)
@@ -204,6 +214,15 @@ class EtcdStore:
 
     async def revoke_lease(self, lease_id: int) -> None:
         await self._call(lambda c: c.revoke_lease(lease_id))
+
+
+def _cancelled_here() -> bool:
+    """Whether a CancelledError is this task's own cancellation. aetcd cancels the futures of the
+    calls and watches on a client it closes (the store closes the old one when it fails over to
+    another endpoint); a call awaiting one gets a CancelledError nobody asked its task for, and
+    that is a broken connection, not a cancellation to pass on."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
 
 
 class _TlsClient(aetcd.Client):

@@ -4,7 +4,10 @@ Rules:
 - Any live router will do: calls rotate over the routers registered in etcd, so load spreads
   and a dead one costs one retry, not an outage.
 - `UNAVAILABLE` or `DEADLINE_EXCEEDED` from a router means *that router* could not answer:
-  the same call goes to the next router (each router at most once per call).
+  the same call goes to the next router (each router at most once per call), and for
+  `avoid_s` that router is asked after every other one. A router cut off from this caller alone
+  (a partition, not a death: it stays registered) then costs one call a deadline per `avoid_s`,
+  not every call whose turn it is.
 - `NOT_FOUND` means the router answered: no worker of the pool serves the model (after the
   caller's exclusions). That outcome is raised as `NoWorkerError` and never retried elsewhere:
   every router sees the same etcd membership.
@@ -23,6 +26,7 @@ import grpc
 
 from gen.kvmesh.v1 import common_pb2, router_pb2
 from services.mesh.discovery import InstanceInfo
+from services.mesh.recent_failures import HOLD_S, RecentFailures
 from services.mesh.session_client import SessionPool
 from services.mesh.session_kind import ROUTER_SESSION, CallError
 from services.mesh.tracing import outgoing_metadata
@@ -81,11 +85,13 @@ class Routes(Protocol):
 class RouterClient:
     """Routes over one session per router (session_client.py): no round trip of its own per request."""
 
-    def __init__(self, routers: Members, sessions: SessionPool, timeout_s: float = ROUTE_TIMEOUT_S) -> None:
+    def __init__(self, routers: Members, sessions: SessionPool, timeout_s: float = ROUTE_TIMEOUT_S,
+                 avoid_s: float = HOLD_S) -> None:
         self._routers = routers
         self._sessions = sessions
         self._timeout_s = timeout_s
         self._turn = count()
+        self._failed = RecentFailures(avoid_s)
 
     async def route(self, request_id: str, model: str, token_ids: Sequence[int], role: common_pb2.WorkerRole,
                     exclude: Sequence[str] = (), explain: bool = False) -> RouteChoice:
@@ -97,9 +103,12 @@ class RouterClient:
         # The router's span joins the caller's trace (None when the caller traces nothing).
         metadata = outgoing_metadata()
         start = next(self._turn)
+        failed = set(self._failed.current())
+        # This call's turn first, then the rest in order; those that failed lately after all others.
+        order = sorted(routers[start % len(routers):] + routers[:start % len(routers)],
+                       key=lambda r: r.instance_id in failed)
         failures = []
-        for attempt in range(len(routers)):
-            router = routers[(start + attempt) % len(routers)]
+        for router in order:
             try:
                 reply = await self._sessions.get(ROUTER_SESSION, router.address).call(request, self._timeout_s, metadata)
             except CallError as exc:
@@ -109,6 +118,7 @@ class RouterClient:
                 failures.append(f"router {router.instance_id}: {exc.code.name} {detail}")
                 if exc.code not in TRY_NEXT_ROUTER:
                     break
+                self._failed.add(router.instance_id)
                 log.debug("request %s: router %s could not answer (%s); trying the next", request_id,
                           router.instance_id, exc.code.name)
                 continue

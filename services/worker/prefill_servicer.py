@@ -13,7 +13,7 @@ import logging
 import grpc
 
 from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
-from services.engines.base import Engine, EngineRequest
+from services.engines.base import Engine, EngineBusy, EngineRequest
 from services.mesh.grpc_server import abort_with
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
@@ -64,6 +64,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
             result = await self.engine.prefill(engine_request)
         except NotImplementedError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except EngineBusy as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ValueError as exc:
             await abort_with(context, refused(exc))
         log.info("request %s: prefilled %d tokens (%d cached) for remote decode", request.request_id,

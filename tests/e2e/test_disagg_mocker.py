@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, ROUTER
+from services.engines.base import EngineBusy
 from services.engines.mocker.kv_transfer import KvTransferError, NixlKvEndpoint, nixl_metadata_key
 from tests.procs import MODEL, Etcd, ServiceMesh, registered, wait_until
 
@@ -221,6 +222,19 @@ async def test_a_corrupted_transfer_is_detected() -> None:
     finally:
         await prefill.stop()
         await decode.stop()
+
+
+async def test_a_prefill_worker_whose_kv_memory_is_full_says_busy_until_some_is_pulled() -> None:
+    prefill = NixlKvEndpoint("test-full", bytes_per_token=1024, arena_bytes=400 * 1024)
+    try:
+        await prefill.hold("r1", tokens(11, 300))
+        # EngineBusy becomes RESOURCE_EXHAUSTED on the wire: the decode worker prefills locally.
+        with pytest.raises(EngineBusy, match="no room to hold 307200 KV bytes"):
+            await prefill.hold("r2", tokens(12, 300))
+        prefill.release("r1")
+        assert (await prefill.hold("r2", tokens(12, 300)))["nbytes"] == 300 * 1024
+    finally:
+        await prefill.stop()
 
 
 async def _released(endpoint: NixlKvEndpoint) -> bool:

@@ -1,39 +1,48 @@
-"""The mesh across hosts (network namespaces on a bridge, `bench/hosts/`): every process on its
-own address, nothing registered on loopback; a decode worker cut from every other host in the
-middle of streams loses and corrupts nothing (its requests move across hosts, exactly), and once
-healed it is registered again within a lease TTL plus 2 s, without a restart. Skipped, with the
-reason, where namespaces cannot be made (not root)."""
+"""The mesh across hosts (network namespaces on a bridge, `bench/hosts/`), its quick form: every
+process on its own address, nothing registered on loopback, and three silent partitions under
+load, each healed:
+
+- a decode worker cut from every other host mid-stream: its requests move across hosts, exactly,
+  and once healed it is registered again within a lease TTL plus 2 s, without a restart;
+- a decode worker cut from etcd alone: it serves what it holds, gets no new work once etcd has
+  dropped it, and comes back under its own instance id, without a restart;
+- a prefill worker cut from the decode workers while one pulls its KV: the pull is given up at
+  its deadline and the prompt prefilled locally.
+
+Every answer is checked by asking its prompt again on the healed mesh. Skipped, with the reason,
+where namespaces cannot be made (not root)."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from bench.hosts.mesh import HostsMesh, isolate, rejoin
+from bench.common.proc_stat import running
+from bench.hosts.faults import EtcdOnlyCut, Fault, MidTransferCut
+from bench.hosts.load import Row, under_load
+from bench.chaos.mesh import MeshLayout
+from bench.hosts.mesh import HostsMesh, hosts_for, isolate, rejoin
 from bench.hosts.netns import PREFIX, Bed, remove_stale, unavailable
-from services.mesh.discovery import DECODE_WORKER, FRONTEND, PROCESSOR, ROUTER
+from services.mesh.discovery import DECODE_WORKER, FRONTEND, PREFILL_WORKER, PROCESSOR, ROUTER
 from services.mesh.etcd_lease import LeaseConfig
-from tests.procs import MODEL
 
 WHY_NOT = unavailable()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 
-PROMPTS = [f"across hosts {i}: " + "lorem ipsum " * (i + 1) for i in range(8)]
-TOKENS = 200
-CUT_AFTER_S, CUT_FOR_S = 0.5, 12.0
-HEALED_WITHIN_S = LeaseConfig().ttl_s + 2.0
+LAYOUT = MeshLayout(routers=1, processors=1, prefill_workers=1, decode_workers=2)
+TTL_S = LeaseConfig().ttl_s
+HEALED_WITHIN_S = TTL_S + 2.0
+RATE = 2.0
 
 
-@pytest.fixture
-def mesh(tmp_path: Path) -> Iterator[HostsMesh]:
-    with Bed(6) as bed:
-        placed = HostsMesh(bed, tmp_path)
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostsMesh]:
+    with Bed(hosts_for(LAYOUT)) as bed:
+        placed = HostsMesh(bed, tmp_path_factory.mktemp("hosts"), LAYOUT)
         try:
             asyncio.run(placed.start())
             yield placed
@@ -43,36 +52,55 @@ def mesh(tmp_path: Path) -> Iterator[HostsMesh]:
     assert remove_stale(PREFIX) == []  # the bed took everything with it
 
 
-async def _complete(client: httpx.AsyncClient, base: str, prompt: str) -> str:
-    r = await client.post(f"{base}/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": TOKENS,
-                                                      "seed": 7})
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
-
-
-async def _scenario(mesh: HostsMesh) -> None:
-    everyone = {c: await mesh.instances(c) for c in (ROUTER, PROCESSOR, FRONTEND, DECODE_WORKER)}
-    addresses = {i.address.rsplit(":", 1)[0] for infos in everyone.values() for i in infos}
-    assert addresses == {mesh.front.address, *(h.address for h in mesh.worker_hosts)}, addresses
+async def _fault(mesh: HostsMesh, fault: Fault, hold_s: float, long_share: float = 0.0) -> Row:
     async with httpx.AsyncClient(timeout=120) as client:
-        expected = await asyncio.gather(*(_complete(client, mesh.base_url, p) for p in PROMPTS))
-        victim, rest = mesh.worker_hosts[0], [h for h in mesh.bed.hosts if h is not mesh.worker_hosts[0]]
-        victim_pid = next(c for c in mesh.children if c.name == "decode-worker-1").pid
-        streams = [asyncio.create_task(_complete(client, mesh.base_url, p)) for p in PROMPTS]
-        await asyncio.sleep(CUT_AFTER_S)
-        isolate(victim, rest)
-        try:
-            got = await asyncio.gather(*streams)
-            assert got == expected  # every request answered, exactly, none twice
-            await asyncio.sleep(max(0.0, CUT_FOR_S - CUT_AFTER_S))
-        finally:
-            rejoin(victim, rest)
-    healed = time.monotonic()
-    while not any(i.address.startswith(victim.address) for i in await mesh.instances(DECODE_WORKER)):
-        assert time.monotonic() - healed < HEALED_WITHIN_S, "the cut worker was not registered again in time"
-        await asyncio.sleep(0.2)
-    assert os.path.exists(f"/proc/{victim_pid}"), "the cut worker restarted instead of rejoining"
+        row = await under_load(mesh, client, fault, hold_s, RATE, long_share)
+    assert row.tally.failures == []
+    assert row.tally.exact == row.tally.sent > 0  # every request answered, exactly, none twice
+    assert row.recover_s <= HEALED_WITHIN_S, f"not whole again {row.recover_s:.1f}s after the heal"
+    return row
+
+
+def test_every_process_serves_on_its_own_address(mesh: HostsMesh) -> None:
+    async def addresses() -> set[str]:
+        components = (ROUTER, PROCESSOR, FRONTEND, PREFILL_WORKER, DECODE_WORKER)
+        return {i.address.rsplit(":", 1)[0] for c in components for i in await mesh.instances(c)}
+
+    assert asyncio.run(addresses()) == {h.address for h in mesh.placed.values()}
 
 
 def test_a_worker_cut_from_every_host_mid_stream_loses_nothing_and_rejoins(mesh: HostsMesh) -> None:
-    asyncio.run(_scenario(mesh))
+    victim = mesh.worker_hosts[0]
+    pid = mesh.child("decode-worker-1").pid
+    others = [h for h in mesh.bed.hosts if h is not victim]
+
+    async def cut() -> None:
+        isolate(victim, others)
+
+    async def heal() -> None:
+        rejoin(victim, others)
+
+    asyncio.run(_fault(mesh, Fault("cut from every host", cut, heal, lambda: _whole(mesh)), hold_s=TTL_S + 2))
+    assert running(pid), "the cut worker restarted instead of rejoining"
+
+
+def test_a_worker_cut_from_etcd_alone_gets_no_new_work_and_rejoins_under_its_own_id(mesh: HostsMesh) -> None:
+    cut = EtcdOnlyCut(mesh, mesh.worker_hosts[-1])
+    asyncio.run(_fault(mesh, Fault("cut from etcd", cut.start, cut.end, cut.recovered), hold_s=TTL_S + 4))
+    assert cut.counted_from is not None, "etcd never dropped the cut worker"
+    assert cut.admitted_during > 0  # it served while its lease ran down...
+    assert cut.admitted_after_drop == 0  # ...and nothing new once etcd had dropped it
+    assert running(cut.pid), "the cut worker restarted instead of rejoining"
+
+
+def test_a_prefill_worker_cut_mid_transfer_is_given_up_for_a_local_prefill(mesh: HostsMesh) -> None:
+    cut = MidTransferCut(mesh, mesh.worker_hosts)
+    started = time.monotonic()
+    asyncio.run(_fault(mesh, Fault("cut mid-transfer", cut.start, cut.end, lambda: _whole(mesh)), hold_s=6.0,
+                       long_share=1.0))
+    assert cut.cut_at_handover, f"no KV handover in {time.monotonic() - started:.0f}s"
+    assert asyncio.run(cut.fallbacks()).get("transfer", 0) >= 1, "no transfer was given up"
+
+
+async def _whole(mesh: HostsMesh) -> bool:
+    return not await mesh.missing()

@@ -20,6 +20,7 @@ from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.mesh.channels import ChannelPool
 from services.mesh.discovery import ROUTER, InstanceInfo
 from services.mesh.net import free_port
+from services.mesh.recent_failures import HOLD_S
 from services.mesh.router_client import NoWorkerError, RouteChoice, RouterClient, RoutingUnavailable
 from services.mesh.session_client import SessionPool
 from services.mesh.session_kind import ROUTER_SESSION, CallError, CallInfo
@@ -91,7 +92,7 @@ class Routers:
 
 
 @asynccontextmanager
-async def routers(*behaviours: str, timeout_s: float = 2.0) -> AsyncIterator[Routers]:
+async def routers(*behaviours: str, timeout_s: float = 2.0, avoid_s: float = HOLD_S) -> AsyncIterator[Routers]:
     """Routers r0, r1, ... (the client tries them in id order from its turn) with these behaviours."""
     scripted, servers = [], []
     pool = ChannelPool()
@@ -110,7 +111,7 @@ async def routers(*behaviours: str, timeout_s: float = 2.0) -> AsyncIterator[Rou
             scripted.append(router)
         members = Members({r.instance_id: InstanceInfo(component=ROUTER, instance_id=r.instance_id, address=r.address)
                            for r in scripted})
-        yield Routers(RouterClient(members, sessions, timeout_s=timeout_s), scripted)
+        yield Routers(RouterClient(members, sessions, timeout_s=timeout_s, avoid_s=avoid_s), scripted)
     finally:
         await sessions.close()
         await pool.close()
@@ -154,6 +155,24 @@ async def test_a_router_that_cannot_answer_costs_one_retry_on_the_next(failure: 
         choice = await route(mesh.client)
         assert choice.worker_id == "worker-via-r1"
         assert mesh.called() == {"r0": 0 if failure == DEAD else 1, "r1": 1}
+
+
+async def test_a_router_that_could_not_answer_is_asked_last_for_a_while() -> None:
+    # A router cut off from this caller alone stays registered: without this, every call whose
+    # turn it is would wait out its deadline first.
+    async with routers(HANGS, OK, OK, timeout_s=SHORT_TIMEOUT_S) as mesh:
+        answered_by = [(await route(mesh.client, f"req-{i}")).worker_id for i in range(4)]
+        assert mesh.called()["r0"] == 1  # the fourth call's turn was r0's again
+    assert answered_by == ["worker-via-r1", "worker-via-r1", "worker-via-r2", "worker-via-r1"]
+
+
+async def test_a_router_avoided_for_a_while_is_asked_again_after_it() -> None:
+    async with routers("unavailable", OK, avoid_s=0.2) as mesh:
+        await route(mesh.client, "req-0")  # r0 fails, r1 answers
+        await asyncio.sleep(0.3)
+        await route(mesh.client, "req-1")  # r1's turn
+        await route(mesh.client, "req-2")  # r0's turn, and its time out of turn is over
+        assert mesh.called() == {"r0": 2, "r1": 3}
 
 
 async def test_each_router_is_tried_at_most_once_per_call() -> None:

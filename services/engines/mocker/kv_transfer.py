@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xxhash
 
+from services.engines.base import EngineBusy
+
 if TYPE_CHECKING:
     import torch
 
@@ -32,6 +34,10 @@ log = logging.getLogger(__name__)
 DONE_PREFIX = b"kvmesh-done:"
 NOTIF_POLL_S = 0.005
 TRANSFER_POLL_S = 0.0005
+# A pull's deadline: this floor plus its size at this rate. A link that slow, or a peer cut off
+# mid-transfer, costs the request at most that long before it is prefilled locally instead.
+PULL_FLOOR_S = 3.0
+PULL_MIN_BYTES_PER_S = 25e6
 
 
 class KvTransferError(Exception):
@@ -154,7 +160,8 @@ class NixlKvEndpoint:
         nbytes = len(tokens) * self.bytes_per_token
         offset = self._arena.alloc(nbytes)
         if offset is None:
-            raise KvTransferError(f"no room to hold {nbytes} KV bytes (all {self._arena.buffer.numel()} in use)")
+            raise EngineBusy(f"no room to hold {nbytes} KV bytes for a decode worker to pull (all "
+                             f"{self._arena.buffer.numel()} held for earlier prompts)")
         region = self._arena.view(offset, nbytes)
         try:
             digest = await asyncio.to_thread(_fill, region, tokens, self.bytes_per_token)
@@ -192,11 +199,14 @@ class NixlKvEndpoint:
 
     # -- decode side ---------------------------------------------------------------------------
 
-    async def pull(self, params: dict, timeout_s: float = 30.0) -> tuple[int, float]:
-        """Reads a prefill worker's KV into local memory; returns (bytes, seconds)."""
+    async def pull(self, params: dict, timeout_s: float | None = None) -> tuple[int, float]:
+        """Reads a prefill worker's KV into local memory within `timeout_s` (default: by its size);
+        returns (bytes, seconds)."""
         peer = params["agent"]
         await self._connect(peer)
         nbytes = int(params["nbytes"])
+        if timeout_s is None:
+            timeout_s = PULL_FLOOR_S + nbytes / PULL_MIN_BYTES_PER_S
         offset = self._arena.alloc(nbytes)
         if offset is None:
             raise KvTransferError(f"no room to receive {nbytes} KV bytes")
@@ -219,10 +229,21 @@ class NixlKvEndpoint:
                 raise KvTransferError(f"KV from {peer} arrived corrupted (checksum mismatch)")
             return nbytes, seconds
         finally:
-            if handle is not None:
-                self._agent.release_xfer_handle(handle)
-            # The engine's "KV cache" is simulated: the received bytes need not outlive the check.
-            self._arena.release(offset, nbytes)
+            if self._release(handle, peer):
+                # The engine's "KV cache" is simulated: the received bytes need not outlive the check.
+                self._arena.release(offset, nbytes)
+
+    def _release(self, handle: object, peer: str) -> bool:
+        """Releases a transfer; False when NIXL would not (one still in flight to a peer cut off):
+        its slice of the arena then stays taken, since bytes may still land in it."""
+        if handle is None:
+            return True
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:  # noqa: BLE001 - nixl raises its own error types per status
+            log.warning("NIXL transfer from %s could not be released (%s); its receive buffer stays taken", peer, exc)
+            return False
+        return True
 
     async def _connect(self, peer: str) -> None:
         if peer in self._peers:

@@ -1,0 +1,160 @@
+"""Steady load on the mesh across hosts, and every answer checked afterwards.
+
+Each request has a prompt of its own (a tag and a counter ahead of the filler), so no answer is
+served from another request's cache and a long prompt is prefilled with nothing cached, on the
+prefill pool where there is one. The answer is a function of the prompt (the mocker's always,
+vLLM's greedy one, which is what is asked for), so once a fault is healed each prompt is asked
+again: an answer that differs was corrupted on the way (a token lost, doubled or out of place in
+a migration, a generation run twice into one stream); a request that got no answer failed, with
+the error the client saw. `under_load` runs one fault that way: load, fault, heal, time to
+recover, check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from bench.hosts.faults import Fault
+from bench.hosts.mesh import HostsMesh
+
+MODEL = "kvmesh-demo"
+TOKENS = 120
+SEED = 7
+# ~90 tokens, and ~700 (above the decode workers' 512-token local prefill limit).
+SHORT_FILLER, LONG_FILLER = "lorem ipsum " * 12, "lorem ipsum " * 100
+CHECK_CONCURRENCY = 16
+DRAIN_TIMEOUT_S = 120.0
+RECOVER_TIMEOUT_S = 60.0
+SETTLE_S = 1.0
+
+
+@dataclass
+class Outcome:
+    prompt: str
+    seconds: float
+    text: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Tally:
+    outcomes: list[Outcome] = field(default_factory=list)
+    exact: int = 0
+    corrupted: int = 0
+
+    @property
+    def sent(self) -> int:
+        return len(self.outcomes)
+
+    @property
+    def failures(self) -> list[str]:
+        return [o.error for o in self.outcomes if o.error is not None]
+
+    def latency(self, q: float) -> float:
+        done = sorted(o.seconds for o in self.outcomes if o.error is None)
+        return done[min(len(done) - 1, int(q * len(done)))] if done else float("nan")
+
+
+async def answer(client: httpx.AsyncClient, base: str, prompt: str) -> str:
+    r = await client.post(f"{base}/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": TOKENS,
+                                                      "seed": SEED, "temperature": 0})
+    if r.status_code != 200:
+        raise httpx.HTTPStatusError(f"{r.status_code}: {r.text[:160]}", request=r.request, response=r)
+    return str(r.json()["choices"][0]["text"])
+
+
+async def steady(client: httpx.AsyncClient, base: str, tag: str, rate: float, long_share: float,
+                 stop: asyncio.Event, tally: Tally) -> None:
+    """Poisson arrivals at `rate` per second until `stop`; then waits for those in flight."""
+    rng = random.Random(tag)
+    running: set[asyncio.Task[None]] = set()
+
+    async def one(prompt: str) -> None:
+        outcome = Outcome(prompt, 0.0)
+        tally.outcomes.append(outcome)
+        started = time.monotonic()
+        try:
+            outcome.text = await answer(client, base, prompt)
+        except httpx.HTTPError as exc:
+            outcome.error = f"{type(exc).__name__}: {exc}"[:200]
+        outcome.seconds = time.monotonic() - started
+
+    n = 0
+    while not stop.is_set():
+        filler = LONG_FILLER if rng.random() < long_share else SHORT_FILLER
+        task = asyncio.create_task(one(f"{tag} {n}: {filler}"))
+        n += 1
+        running.add(task)
+        task.add_done_callback(running.discard)
+        try:
+            await asyncio.wait_for(stop.wait(), rng.expovariate(rate))
+        except TimeoutError:
+            pass
+    if running:
+        await asyncio.wait(running, timeout=DRAIN_TIMEOUT_S)
+
+
+async def check(client: httpx.AsyncClient, base: str, tally: Tally) -> None:
+    """Asks every answered prompt again on the healed mesh and counts exact and corrupted answers."""
+    gate = asyncio.Semaphore(CHECK_CONCURRENCY)
+
+    async def again(outcome: Outcome) -> bool:
+        async with gate:
+            return await answer(client, base, outcome.prompt) == outcome.text
+
+    answered = [o for o in tally.outcomes if o.text is not None]
+    same = await asyncio.gather(*(again(o) for o in answered))
+    tally.exact = sum(same)
+    tally.corrupted = len(same) - tally.exact
+
+
+@dataclass
+class Row:
+    fault: str
+    tally: Tally
+    recover_s: float
+    note: str
+
+
+async def recovered_after(fault: Fault) -> float:
+    healed = time.monotonic()
+    while time.monotonic() - healed < RECOVER_TIMEOUT_S:
+        if await fault.recovered():
+            return time.monotonic() - healed
+        await asyncio.sleep(0.2)
+    return float("inf")
+
+
+async def under_load(mesh: HostsMesh, client: httpx.AsyncClient, fault: Fault | None, hold_s: float, rate: float,
+                     long_share: float) -> Row:
+    """`fault` (None: none) applied for `hold_s` under steady load, healed, and the answers checked."""
+    name = fault.name if fault else "no fault (baseline)"
+    print(f"hosts: {name}, {hold_s:.0f}s ...", flush=True)
+    tally, stop = Tally(), asyncio.Event()
+    load = asyncio.create_task(steady(client, mesh.base_url, name, rate, long_share, stop, tally))
+    await asyncio.sleep(SETTLE_S)
+    recover_s, note = 0.0, ""
+    try:
+        if fault is None:
+            await asyncio.sleep(hold_s)
+        else:
+            await fault.start()
+            try:
+                await asyncio.sleep(hold_s)
+            finally:
+                await fault.end()
+            recover_s = await recovered_after(fault)
+            note = await fault.note() if fault.note else ""
+    finally:
+        stop.set()
+        await load
+    await check(client, mesh.base_url, tally)
+    row = Row(name, tally, recover_s, note)
+    print(f"hosts: {name}: {tally.exact}/{tally.sent} exact, {tally.corrupted} corrupted, {len(tally.failures)} "
+          f"failed, p99 {tally.latency(0.99):.1f}s, recovered {recover_s:.1f}s after the heal. {note}", flush=True)
+    return row
