@@ -1,9 +1,10 @@
 """The faults the bed puts a mesh through, one at a time, and how each one's recovery is told.
 
-Every fault is silent, as a real network's are: packets go nowhere (blackhole routes) or are
-dropped at random (nftables), so nobody is refused or reset and each side learns of it by its
-own deadlines and keep-alives. After the heal, the mesh has recovered when `recovered` holds:
-for most faults, every instance of the layout registered in etcd again.
+Every fault is silent, as a real network's are: packets are dropped where they arrive (nftables),
+all of them or some at random, so nobody is refused or reset and each side learns of it by its
+own deadlines and keep-alives. After the heal, a fault that took instances out of etcd has
+recovered when they are registered again (`recovered`); what else the mesh had to do (no new
+work to a worker etcd dropped, a cut transfer given up) is its `passed` verdict.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import httpx
 
 from bench.common.proc_stat import running
-from bench.hosts.links import LinkShape, loss_unavailable, shape, unshape
+from bench.hosts.links import LinkShape, shape, unshape
 from bench.hosts.mesh import ETCD_CLIENT_PORT, HostsMesh, isolate, rejoin
 from bench.hosts.netns import Host
 from services.mesh.discovery import DECODE_WORKER
@@ -28,33 +29,42 @@ from services.mesh.discovery import DECODE_WORKER
 ETCDCTL_TIMEOUT_S = 10.0
 
 
+Check = Callable[[], Awaitable[bool]]
+Verdict = Callable[[], Awaitable["str | None"]]
+
+
 @dataclass(frozen=True)
 class Fault:
     name: str
     start: Callable[[], Awaitable[None]]
     end: Callable[[], Awaitable[None]]
-    recovered: Callable[[], Awaitable[bool]]
+    # Whether the instances the fault took out of etcd are registered again; None where it takes
+    # nobody out (the instance stays registered; its callers route around it for a while).
+    recovered: Check | None
     # What the fault showed beyond the answers (a counter read before and after), for the table.
     note: Callable[[], Awaitable[str]] | None = None
+    # What the mesh must have done besides answering (None when it did), for the goals.
+    passed: Verdict | None = None
     hold_s: float | None = None  # None: the run's --cut
 
 
 def faults(mesh: HostsMesh, loss_pct: float, loss_s: float) -> tuple[list[Fault], list[str]]:
     """The faults this layout and machine can have, and a line for each one they cannot (a processor
-    cut from one of two routers needs two routers, a prefill worker's cut a prefill pool, loss
-    nftables, the etcd leader's cut etcdctl)."""
+    cut from one of two routers needs two routers, a prefill worker's cut a prefill pool, the etcd
+    leader's cut etcdctl)."""
     skipped = []
     everyone = mesh.bed.hosts
     decode = mesh.hosts_of("decode-worker")
     cut_all, cut_etcd = decode[0], decode[-1]
     full = _full_strength(mesh)
-    found = [Fault("decode worker cut from every host, mid-stream", *_cut(cut_all, _others(everyone, cut_all)), full)]
+    found = [Fault("decode worker cut from every host, mid-stream", *_cut(cut_all, _others(everyone, cut_all)), full,
+                   passed=_same_process(mesh, "decode-worker-1"))]
     etcd_only = EtcdOnlyCut(mesh, cut_etcd)
     found.append(Fault("decode worker cut from etcd only", etcd_only.start, etcd_only.end, etcd_only.recovered,
-                       etcd_only.note))
+                       etcd_only.note, etcd_only.passed))
     if len(mesh.hosts_of("kv-router")) >= 2:
         processor, router = mesh.hosts_of("processor")[0], mesh.hosts_of("kv-router")[0]
-        found.append(Fault("processor cut from one of two routers", *_cut(processor, [router]), full))
+        found.append(Fault("processor cut from one of two routers", *_cut(processor, [router]), None))
     else:
         skipped.append("processor cut from one of two routers: the layout has one router")
     if shutil.which("etcdctl") is not None:
@@ -66,16 +76,22 @@ def faults(mesh: HostsMesh, loss_pct: float, loss_s: float) -> tuple[list[Fault]
     if mesh.hosts_of("prefill-worker"):
         mid_transfer = MidTransferCut(mesh, decode)
         found.append(Fault("prefill worker cut from the decode workers during a NIXL transfer", mid_transfer.start,
-                           mid_transfer.end, full, mid_transfer.note))
+                           mid_transfer.end, None, mid_transfer.note, mid_transfer.passed))
     else:
         skipped.append("prefill worker cut mid-transfer: the layout has no prefill worker")
-    if (why := loss_unavailable()) is None:
-        lossy = decode[1 % len(decode)]
-        found.append(Fault(f"{loss_pct:g}% packet loss on a decode worker's link", *_lossy(lossy, loss_pct), full,
-                           hold_s=loss_s))
-    else:
-        skipped.append(f"packet loss: {why}")
+    lossy = decode[1 % len(decode)]
+    found.append(Fault(f"{loss_pct:g}% packet loss on a decode worker's link", *_lossy(lossy, loss_pct), None,
+                       hold_s=loss_s))
     return found, skipped
+
+
+def _same_process(mesh: HostsMesh, name: str) -> Verdict:
+    pid = mesh.child(name).pid
+
+    async def verdict() -> str | None:
+        return None if running(pid) else f"{name} restarted instead of rejoining"
+
+    return verdict
 
 
 def _others(hosts: list[Host], host: Host) -> list[Host]:
@@ -188,6 +204,13 @@ class EtcdOnlyCut:
         except Exception:  # noqa: BLE001 - etcd busy: not yet
             return False
 
+    async def passed(self) -> str | None:
+        if self.counted_from is None:
+            return "etcd never dropped the worker cut from it (a cut shorter than the lease TTL + 1 s?)"
+        if self.admitted_after_drop and len(self.mesh.hosts_of("decode-worker")) > 1:
+            return f"the worker etcd had dropped admitted {self.admitted_after_drop:.0f} new requests"
+        return None if running(self.pid) else "the worker cut from etcd restarted instead of rejoining"
+
     async def note(self) -> str:
         if self.counted_from is None:
             return "etcd still listed it a second before the heal (cut shorter than the lease TTL + 1 s?)"
@@ -215,13 +238,16 @@ class LeaderCut:
 
     async def start(self) -> None:
         status = await asyncio.to_thread(self._status)
-        leader_id = next(iter(status.values()))[1]
-        endpoint = next(e for e, (member, _) in status.items() if member == leader_id)
+        leaders = {leader for _, leader in status.values() if leader}
+        endpoint = next((e for e, (member, _) in status.items() if member in leaders), None)
+        if len(leaders) != 1 or endpoint is None:
+            raise RuntimeError(f"cannot tell the etcd leader: the members name {len(leaders)} leaders")
         self.host = next(h for h in self.mesh.etcd_hosts if f"//{h.address}:{ETCD_CLIENT_PORT}" in endpoint)
         isolate(self.host, _others(self.mesh.etcd_hosts, self.host))
 
     async def end(self) -> None:
-        assert self.host is not None
+        if self.host is None:  # the start failed before it cut anything
+            return
         status = await asyncio.to_thread(self._status)
         others = {e: s for e, s in status.items() if self.host.address not in e}
         leaders = {leader for _, leader in others.values() if leader}
@@ -230,7 +256,8 @@ class LeaderCut:
 
     async def recovered(self) -> bool:
         """The old leader answers a read that needs a quorum, and the mesh is whole."""
-        assert self.host is not None
+        if self.host is None:
+            return True
         try:
             await self.mesh.instances(DECODE_WORKER, (f"http://{self.host.address}:{ETCD_CLIENT_PORT}",))
         except Exception:  # noqa: BLE001 - still out of the quorum
@@ -238,7 +265,8 @@ class LeaderCut:
         return await _full_strength(self.mesh)()
 
     async def note(self) -> str:
-        assert self.host is not None
+        if self.host is None:
+            return "the leader was not found"
         return f"leader was on host {self.host.index}; during the cut: {self.new_leader}"
 
 
@@ -260,11 +288,14 @@ class MidTransferCut:
         self.host = mesh.placed[self.name]
         self.before: dict[str, float] = {}
         self.cut_at_handover = False
+        self.waited_s = 0.0
 
     async def start(self) -> None:
         self.before = await self._totals()
         shape(self.host, self.LINK)
+        began = time.monotonic()
         self.cut_at_handover = await self._next_handover()
+        self.waited_s = time.monotonic() - began
         isolate(self.host, self.decode)
 
     async def end(self) -> None:
@@ -299,8 +330,14 @@ class MidTransferCut:
         after = await self._totals()
         return {r: after[r] - self.before.get(r, 0.0) for r in after if after[r] > self.before.get(r, 0.0)}
 
+    async def passed(self) -> str | None:
+        if not self.cut_at_handover:
+            return f"no KV handover within {self.HANDOVER_TIMEOUT_S:.0f}s: the cut may have missed every transfer"
+        return None if (await self.fallbacks()).get("transfer") else "no transfer was given up for a local prefill"
+
     async def note(self) -> str:
         grown = await self.fallbacks()
-        when = "cut just after a handover" if self.cut_at_handover else "no handover within 30 s: cut at random"
+        when = (f"cut just after a handover ({self.waited_s:.1f}s in)" if self.cut_at_handover
+                else f"no handover within {self.HANDOVER_TIMEOUT_S:.0f}s: cut at random")
         return f"{when}; fallbacks to local prefill: " + (", ".join(f"{n:.0f} {r}" for r, n in sorted(grown.items()))
                                                           or "none")

@@ -34,8 +34,8 @@ class LinkShape:
     jitter_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.loss_pct < 100:
-            raise ValueError(f"loss must be 0 to <100 %, got {self.loss_pct}")
+        if not (self.loss_pct == 0 or 0.01 <= self.loss_pct < 100):
+            raise ValueError(f"loss must be 0, or 0.01 to <100 %, got {self.loss_pct}")
         if self.rate_mbit is not None and not self.rate_mbit > 0:
             raise ValueError(f"rate must be > 0 Mbit/s, got {self.rate_mbit}")
         if self.delay_ms < 0 or self.jitter_ms < 0 or self.jitter_ms > self.delay_ms:

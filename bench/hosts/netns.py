@@ -4,7 +4,8 @@ Host i is the namespace `<prefix>-h<i>` with `eth0` at 10.77.0.i/24, one end of 
 whose other end sits on the bridge `<prefix>-br` in the root namespace; the bridge itself has
 10.77.0.254, so the machine (the load generator) reaches every host. Each host has its own
 network stack: its own loopback, routes and firewall, so a route or a rule set in one host
-cuts or degrades what crosses the network to it and nothing else.
+cuts or degrades what crosses the network to it and nothing else. A cut drops packets where they
+arrive (nftables), so neither side is told: each learns of it by its own deadlines.
 
 Everything the bed makes carries the prefix, so `remove_stale` takes away what a killed run
 left behind (its namespaces, the processes still inside them, the bridge) before a new bed is
@@ -23,6 +24,14 @@ from dataclasses import dataclass, field
 from bench.common.proc_stat import running
 
 PREFIX = "kvmb"
+# Each host's nftables table of the peers it is cut from (bench/hosts/links.py has its own).
+CUT_TABLE = "kvmb_cut"
+CUT_RULES = f"""
+add table inet {CUT_TABLE}
+add set inet {CUT_TABLE} peers {{ type ipv4_addr; }}
+add chain inet {CUT_TABLE} input {{ type filter hook input priority -10; }}
+add rule inet {CUT_TABLE} input ip saddr @peers drop
+"""
 SUBNET = "10.77.0"
 BRIDGE_ADDRESS = f"{SUBNET}.254"
 COMMAND_TIMEOUT_S = 10.0
@@ -38,6 +47,8 @@ def unavailable() -> str | None:
         return "no `ip` command (iproute2 is not installed)"
     if os.geteuid() != 0:
         return "network namespaces need root (CAP_NET_ADMIN); run as root to test across hosts"
+    if shutil.which("nft") is None:
+        return "no `nft` command: the bed cuts hosts apart with nftables (install the nftables package)"
     # What a bed needs, tried once on throw-away names: a namespace, a bridge, a veth pair into it.
     probe, bridge = f"{PREFIX}-probe", f"{PREFIX}-pbr"
     steps = [(["netns", "add", probe], "a network namespace"), (["link", "add", bridge, "type", "bridge"], "a bridge"),
@@ -105,18 +116,22 @@ class Host:
         """`command` run inside this host's network namespace."""
         return ["ip", "netns", "exec", self.namespace, *command]
 
-    def run(self, *command: str) -> subprocess.CompletedProcess[str]:
-        done = subprocess.run(self.argv(*command), capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
-        if done.returncode != 0:
+    def run(self, *command: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(self.argv(*command), input=stdin, capture_output=True, text=True,
+                              timeout=COMMAND_TIMEOUT_S)
+        if check and done.returncode != 0:
             raise BedError(f"{self.namespace}: {' '.join(command)}: {done.stderr.strip()}")
         return done
 
     def cut_from(self, other: Host) -> None:
-        """Packets from this host to `other` go nowhere (a partition, one direction)."""
-        self.run("ip", "route", "add", "blackhole", f"{other.address}/32")
+        """Packets from `other` are dropped as they arrive here: one direction of a partition.
+        The sender sees nothing (no error, no reset), as across a real network; a blackhole
+        route would instead fail its sends at once."""
+        self.run("nft", "add", "element", "inet", CUT_TABLE, "peers", f"{{ {other.address} }}")
 
     def heal_from(self, other: Host) -> None:
-        self.run("ip", "route", "del", "blackhole", f"{other.address}/32")
+        """Lets packets from `other` in again (a peer that was not cut off is not an error)."""
+        self.run("nft", "delete", "element", "inet", CUT_TABLE, "peers", f"{{ {other.address} }}", check=False)
 
 
 @dataclass
@@ -156,4 +171,5 @@ class Bed:
             host.run("ip", "link", "set", "lo", "up")
             host.run("ip", "addr", "add", f"{host.address}/24", "dev", "eth0")
             host.run("ip", "link", "set", "eth0", "up")
+            host.run("nft", "-f", "-", stdin=CUT_RULES)
             self.hosts.append(host)

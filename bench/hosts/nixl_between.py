@@ -15,7 +15,7 @@ import sys
 
 from bench.hosts.links import LinkShape, shape, unshape
 from bench.hosts.netns import Bed, Host
-from bench.nixl.run import label, offer_of, start_peer
+from bench.nixl.run import label, offer_of, start_peer, stop_peer
 
 SIZES = [1 << 20, 16 << 20, 64 << 20]
 TCP = {"UCX_TLS": "tcp"}
@@ -34,9 +34,7 @@ def _gbps(source: Host, reader: Host, env: dict[str, str]) -> dict[int, float]:
         line = next(line for line in done.stdout.splitlines() if line.startswith("{"))
         return {int(n): int(n) / s / 1e9 for n, s in json.loads(line).items()}
     finally:
-        if peer.stdin is not None:
-            peer.stdin.close()
-        peer.wait(30)
+        stop_peer(peer)
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:

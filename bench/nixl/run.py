@@ -12,6 +12,8 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 
 import numpy as np
 
@@ -19,6 +21,7 @@ from bench.common.report import bar_plot, save_json, table
 from bench.nixl.sink import read_seconds, timed
 
 SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
+OFFER_TIMEOUT_S = 60.0
 
 
 def label(n: int) -> str:
@@ -29,10 +32,31 @@ def memcpy_seconds(n: int, src: np.ndarray, dst: np.ndarray) -> float:
     return timed(lambda: np.copyto(dst[:n], src[:n]))
 
 
-def offer_of(peer: subprocess.Popen[str]) -> dict:
+def offer_of(peer: subprocess.Popen[str], timeout_s: float = OFFER_TIMEOUT_S) -> dict:
     """The peer's offer: NIXL logs to stdout too, so it is the line that is JSON."""
     assert peer.stdout is not None
-    return next(json.loads(line) for line in peer.stdout if line.startswith("{"))
+    stdout = peer.stdout
+    with ThreadPoolExecutor(1) as reader:
+        found = reader.submit(lambda: next((line for line in stdout if line.startswith("{")), ""))
+        try:
+            line = found.result(timeout_s)
+        except FuturesTimeout:
+            peer.kill()  # unblocks the reader
+            raise RuntimeError(f"the NIXL peer made no offer within {timeout_s:.0f}s") from None
+    if not line:
+        raise RuntimeError(f"the NIXL peer exited ({peer.wait()}) without an offer")
+    return json.loads(line)
+
+
+def stop_peer(peer: subprocess.Popen[str]) -> None:
+    """Closes the peer's standard input (it exits then); kills it if it does not."""
+    if peer.stdin is not None:
+        peer.stdin.close()
+    try:
+        peer.wait(30)
+    except subprocess.TimeoutExpired:
+        peer.kill()
+        peer.wait(10)
 
 
 def start_peer(prefix: list[str] | None = None, sizes: list[int] = SIZES,
@@ -58,9 +82,7 @@ def run() -> dict:
             results.append({"bytes": n, "nixl_GBps": nixl_gbps, "memcpy_GBps": copy_gbps})
             rows.append([label(n), nixl_gbps, copy_gbps, f"{nixl_gbps / copy_gbps:.0%}", nixl_s * 1e6])
     finally:
-        if peer.stdin is not None:
-            peer.stdin.close()
-        peer.wait(30)
+        stop_peer(peer)
     table("NIXL READ between two processes (UCX, DRAM) vs single-threaded memcpy, same run",
           ["size", "NIXL GB/s", "memcpy GB/s", "NIXL / memcpy", "NIXL us per transfer"], rows)
     print("goal: NIXL >= 80% of memcpy from 4 MiB up", flush=True)

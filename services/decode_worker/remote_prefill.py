@@ -33,6 +33,9 @@ RELEASE_TIMEOUT_S = 2.0
 # A prefill worker unreachable or too slow is set aside (RecentFailures) rather than chosen again
 # until its lease runs out; one that answered with an error is not gone.
 PREFILL_WORKER_FAILED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# A failed Prefill call's reason on kvmesh_decode_prefill_fallback_total; any other status is "error".
+FALLBACK_REASONS = {grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
+                    grpc.StatusCode.RESOURCE_EXHAUSTED: "busy"}  # no room for more KV held for pulling
 
 
 class DisaggMetrics:
@@ -127,7 +130,7 @@ class RemotePrefiller:
             reply = await stub.Prefill(worker_pb2.PrefillRequest(request_id=rid, token_ids=tokens, sampling=sampling),
                                        timeout=self.config.prefill_timeout_s, metadata=outgoing_metadata())
         except grpc.aio.AioRpcError as exc:
-            reason = "deadline" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "error"
+            reason = FALLBACK_REASONS.get(exc.code(), "error")
             if exc.code() in PREFILL_WORKER_FAILED:
                 self._failed.add(route.worker_id)
             self.fallback(rid, reason, f"prefill worker {route.worker_id}: {exc.code().name} {exc.details()}", span)

@@ -30,6 +30,10 @@ class RecentFailures:
             self._until.pop(next(iter(self._until)))
         self._until[instance_id] = now + self._hold_s
 
+    def discard(self, instance_id: str) -> None:
+        """The instance answered again: no longer kept out."""
+        self._until.pop(instance_id, None)
+
     def current(self) -> list[str]:
         """The instances to keep out of choices right now."""
         if not self._until:

@@ -122,5 +122,7 @@ class RouterClient:
                 log.debug("request %s: router %s could not answer (%s); trying the next", request_id,
                           router.instance_id, exc.code.name)
                 continue
+            if router.instance_id in failed:
+                self._failed.discard(router.instance_id)  # it answered: back in its turn
             return RouteChoice.of(reply)
         raise RoutingUnavailable("routing failed: " + "; ".join(failures))

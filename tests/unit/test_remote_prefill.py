@@ -33,7 +33,7 @@ SAMPLING = common_pb2.SamplingParams(max_tokens=8, seed=42)
 # Long enough for an answering prefill worker on a loaded machine, short for one that never answers.
 DEADLINE_TIMEOUT_S = 1.0
 # Every reason the decode worker counts a fallback under ("transfer" is the decode side's own, after a pull).
-FALLBACK_REASONS = ("no_prefill_worker", "no_router", "error", "deadline", "transfer")
+FALLBACK_REASONS = ("no_prefill_worker", "no_router", "error", "deadline", "busy", "transfer")
 
 
 class ScriptedPrefiller(worker_pb2_grpc.PrefillerServicer):
@@ -49,6 +49,8 @@ class ScriptedPrefiller(worker_pb2_grpc.PrefillerServicer):
         self.prefills.append(request)
         if self.prefill == "error":
             await context.abort(grpc.StatusCode.INTERNAL, "scripted engine failure")
+        if self.prefill == "busy":
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "scripted: no room to hold more KV")
         if self.prefill == "hangs":
             await asyncio.Event().wait()  # cancelled at the client's deadline or when the server stops
         return worker_pb2.PrefillResponse(kv_transfer_json=json.dumps(KV_TRANSFER), cached_tokens=32)
@@ -195,6 +197,14 @@ async def test_a_failed_prefill_rpc_falls_back_to_local_as_error() -> None:
         assert await s.prefiller.plan("r-err", prompt(LONG), SAMPLING, 0.0) is None
         assert len(s.worker.prefills) == 1
         assert s.counts() == counts(local=1, error=1)
+
+
+async def test_a_prefill_worker_with_no_room_falls_back_to_local_as_busy_and_stays_in_routing() -> None:
+    async with remote_prefill(worker=ScriptedPrefiller(prefill="busy")) as s:
+        assert await s.prefiller.plan("r-busy", prompt(LONG), SAMPLING, 0.0) is None
+        await s.prefiller.plan("r-busy-2", prompt(LONG), SAMPLING, 0.0)
+        assert s.counts() == counts(local=2, busy=2)
+        assert [c["exclude"] for c in s.routers.calls] == [(), ()]  # full for now, not gone
 
 
 async def test_an_unreachable_prefill_worker_falls_back_to_local_as_error() -> None:

@@ -106,6 +106,16 @@ class Arena:
         return self.buffer[offset : offset + size]
 
 
+@dataclass(frozen=True)
+class _Transfer:
+    """A READ this agent started: its NIXL handle and the slice of the arena it writes into."""
+
+    handle: object
+    offset: int
+    nbytes: int
+    peer: str
+
+
 @dataclass
 class _Held:
     offset: int
@@ -133,6 +143,8 @@ class NixlKvEndpoint:
         self._registration = self._agent.register_memory(self._arena.buffer)
         self._held: dict[str, _Held] = {}
         self._peers: set[str] = set()
+        # READs NIXL would not release yet (cut off mid-way), with their arena slices.
+        self._unreleased: list[_Transfer] = []
         self._task: asyncio.Task[None] | None = None
         self.metadata_lookup = metadata_lookup
 
@@ -200,13 +212,17 @@ class NixlKvEndpoint:
     # -- decode side ---------------------------------------------------------------------------
 
     async def pull(self, params: dict, timeout_s: float | None = None) -> tuple[int, float]:
-        """Reads a prefill worker's KV into local memory within `timeout_s` (default: by its size);
-        returns (bytes, seconds)."""
-        peer = params["agent"]
-        await self._connect(peer)
+        """Reads a prefill worker's KV into local memory within `timeout_s` (default: by its size),
+        finding the peer and checking the bytes included; returns (bytes, seconds)."""
         nbytes = int(params["nbytes"])
-        if timeout_s is None:
-            timeout_s = PULL_FLOOR_S + nbytes / PULL_MIN_BYTES_PER_S
+        deadline = time.perf_counter() + (PULL_FLOOR_S + nbytes / PULL_MIN_BYTES_PER_S if timeout_s is None
+                                          else timeout_s)
+        self._retry_releases()
+        peer = params["agent"]
+        try:
+            await asyncio.wait_for(self._connect(peer), deadline - time.perf_counter())
+        except TimeoutError:
+            raise KvTransferError(f"prefill worker {peer}'s NIXL metadata not found in time") from None
         offset = self._arena.alloc(nbytes)
         if offset is None:
             raise KvTransferError(f"no room to receive {nbytes} KV bytes")
@@ -219,31 +235,38 @@ class NixlKvEndpoint:
             handle = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local), remote, peer, notif)
             if self._agent.transfer(handle) == "ERR":
                 raise KvTransferError(f"NIXL refused the transfer from {peer}")
-            deadline = started + timeout_s
             while (state := self._agent.check_xfer_state(handle)) != "DONE":
                 if state == "ERR" or time.perf_counter() > deadline:
                     raise KvTransferError(f"NIXL transfer from {peer} {'failed' if state == 'ERR' else 'timed out'}")
                 await asyncio.sleep(TRANSFER_POLL_S)
             seconds = time.perf_counter() - started
+            # The check runs past the deadline only by its own length: a thread cannot be stopped.
             if await asyncio.to_thread(checksum, local) != params["checksum"]:
                 raise KvTransferError(f"KV from {peer} arrived corrupted (checksum mismatch)")
             return nbytes, seconds
         finally:
-            if self._release(handle, peer):
-                # The engine's "KV cache" is simulated: the received bytes need not outlive the check.
-                self._arena.release(offset, nbytes)
+            # The engine's "KV cache" is simulated: the received bytes need not outlive the check.
+            self._release(_Transfer(handle, offset, nbytes, peer))
 
-    def _release(self, handle: object, peer: str) -> bool:
-        """Releases a transfer; False when NIXL would not (one still in flight to a peer cut off):
-        its slice of the arena then stays taken, since bytes may still land in it."""
-        if handle is None:
-            return True
-        try:
-            self._agent.release_xfer_handle(handle)
-        except Exception as exc:  # noqa: BLE001 - nixl raises its own error types per status
-            log.warning("NIXL transfer from %s could not be released (%s); its receive buffer stays taken", peer, exc)
-            return False
-        return True
+    def _release(self, transfer: _Transfer, retry: bool = False) -> None:
+        """Releases a transfer and its slice of the arena. NIXL refuses to release one still in
+        flight (to a peer cut off mid-way): bytes may still land in its slice, so both are kept and
+        released by a later pull, once NIXL lets go."""
+        if transfer.handle is not None:
+            try:
+                self._agent.release_xfer_handle(transfer.handle)
+            except Exception as exc:  # noqa: BLE001 - nixl raises its own error types per status
+                if not retry:
+                    log.warning("NIXL transfer from %s could not be released yet (%s); its receive buffer stays "
+                                "taken until it can be", transfer.peer, exc)
+                self._unreleased.append(transfer)
+                return
+        self._arena.release(transfer.offset, transfer.nbytes)
+
+    def _retry_releases(self) -> None:
+        pending, self._unreleased = self._unreleased, []
+        for transfer in pending:
+            self._release(transfer, retry=True)
 
     async def _connect(self, peer: str) -> None:
         if peer in self._peers:
