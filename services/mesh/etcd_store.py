@@ -217,10 +217,11 @@ class EtcdStore:
 
 
 def _cancelled_here() -> bool:
-    """Whether a CancelledError is this task's own cancellation. aetcd cancels the futures of the
-    calls and watches on a client it closes (the store closes the old one when it fails over to
-    another endpoint); a call awaiting one gets a CancelledError nobody asked its task for, and
-    that is a broken connection, not a cancellation to pass on."""
+    """Whether a CancelledError is this task's own cancellation. Closing a gRPC channel cancels
+    the calls in flight on it (the store closes the old client when it fails over to another
+    endpoint); a call awaiting one gets a CancelledError nobody asked its task for, and that is a
+    broken connection, not a cancellation to pass on. (A watch on it ends instead: see
+    `watch_prefix`.) A real cancellation has raised `cancelling()` before it reaches the call."""
     task = asyncio.current_task()
     return task is None or task.cancelling() > 0
 
