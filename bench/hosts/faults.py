@@ -149,8 +149,11 @@ class EtcdOnlyCut:
 
     ADMITTED = ("kvmesh_decode_local_prefill_total", "kvmesh_decode_remote_prefill_total")
 
-    def __init__(self, mesh: HostsMesh, host: Host) -> None:
+    def __init__(self, mesh: HostsMesh, host: Host, settle_s: float = 1.0) -> None:
+        """`settle_s`: how long after etcd dropped the worker the routers may still send it a
+        request they chose just before they heard."""
         self.mesh, self.host = mesh, host
+        self.settle_s = settle_s
         self.instance_id = ""
         self.metrics_port = 0
         self.dropped_at: float | None = None
@@ -185,8 +188,8 @@ class EtcdOnlyCut:
             await asyncio.sleep(0.2)
         self.dropped_at = asyncio.get_running_loop().time()
         # The routers hear of the deletion from their watch; a request routed just before it may
-        # still land. One second later, nothing new may.
-        await asyncio.sleep(1.0)
+        # still land. `settle_s` later, nothing new may.
+        await asyncio.sleep(self.settle_s)
         self.counted_from = await self._admitted()
 
     async def end(self) -> None:
@@ -206,17 +209,18 @@ class EtcdOnlyCut:
 
     async def passed(self) -> str | None:
         if self.counted_from is None:
-            return "etcd never dropped the worker cut from it (a cut shorter than the lease TTL + 1 s?)"
+            return f"etcd never dropped the worker cut from it (a cut shorter than the lease TTL + {self.settle_s:g} s?)"
         if self.admitted_after_drop and len(self.mesh.hosts_of("decode-worker")) > 1:
             return f"the worker etcd had dropped admitted {self.admitted_after_drop:.0f} new requests"
         return None if running(self.pid) else "the worker cut from etcd restarted instead of rejoining"
 
     async def note(self) -> str:
         if self.counted_from is None:
-            return "etcd still listed it a second before the heal (cut shorter than the lease TTL + 1 s?)"
+            return (f"etcd still listed it {self.settle_s:g} s before the heal (a cut shorter than the lease TTL + "
+                    f"{self.settle_s:g} s?)")
         same = "same process" if running(self.pid) else "RESTARTED"
         return (f"admitted {self.admitted_during:.0f} requests during the cut, {self.admitted_after_drop:.0f} of them "
-                f"from 1 s after etcd dropped it; back under its own id {self.instance_id[:8]}, {same}")
+                f"from {self.settle_s:g} s after etcd dropped it; back under its own id {self.instance_id[:8]}, {same}")
 
 
 class LeaderCut:
