@@ -33,6 +33,10 @@ from services.tools.make_demo_model import ensure_demo_model
 EXIT_FAILED = 1
 
 
+def url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
 async def assemble(runner: ServiceRunner, cfg: LaunchConfig, console: Console, run_dir: Path) -> None:
     if cfg.prefill_workers and not cfg.remote_prefill:
         console.note("note: --no-remote-prefill: the prefill workers would get no work; not starting them")
@@ -40,7 +44,7 @@ async def assemble(runner: ServiceRunner, cfg: LaunchConfig, console: Console, r
         model = str(Path(cfg.model).resolve()) if cfg.model else str(ensure_demo_model())
         endpoint = cfg.etcd_endpoints
         if not endpoint:
-            etcd = EtcdChild(console=console, log_path=run_dir / "etcd.log")
+            etcd = EtcdChild(cfg.advertise_host, console=console, log_path=run_dir / "etcd.log")
             runner.on_teardown("stop etcd", etcd.stop, CHILD_EXIT_MARGIN_S + 5)
             await etcd.start()
             endpoint = etcd.endpoint
@@ -56,11 +60,12 @@ async def assemble(runner: ServiceRunner, cfg: LaunchConfig, console: Console, r
             else:
                 await stop.start(child)
         children = [c for c in children if "--switchable" not in c.argv]
-        await wait_ready(f"http://127.0.0.1:{cfg.health_port}/health", children, cfg.ready_timeout_s)
+        await wait_ready(f"http://{url_host(cfg.advertise_host)}:{cfg.health_port}/health", children,
+                         cfg.ready_timeout_s)
     except (RuntimeError, TimeoutError, FileNotFoundError) as exc:
         console.note(f"error: {exc}")
         raise SystemExit(EXIT_FAILED) from None
-    console.status(f"READY http://127.0.0.1:{cfg.http_port}/v1")
+    console.status(f"READY http://{url_host(cfg.advertise_host)}:{cfg.http_port}/v1")
     for child in children:
         supervise(runner, child, cfg.on_child_exit)
 

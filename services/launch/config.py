@@ -89,7 +89,7 @@ class LaunchConfig:
     verbose: bool
     # --check-config: validate everything, every child's command line included; start nothing.
     check_config: bool
-    # Given to every child: --log-format, the TLS files, --grpc-reflection.
+    # Given to every child: --host and --advertise-host, --log-format, the TLS files, --grpc-reflection.
     mesh_argv: tuple[str, ...]
     # Each service's flags as given to the launcher, forwarded to its children.
     engine_argv: tuple[str, ...]
@@ -105,6 +105,9 @@ class LaunchConfig:
     control_port: int = 0
     # The mesh's TLS, for the launcher's own control server.
     tls: TlsConfig | None = None
+    # Where the mesh is reached: what the children register and the READY line names, and where
+    # the embedded etcd listens (--advertise-host, else --host; loopback by default).
+    advertise_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.decode_workers < 1 or self.prefill_workers < 0:
@@ -231,6 +234,7 @@ def load(argv: list[str] | None = None) -> LaunchConfig:
         planner_argv=_planner_argv(args, forwarded(groups.planner)),
         control_port=free_port() if args.planner == "local" else 0,
         tls=mesh.tls,
+        advertise_host=mesh.advertise_host,
     ))
 
 
@@ -246,11 +250,13 @@ def _planner_argv(args: argparse.Namespace, given: tuple[str, ...]) -> tuple[str
 
 
 def _mesh_argv(mesh: MeshConfig) -> tuple[str, ...]:
-    """What every child gets besides its etcd, namespace, log level and drain timeout.
+    """What every child gets besides its etcd, namespace, log level and drain timeout: where it
+    binds and what it registers, the log format, TLS.
 
     `make run` is for development: gRPC server reflection is on, so `grpcurl` can list and call
     every service."""
-    argv = ["--log-format", mesh.log_format, "--grpc-reflection"]
+    argv = ["--log-format", mesh.log_format, "--grpc-reflection", "--host", mesh.host,
+            "--advertise-host", mesh.advertise_host]
     if mesh.tls is not None:
         # Absolute, so a child's check or a restart does not depend on its working directory.
         argv += ["--tls-cert", str(Path(mesh.tls.cert_file).resolve()), "--tls-key", str(Path(mesh.tls.key_file).resolve()),

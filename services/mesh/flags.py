@@ -97,7 +97,7 @@ def add_mesh_flags(parser: argparse.ArgumentParser, *, embedded_etcd: bool = Fal
     """--etcd-endpoints, --namespace, --log-level, and for services --host/--advertise-host.
 
     With `embedded_etcd` (the launcher) --etcd-endpoints defaults to none, meaning "start an
-    etcd of your own", and the service-only bind flags are left out."""
+    etcd of your own", and the bind flags apply to every process it starts."""
     if embedded_etcd:
         parser.add_argument("--etcd-endpoints", default=None,
                             help="join this etcd (comma-separated URLs) instead of starting one")
@@ -125,11 +125,11 @@ def add_mesh_flags(parser: argparse.ArgumentParser, *, embedded_etcd: bool = Fal
                              "registered, so one certificate can serve the whole mesh (env KVMESH_TLS_SERVER_NAME)")
     parser.add_argument("--grpc-reflection", action="store_true",
                         help="serve gRPC server reflection (development; off by default)")
-    if not embedded_etcd:
-        parser.add_argument("--host", default="127.0.0.1", help="address to bind")
-        parser.add_argument("--advertise-host", default=None,
-                            help="address registered in etcd for others to reach this instance (default: --host, "
-                                 "or this machine's address when --host is a wildcard)")
+    what = "every process it starts binds (its embedded etcd too)" if embedded_etcd else "to bind"
+    parser.add_argument("--host", default="127.0.0.1", help=f"address {what}")
+    parser.add_argument("--advertise-host", default=None,
+                        help="address registered in etcd for others to reach this instance (default: --host, "
+                             "or this machine's address when --host is a wildcard)")
 
 
 def split_endpoints(text: str) -> tuple[str, ...]:

@@ -9,14 +9,24 @@ load, each healed:
 - a prefill worker cut from the decode workers while one pulls its KV: the pull is given up at
   its deadline and the prompt prefilled locally.
 
+And the launcher (`make run`) given `--host` runs its whole mesh, embedded etcd included, on that
+address: READY names it, a client on another host is answered, nothing listens on loopback.
+
 Every answer is checked by asking its prompt again on the healed mesh. Skipped, with the reason,
 where namespaces cannot be made (not root)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
+from pathlib import Path
 
 import httpx
 import pytest
@@ -29,6 +39,7 @@ from bench.hosts.mesh import HostsMesh, hosts_for, isolate, rejoin
 from bench.hosts.netns import PREFIX, Bed, remove_stale, unavailable
 from services.mesh.discovery import DECODE_WORKER, FRONTEND, PREFILL_WORKER, PROCESSOR, ROUTER
 from services.mesh.etcd_lease import LeaseConfig
+from tests.procs import MODEL
 
 WHY_NOT = unavailable()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
@@ -37,11 +48,12 @@ LAYOUT = MeshLayout(routers=1, processors=1, prefill_workers=1, decode_workers=2
 TTL_S = LeaseConfig().ttl_s
 HEALED_WITHIN_S = TTL_S + 2.0
 RATE = 2.0
+LAUNCH_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostsMesh]:
-    with Bed(hosts_for(LAYOUT)) as bed:
+    with Bed(hosts_for(LAYOUT) + 1) as bed:  # the last host is the launcher's (its own mesh)
         placed = HostsMesh(bed, tmp_path_factory.mktemp("hosts"), LAYOUT)
         try:
             asyncio.run(placed.start())
@@ -108,3 +120,47 @@ def test_a_prefill_worker_cut_mid_transfer_is_given_up_for_a_local_prefill(mesh:
 
 async def _whole(mesh: HostsMesh) -> bool:
     return not await mesh.missing()
+
+
+def test_the_launcher_runs_a_whole_mesh_on_its_host_address_and_nothing_on_loopback(mesh: HostsMesh,
+                                                                                  tmp_path: Path) -> None:
+    host = mesh.bed.hosts[-1]  # a spare host: the launcher's embedded etcd and mesh are its own
+    launcher = subprocess.Popen(
+        host.argv(sys.executable, "-m", "services.launch", "--host", host.address, "--engine", "mocker",
+                  "--speedup", "20", "--decode-workers", "1", "--prefill-workers", "0", "--http-port", "8000",
+                  "--run-dir", str(tmp_path)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        ready = _line(launcher, f"READY http://{host.address}:8000/v1", LAUNCH_TIMEOUT_S)
+        assert ready, "the launcher never said READY on its host's address"
+        r = httpx.post(f"http://{host.address}:8000/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": "from another host", "max_tokens": 8})
+        assert r.status_code == 200, r.text
+        listening = host.run("ss", "-Htln").stdout.split("\n")
+        # gRPC may bind an IPv4 address as its IPv6-mapped form: the same address.
+        addresses = {line.split()[3].rsplit(":", 1)[0].removeprefix("[::ffff:").removesuffix("]")
+                     for line in listening if line.strip()}
+        assert addresses == {host.address}, f"something listens elsewhere: {addresses}"
+    finally:
+        launcher.send_signal(signal.SIGINT)
+        try:
+            code = launcher.wait(60)
+        finally:
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
+    assert code == 0, f"the launcher exited {code}"
+
+
+def _line(proc: subprocess.Popen[str], text: str, timeout_s: float) -> bool:
+    """Whether `proc` prints a line containing `text` within `timeout_s` (read on a thread)."""
+    assert proc.stdout is not None
+    stdout = proc.stdout
+    with ThreadPoolExecutor(1) as reader:
+        found = reader.submit(lambda: any(text in line for line in stdout))
+        try:
+            return found.result(timeout_s)
+        except FuturesTimeout:
+            return False
+        finally:
+            if not found.done():
+                proc.send_signal(signal.SIGINT)
