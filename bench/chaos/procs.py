@@ -61,18 +61,31 @@ class Child:
     def tail(self, lines: int = 15) -> str:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
-    async def wait_for_line(self, pattern: str, timeout_s: float) -> re.Match[str]:
-        """The first log line matching `pattern`; ChildFailed when the child exits or the time is up."""
+    def log_size(self) -> int:
+        """Bytes in the log so far: where a wait for a line still to come starts (`after`)."""
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    async def wait_for_line(self, pattern: str, timeout_s: float, after: int = 0,
+                            poll_s: float = POLL_S) -> re.Match[str]:
+        """The first log line from byte `after` on matching `pattern`, the log read as it grows;
+        ChildFailed when the child exits or the time is up."""
         regex = re.compile(pattern, re.MULTILINE)
         deadline = time.monotonic() + timeout_s
-        while True:
-            if match := regex.search(self.log_text()):
-                return match
-            if not self.alive:
-                raise ChildFailed(f"{self.name} exited ({self.popen.returncode}) before {pattern!r}:\n{self.tail()}")
-            if time.monotonic() > deadline:
-                raise ChildFailed(f"{self.name}: no {pattern!r} within {timeout_s:.0f}s:\n{self.tail()}")
-            await asyncio.sleep(POLL_S)
+        seen = b""
+        with self.log_path.open("rb") as log:
+            log.seek(after)
+            while True:
+                seen += log.read()
+                if match := regex.search(seen.decode(errors="replace")):
+                    return match
+                if not self.alive:
+                    raise ChildFailed(f"{self.name} exited ({self.popen.returncode}) before {pattern!r}:\n{self.tail()}")
+                if time.monotonic() > deadline:
+                    raise ChildFailed(f"{self.name}: no {pattern!r} within {timeout_s:.0f}s:\n{self.tail()}")
+                await asyncio.sleep(poll_s)
 
     def send(self, sig: signal.Signals) -> None:
         if self.alive:

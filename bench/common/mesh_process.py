@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -21,6 +21,8 @@ class LaunchedMesh:
     base: str
     # (component, pid) of every child the launcher started, etcd included.
     children: list[tuple[str, int]] = field(default_factory=list)
+    # The launcher's exit status, once it was stopped (None while it runs, or if it had to be killed).
+    exit_code: int | None = None
 
     def pids(self, component: str) -> list[int]:
         return [pid for name, pid in self.children if name == component]
@@ -39,10 +41,11 @@ class LaunchedMesh:
 
 
 @contextmanager
-def launched_mesh(*flags: str, timeout_s: float = 180) -> Iterator[LaunchedMesh]:
-    """The mesh once it is READY, with its children's pids; stopped afterwards."""
+def launched_mesh(*flags: str, timeout_s: float = 180, prefix: Sequence[str] = ()) -> Iterator[LaunchedMesh]:
+    """The mesh once it is READY, with its children's pids and the base URL its READY line names;
+    stopped afterwards (SIGTERM). `prefix`: what to run the launcher under (`ip netns exec ...`)."""
     port = free_port()
-    argv = [sys.executable, "-m", "services.launch", "--http-port", str(port), "--log-level", "WARNING",
+    argv = [*prefix, sys.executable, "-m", "services.launch", "--http-port", str(port), "--log-level", "WARNING",
             "--prefill-workers", "0", *flags]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -54,6 +57,7 @@ def launched_mesh(*flags: str, timeout_s: float = 180) -> Iterator[LaunchedMesh]
             if m := re.match(r"CHILD (\S+) pid=(\d+)", line):
                 mesh.children.append((m.group(1), int(m.group(2))))
             if line.startswith("READY"):
+                mesh.base = line.split()[1].removesuffix("/v1")  # where the launcher's --host put it
                 break
             if time.monotonic() > deadline:
                 raise RuntimeError("the mesh did not become ready in time")
@@ -63,9 +67,10 @@ def launched_mesh(*flags: str, timeout_s: float = 180) -> Iterator[LaunchedMesh]
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(30)
+            mesh.exit_code = proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait(10)
 
 
 @contextmanager

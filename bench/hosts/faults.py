@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import shutil
 import subprocess
 import time
@@ -20,6 +19,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from bench.chaos.metrics import LOCAL, REMOTE, Reading, parse
+from bench.chaos.procs import ChildFailed
 from bench.common.proc_stat import running
 from bench.hosts.links import LinkShape, shape, unshape
 from bench.hosts.mesh import ETCD_CLIENT_PORT, HostsMesh, isolate, rejoin
@@ -27,6 +28,8 @@ from bench.hosts.netns import Host
 from services.mesh.discovery import DECODE_WORKER
 
 ETCDCTL_TIMEOUT_S = 10.0
+# A handover is cut within a fraction of the ~1 s its transfer lasts: the log is read this often.
+HANDOVER_POLL_S = 0.005
 
 
 Check = Callable[[], Awaitable[bool]]
@@ -128,17 +131,15 @@ def _full_strength(mesh: HostsMesh) -> Callable[[], Awaitable[bool]]:
     return check
 
 
-async def _metric(client: httpx.AsyncClient, host: str, port: int, name: str) -> dict[str, float]:
-    """Every sample of one metric family on a service's /metrics, by its labels."""
-    text = (await client.get(f"http://{host}:{port}/metrics")).text
-    return {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line.startswith(name) and not line.startswith("#")}
+async def _reading(client: httpx.AsyncClient, host: str, port: int) -> Reading:
+    """A decode worker's counters of where it prefilled (chaos run's parse), read from its /metrics."""
+    return parse((await client.get(f"http://{host}:{port}/metrics")).text, DECODE_WORKER)
 
 
-async def _decode_counters(mesh: HostsMesh, name: str) -> dict[str, dict[str, float]]:
-    """`name`'s samples on each decode worker, by instance id."""
+async def _decode_readings(mesh: HostsMesh) -> dict[str, Reading]:
+    """Each decode worker etcd lists, by instance id."""
     async with httpx.AsyncClient(timeout=5) as client:
-        return {i.instance_id: await _metric(client, i.address.rsplit(":", 1)[0], i.metrics_port, name)
+        return {i.instance_id: await _reading(client, i.address.rsplit(":", 1)[0], i.metrics_port)
                 for i in await mesh.instances(DECODE_WORKER)}
 
 
@@ -146,8 +147,6 @@ class EtcdOnlyCut:
     """A decode worker cut from the etcd hosts alone: it stays reachable by everyone else while its
     lease lapses. What it must do: finish what it holds, get no new work once etcd has dropped it
     (the routers follow etcd), and come back under its own instance id, without a restart."""
-
-    ADMITTED = ("kvmesh_decode_local_prefill_total", "kvmesh_decode_remote_prefill_total")
 
     def __init__(self, mesh: HostsMesh, host: Host, settle_s: float = 1.0) -> None:
         """`settle_s`: how long after etcd dropped the worker the routers may still send it a
@@ -165,8 +164,8 @@ class EtcdOnlyCut:
     async def _admitted(self) -> float:
         """The requests the worker admitted so far, read from it directly (etcd may not list it)."""
         async with httpx.AsyncClient(timeout=5) as client:
-            samples = await _metric(client, self.host.address, self.metrics_port, "kvmesh_decode_")
-        return sum(v for k, v in samples.items() if k.startswith(self.ADMITTED))
+            reading = await _reading(client, self.host.address, self.metrics_port)
+        return reading.values.get(LOCAL, 0.0) + reading.values.get(REMOTE, 0.0)
 
     async def start(self) -> None:
         (mine,) = [i for i in await self.mesh.instances(DECODE_WORKER) if i.address.startswith(f"{self.host.address}:")]
@@ -281,9 +280,8 @@ class MidTransferCut:
     lands in the middle of it. What the decode workers must do: give the transfer up at its deadline and
     prefill locally; count it."""
 
-    NAME = "kvmesh_decode_prefill_fallback_total"
     LINK = LinkShape(rate_mbit=200)
-    HANDOVER = re.compile(r"prefilled \d+ tokens .* for remote decode")
+    HANDOVER = r"prefilled \d+ tokens .* for remote decode"
     HANDOVER_TIMEOUT_S = 30.0
 
     def __init__(self, mesh: HostsMesh, decode: list[Host]) -> None:
@@ -308,24 +306,19 @@ class MidTransferCut:
 
     async def _next_handover(self) -> bool:
         """Waits for the next handover in the worker's log; False when none came in time."""
-        log = self.mesh.child(self.name).log_path
-        with log.open("rb") as f:
-            f.seek(0, 2)
-            deadline = time.monotonic() + self.HANDOVER_TIMEOUT_S
-            pending = b""
-            while time.monotonic() < deadline:
-                pending += f.read()
-                if self.HANDOVER.search(pending.decode(errors="replace")):
-                    return True
-                pending = pending[pending.rfind(b"\n") + 1:]
-                await asyncio.sleep(0.005)
-        return False
+        child = self.mesh.child(self.name)
+        try:
+            await child.wait_for_line(self.HANDOVER, self.HANDOVER_TIMEOUT_S, after=child.log_size(),
+                                      poll_s=HANDOVER_POLL_S)
+        except ChildFailed:
+            return False
+        return True
 
     async def _totals(self) -> dict[str, float]:
+        """The fallbacks the decode workers counted so far, by reason."""
         totals: dict[str, float] = {}
-        for samples in (await _decode_counters(self.mesh, self.NAME)).values():
-            for labels, value in samples.items():
-                reason = labels.split('reason="', 1)[-1].split('"', 1)[0]
+        for reading in (await _decode_readings(self.mesh)).values():
+            for reason, value in reading.fallback_reasons.items():
                 totals[reason] = totals.get(reason, 0.0) + value
         return totals
 

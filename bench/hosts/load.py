@@ -22,6 +22,7 @@ import httpx
 
 from bench.hosts.faults import Fault
 from bench.hosts.mesh import HostsMesh
+from services.mesh.stats import percentile
 
 MODEL = "kvmesh-demo"
 TOKENS = 120
@@ -63,8 +64,8 @@ class Tally:
         return [o.error or "no answer" for o in self.outcomes if o.text is None]
 
     def latency(self, q: float) -> float:
-        done = sorted(o.seconds for o in self.outcomes if o.text is not None)
-        return done[min(len(done) - 1, int(q * len(done)))] if done else float("nan")
+        """The answered requests' latency at quantile `q` (0..1); NaN with none answered."""
+        return percentile([o.seconds for o in self.outcomes if o.text is not None], q * 100)
 
 
 async def answer(client: httpx.AsyncClient, base: str, prompt: str) -> str:

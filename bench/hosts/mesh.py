@@ -24,7 +24,7 @@ from bench.chaos.mesh import DECODE, FRONTEND, MODULES, PREFILL, PROCESSOR, ROUT
 from bench.chaos.procs import Child, ChildFailed, spawn
 from bench.hosts.netns import Bed, Host
 from services.launch.readiness import ready_pattern
-from services.mesh.discovery import InstanceInfo, component_prefix
+from services.mesh.discovery import InstanceInfo, component_prefix, instances_prefix
 from services.mesh.etcd_member import EtcdMember
 from services.mesh.etcd_store import EtcdStore
 from services.tools.make_demo_model import ensure_demo_model
@@ -102,22 +102,22 @@ class HostsMesh:
         """The instances of `component` registered now, read through `endpoints` (default: the
         whole cluster). A read needs a quorum: through one member, it answers only while that
         member is part of one."""
-        store = EtcdStore(endpoints or tuple(self.endpoints.split(",")), timeout_s=2)
-        try:
-            await store.connect()
-            items, _ = await store.get_prefix(component_prefix(self.namespace, component))
-        finally:
-            await store.close()
-        return [InstanceInfo.from_json(kv.value) for kv in items]
+        return await self._registered(component_prefix(self.namespace, component), endpoints)
 
     async def missing(self) -> list[str]:
         """The service instances not registered in etcd now (empty: the mesh is at full strength);
-        an instance is known by its host's address."""
-        registered: set[str] = set()
-        for kind, n in self.layout.counts().items():
-            if n:
-                registered |= {i.address.rsplit(":", 1)[0] for i in await self.instances(kind)}
+        an instance is known by its host's address. One read of every component's instances."""
+        registered = {i.address.rsplit(":", 1)[0] for i in await self._registered(instances_prefix(self.namespace))}
         return [name for name, host in self.placed.items() if host.address not in registered]
+
+    async def _registered(self, prefix: str, endpoints: tuple[str, ...] | None = None) -> list[InstanceInfo]:
+        store = EtcdStore(endpoints or tuple(self.endpoints.split(",")), timeout_s=2)
+        try:
+            await store.connect()
+            items, _ = await store.get_prefix(prefix)
+        finally:
+            await store.close()
+        return [InstanceInfo.from_json(kv.value) for kv in items]
 
     async def start(self) -> None:
         await self._start_etcd()

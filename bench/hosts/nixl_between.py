@@ -28,17 +28,13 @@ def _gbps(source: Host, reader: Host, env: dict[str, str]) -> dict[int, float]:
     try:
         offer = json.dumps(offer_of(peer))
         done = subprocess.run(reader.argv(sys.executable, "-m", "bench.nixl.sink"), input=offer + "\n", text=True,
-                              capture_output=True, timeout=TIMEOUT_S, env=_env(env))
+                              capture_output=True, timeout=TIMEOUT_S, env=dict(os.environ, **env))
         if done.returncode != 0:
             raise RuntimeError(f"NIXL reader failed: {done.stderr.strip().splitlines()[-1:]}")
         line = next(line for line in done.stdout.splitlines() if line.startswith("{"))
         return {int(n): int(n) / s / 1e9 for n, s in json.loads(line).items()}
     finally:
         stop_peer(peer)
-
-
-def _env(extra: dict[str, str]) -> dict[str, str]:
-    return dict(os.environ, **extra)
 
 
 def measure() -> tuple[list[str], list[list[object]]]:

@@ -59,8 +59,13 @@ class InstanceInfo:
         return cls(**known)
 
 
+def instances_prefix(namespace: str) -> str:
+    """Where every instance of the mesh is registered, under its component."""
+    return f"/{namespace}/instances/"
+
+
 def component_prefix(namespace: str, component: str) -> str:
-    return f"/{namespace}/instances/{component}/"
+    return f"{instances_prefix(namespace)}{component}/"
 
 
 def instance_key(namespace: str, info: InstanceInfo) -> str:

@@ -149,6 +149,10 @@ class EtcdStore:
         self._broken = True
 
     def _failed(self, exc: BaseException, client: aetcd.Client) -> StoreUnavailable:
+        """What a call or watch that raised `exc` on `client` raises: StoreUnavailable, except
+        for the task's own cancellation, which is raised again as it is."""
+        if isinstance(exc, asyncio.CancelledError) and _cancelled_here():
+            raise exc
         # A call that failed on a client already replaced says nothing of the current one.
         if client is self._client:
             self._broken = True
@@ -160,11 +164,7 @@ class EtcdStore:
     async def _on(self, client: aetcd.Client, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
         try:
             return await op(client)
-        except asyncio.CancelledError as exc:
-            if _cancelled_here():
-                raise
-            raise self._failed(exc, client) from exc
-        except Exception as exc:  # noqa: BLE001 - aetcd raises more than ClientError (its watcher)
+        except (asyncio.CancelledError, Exception) as exc:  # aetcd raises more than ClientError (its watcher)
             raise self._failed(exc, client) from exc
 
     async def put(self, key: str, value: bytes, lease_id: int | None = None) -> None:
@@ -188,11 +188,7 @@ class EtcdStore:
         try:
             async for event in watch:
                 yield WatchEvent(event.kv.key.decode(), event.kv.value, event.kind == "DELETE")
-        except asyncio.CancelledError as exc:
-            if _cancelled_here():
-                raise
-            raise self._failed(exc, client) from exc
-        except Exception as exc:  # noqa: BLE001 - see _call
+        except (asyncio.CancelledError, Exception) as exc:  # see _on
             raise self._failed(exc, client) from exc
         else:
             # An etcd watch never ends by itself: its connection was closed (a failover).

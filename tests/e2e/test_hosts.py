@@ -18,19 +18,14 @@ where namespaces cannot be made (not root)."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 
 import httpx
 import pytest
 
+from bench.common.mesh_process import launched_mesh
 from bench.common.proc_stat import running
 from bench.hosts.faults import EtcdOnlyCut, Fault, MidTransferCut
 from bench.hosts.load import Row, under_load
@@ -125,15 +120,10 @@ async def _whole(mesh: HostsMesh) -> bool:
 def test_the_launcher_runs_a_whole_mesh_on_its_host_address_and_nothing_on_loopback(mesh: HostsMesh,
                                                                                   tmp_path: Path) -> None:
     host = mesh.bed.hosts[-1]  # a spare host: the launcher's embedded etcd and mesh are its own
-    launcher = subprocess.Popen(
-        host.argv(sys.executable, "-m", "services.launch", "--host", host.address, "--engine", "mocker",
-                  "--speedup", "20", "--decode-workers", "1", "--prefill-workers", "0", "--http-port", "8000",
-                  "--run-dir", str(tmp_path)),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        ready = _line(launcher, f"READY http://{host.address}:8000/v1", LAUNCH_TIMEOUT_S)
-        assert ready, "the launcher never said READY on its host's address"
-        r = httpx.post(f"http://{host.address}:8000/v1/completions", timeout=60,
+    with launched_mesh("--host", host.address, "--engine", "mocker", "--speedup", "20", "--decode-workers", "1",
+                       "--run-dir", str(tmp_path), timeout_s=LAUNCH_TIMEOUT_S, prefix=host.argv()) as launched:
+        assert launched.base.startswith(f"http://{host.address}:"), f"READY names {launched.base}"
+        r = httpx.post(f"{launched.base}/v1/completions", timeout=60,
                        json={"model": MODEL, "prompt": "from another host", "max_tokens": 8})
         assert r.status_code == 200, r.text
         listening = host.run("ss", "-Htln").stdout.split("\n")
@@ -141,26 +131,4 @@ def test_the_launcher_runs_a_whole_mesh_on_its_host_address_and_nothing_on_loopb
         addresses = {line.split()[3].rsplit(":", 1)[0].removeprefix("[::ffff:").removesuffix("]")
                      for line in listening if line.strip()}
         assert addresses == {host.address}, f"something listens elsewhere: {addresses}"
-    finally:
-        launcher.send_signal(signal.SIGINT)
-        try:
-            code = launcher.wait(60)
-        finally:
-            if launcher.poll() is None:
-                os.killpg(launcher.pid, signal.SIGKILL)
-    assert code == 0, f"the launcher exited {code}"
-
-
-def _line(proc: subprocess.Popen[str], text: str, timeout_s: float) -> bool:
-    """Whether `proc` prints a line containing `text` within `timeout_s` (read on a thread)."""
-    assert proc.stdout is not None
-    stdout = proc.stdout
-    with ThreadPoolExecutor(1) as reader:
-        found = reader.submit(lambda: any(text in line for line in stdout))
-        try:
-            return found.result(timeout_s)
-        except FuturesTimeout:
-            return False
-        finally:
-            if not found.done():
-                proc.send_signal(signal.SIGINT)
+    assert launched.exit_code == 0, f"the launcher exited {launched.exit_code}"
