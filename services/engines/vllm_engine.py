@@ -30,6 +30,7 @@ from services.engines.base import (
 )
 from services.engines.model_facts import read_model_facts
 from services.engines.vllm_kv_events import VllmKvEventListener
+from services.engines.vllm_warmup import WarmUpPlan, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,22 @@ def on_cpu() -> bool:
         return not torch.cuda.is_available()
     except ImportError:
         return True
+
+
+def cpu_kernels() -> str:
+    """Which of vLLM's x86 CPU kernel builds this machine loads, as vLLM chooses it from the CPU's
+    features: kernels (and bfloat16 numerics) differ between machines, so the log says which ran."""
+    import platform
+
+    import torch
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"vllm._C ({platform.machine()})"
+    if not torch.cpu._is_avx512_supported():
+        return "vllm._C_AVX2"
+    if not torch.cpu._is_avx512_bf16_supported():
+        return "vllm._C_AVX512"
+    return "vllm._C (AVX-512 BF16, AMX tiles)" if torch.cpu._is_amx_tile_supported() else "vllm._C (AVX-512 BF16)"
 
 
 class _LoadRecorder:
@@ -177,8 +194,23 @@ class VllmEngine(Engine):
         args = AsyncEngineArgs(**kwargs)
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._load.factory()])
         self._num_blocks = int(self._llm.vllm_config.cache_config.num_gpu_blocks or 0)
+        await self._warm_up()
         log.info("vLLM engine ready: %s, %d KV blocks of %d tokens", self.config.model_dir,
                  self._num_blocks, self.config.block_size)
+
+    async def _warm_up(self) -> None:
+        """Makes the first real request safe (see vllm_warmup.py); its requests leave no trace
+        in the load the worker reports."""
+        llm = self._llm
+        plan = WarmUpPlan.for_engine(self.config.block_size, self.info.max_model_len)
+        # The host tier (vLLM's offloading connector) may hold copies of the warm-up's blocks too.
+        reset = lambda: llm.reset_prefix_cache(reset_connector=bool(self.config.host_kv_blocks))
+        seconds = await warm_up(self.generate, reset, plan, self.info.vocab_size)
+        self._load.prefix_queries = self._load.prefix_hits = 0
+        device = cpu_kernels() if on_cpu() else "GPU"
+        log.info("vLLM warm-up: a %d-token prompt, then prompts of %s tokens together, in %.2f s (%s, %s)",
+                 plan.long_prompt, " and ".join(map(str, plan.small_prompts)), seconds, device,
+                 str(llm.vllm_config.model_config.dtype).removeprefix("torch."))
 
     async def stop(self) -> None:
         if self._llm is not None:
