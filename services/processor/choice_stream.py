@@ -32,7 +32,7 @@ from services.mesh.router_client import RouteChoice
 from services.mesh.session_client import SessionPool
 from services.mesh.session_kind import WORKER_SESSION, CallError
 from services.mesh.tracing import outgoing_metadata
-from services.processor.detokenizer import IncrementalDetokenizer, StopStrings
+from services.processor.detokenizer import Detokenizer, StopStrings
 from services.processor.output_parsers import OutputParser, ParserFactory
 from services.processor.tokenizer import ModelTokenizer
 
@@ -144,7 +144,7 @@ class ChoiceStream:
         through the detokenizer and stop strings unseen (that text was sent already), then the
         choice continues after them as after a migration."""
         spec, ctx = self.spec, self.ctx
-        detok = IncrementalDetokenizer(ctx.tokenizer.decode)
+        detok = ctx.tokenizer.detokenizer(spec.prompt)
         stopper = StopStrings(list(spec.stops))
         self._parser = ctx.parsers(spec.rid, spec.index) if ctx.parsers is not None else None
         if resumed:
@@ -224,7 +224,7 @@ class ChoiceStream:
                                                 sampling=sampling, prefix_hit_rate=route.prefix_hit_rate,
                                                 resumed_tokens=done)
 
-    async def _from_worker(self, route: RouteChoice, detok: IncrementalDetokenizer,
+    async def _from_worker(self, route: RouteChoice, detok: Detokenizer,
                            stopper: StopStrings) -> AsyncIterator[ChoiceEvent]:
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
@@ -264,7 +264,7 @@ class ChoiceStream:
         finally:
             stream.cancel()
 
-    def _delta(self, msg: worker_pb2.WorkerGenerateResponse, detok: IncrementalDetokenizer, stopper: StopStrings,
+    def _delta(self, msg: worker_pb2.WorkerGenerateResponse, detok: Detokenizer, stopper: StopStrings,
                want_logprobs: bool) -> processor_pb2.GenerateResponse | None:
         """The delta of one worker message, as the response that carries it (built in place: a
         copy per token into a wrapper costs on every stream); None when it carries nothing. A

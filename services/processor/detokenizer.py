@@ -1,57 +1,117 @@
 """Streaming detokenization and stop strings.
 
-Byte-level tokenizers split multi-byte characters across tokens; decoding each token alone shows
-U+FFFD mid-stream. The detokenizer keeps a short window of ids and releases text only once the
-window decodes to whole characters.
+A stream's text is what the tokenizer's `decode` gives for all its tokens, released as early as
+possible: byte-level tokenizers split multi-byte characters across tokens, so a character is
+released once its last byte arrived, never as U+FFFD mid-stream. The text released after a token
+sequence, and what is held back, never depend on how the sequence was split into pushes: a
+processor that takes a stream over pushes the tokens the client already has in one batch and
+holds back exactly what the failed one held.
+
+Two lanes, chosen once per tokenizer (`ModelTokenizer.detokenizer`):
+- `ByteTableDetokenizer`: byte-level BPE, a table look-up per token (see byte_table.py);
+- `StreamDetokenizer`: any other tokenizer (SentencePiece with byte fallback, WordPiece, ...),
+  through `tokenizers`' `DecodeStream`, primed with the prompt as vLLM primes it, so a first
+  token's leading space is the one `decode(prompt + output)` shows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import codecs
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol
 
-REPLACEMENT = "\ufffd"
-# Tokens of context decoded before the new ones, so merges across the boundary render correctly.
-CONTEXT_TOKENS = 4
+log = logging.getLogger(__name__)
+
+# What `DecodeStream` raises when a new token changes text it already released.
+INVALID_PREFIX = "Invalid prefix encountered"
 
 
-class IncrementalDetokenizer:
-    __slots__ = ("_decode", "_ids", "_prefix_offset", "_read_offset")
-
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self._decode = decode
-        self._ids: list[int] = []
-        self._prefix_offset = 0
-        self._read_offset = 0
-
+class Detokenizer(Protocol):
     def push(self, new_ids: list[int]) -> str:
-        """Adds tokens; returns the text they complete (may be empty while a character is split).
-
-        A batch is pushed token by token, so the text released after a token sequence, and what
-        is held back, never depend on how the sequence was split into pushes. A processor that
-        takes a stream over pushes the tokens the client already has in one batch: it must hold
-        back exactly what the failed one held (decoded as one window, a batch ending mid-character
-        would release nothing and hold it all, and the next push would send it all again)."""
-        if len(new_ids) == 1:
-            return self._push_one(new_ids[0])
-        return "".join([self._push_one(token) for token in new_ids])
-
-    def _push_one(self, token: int) -> str:
-        self._ids.append(token)
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full_text = self._decode(self._ids[self._prefix_offset :])
-        if len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT):
-            delta = full_text[len(prefix_text) :]
-            self._read_offset = len(self._ids)
-            self._prefix_offset = max(self._read_offset - CONTEXT_TOKENS, 0)
-            return delta
-        return ""
+        """Adds tokens; returns the text they complete (empty while a character is split)."""
+        ...
 
     def flush(self) -> str:
-        """Whatever is left when the stream ends, even if it is not valid UTF-8."""
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full_text = self._decode(self._ids[self._prefix_offset :])
-        self._read_offset = len(self._ids)
-        return full_text[len(prefix_text) :]
+        """Whatever is held back when the stream ends (an unfinished character as U+FFFD)."""
+        ...
+
+
+class ByteTableDetokenizer:
+    __slots__ = ("_decode", "_table")
+
+    def __init__(self, table: list[bytes]) -> None:
+        self._table = table
+        # Holds back an unfinished character's bytes; replaces each ill-formed subpart with one
+        # U+FFFD, as `decode` does: the same text however the bytes are split.
+        self._decode = codecs.getincrementaldecoder("utf-8")("replace").decode
+
+    def push(self, new_ids: list[int]) -> str:
+        table = self._table
+        try:
+            if len(new_ids) == 1:
+                return self._decode(table[new_ids[0]])
+            return self._decode(b"".join([table[i] for i in new_ids]))
+        except IndexError:
+            # An id past the vocabulary decodes to nothing, as in `decode`.
+            size = len(table)
+            return self._decode(b"".join([table[i] for i in new_ids if 0 <= i < size]))
+
+    def flush(self) -> str:
+        return self._decode(b"", True)
+
+
+class StreamDetokenizer:
+    __slots__ = ("_context", "_emitted", "_ids", "_stream", "_tokenizer")
+
+    def __init__(self, tokenizer: Any, prompt: Sequence[int]) -> None:
+        """`tokenizer`: a `tokenizers.Tokenizer`; `prompt`: the ids before the stream's first."""
+        from tokenizers.decoders import DecodeStream
+
+        self._tokenizer = tokenizer
+        # The whole prompt, not its last few tokens: a window may begin inside a character spelled
+        # in byte-fallback tokens, and DecodeStream then releases the window's own U+FFFDs.
+        # Decoding it costs once per stream, at its first token.
+        self._context = list(prompt)
+        self._stream = DecodeStream(ids=list(self._context), skip_special_tokens=True)
+        self._ids: list[int] = []
+        self._emitted = 0  # characters released so far
+
+    def push(self, new_ids: list[int]) -> str:
+        parts = []
+        for token in new_ids:
+            self._ids.append(token)
+            try:
+                text = self._stream.step(self._tokenizer, token)
+            except Exception as exc:
+                if INVALID_PREFIX not in str(exc):
+                    raise
+                text = self._restart()
+            if text:
+                parts.append(text)
+        out = "".join(parts)
+        self._emitted += len(out)
+        return out
+
+    def _restart(self) -> str:
+        """A new token rewrote text already released (vLLM meets this too): start a stream after
+        everything so far and release what `decode` adds beyond the released text."""
+        from tokenizers.decoders import DecodeStream
+
+        log.warning("detokenizer: DecodeStream met an invalid prefix; restarting it after %d tokens", len(self._ids))
+        self._stream = DecodeStream(ids=self._context + self._ids, skip_special_tokens=True)
+        return self._remainder()
+
+    def _remainder(self) -> str:
+        decode = self._tokenizer.decode
+        full = decode(self._context + self._ids, skip_special_tokens=True)
+        start = len(decode(self._context, skip_special_tokens=True)) + self._emitted
+        return full[start:]
+
+    def flush(self) -> str:
+        out = self._remainder()
+        self._emitted += len(out)
+        return out
 
 
 class StopStrings:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from services.processor.byte_table import build_byte_table
+from services.processor.detokenizer import ByteTableDetokenizer, Detokenizer, StreamDetokenizer
 
 if TYPE_CHECKING:
     from services.processor.chat_render import ChatPrompt
@@ -44,6 +48,19 @@ class ModelTokenizer:
         if self._hf.eos_token_id is not None:
             ids.append(self._hf.eos_token_id)
         self.eos_token_ids = tuple(sorted({i for i in ids if i is not None}))
+        # Byte-level BPE streams with a table look-up per token; any other tokenizer through
+        # DecodeStream (detokenizer.py).
+        self._byte_table = build_byte_table(self._fast, self.vocab_size)
+
+    @property
+    def detokenizer_lane(self) -> str:
+        return "byte table" if self._byte_table is not None else "DecodeStream"
+
+    def detokenizer(self, prompt: Sequence[int]) -> Detokenizer:
+        """A stream's detokenizer; `prompt`: the ids before its first token."""
+        if self._byte_table is not None:
+            return ByteTableDetokenizer(self._byte_table)
+        return StreamDetokenizer(self._fast, prompt)
 
     def encode_chat(self, prompt: ChatPrompt) -> list[int]:
         try:

@@ -1,19 +1,113 @@
-"""Streaming text: multi-byte characters never show as U+FFFD, stop strings cut exactly."""
+"""Streaming text: the text of a stream is what `decode` gives for its tokens, however they were
+split into steps or taken over; multi-byte characters never show as U+FFFD; stop strings cut
+exactly. Both detokenizer lanes: the byte table (the demo model's byte-level BPE) and DecodeStream
+(a SentencePiece-style tokenizer with byte fallback, built here)."""
 
 from __future__ import annotations
 
+import json
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
-from services.processor.detokenizer import IncrementalDetokenizer, StopStrings
+from services.processor.byte_table import _first_mismatch, build_byte_table
+from services.processor.detokenizer import Detokenizer, StopStrings, StreamDetokenizer
 from services.processor.tokenizer import ModelTokenizer
-from services.tools.make_demo_model import ensure_demo_model
+from services.tools.make_demo_model import CORPUS, ensure_demo_model
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> ModelTokenizer:
     return ModelTokenizer(str(ensure_demo_model()))
+
+
+def sentencepiece_tokenizer() -> Any:
+    """Llama 2's layout: BPE over "▁"-marked words, the 256 byte tokens `<0xNN>` for what the
+    vocabulary lacks, and the decoder chain that turns them back (Replace, ByteFallback, Fuse, Strip)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    base = Tokenizer(models.BPE(unk_token="<unk>"))
+    base.pre_tokenizer = pre_tokenizers.Metaspace()
+    base.train([str(CORPUS)], trainers.BpeTrainer(vocab_size=700, special_tokens=["<unk>", "<s>", "</s>"],
+                                                  show_progress=False))
+    config = json.loads(base.to_str())
+    vocab = config["model"]["vocab"]
+    first_byte = len(vocab)
+    vocab.update({f"<0x{b:02X}>": first_byte + b for b in range(256)})
+    config["model"]["byte_fallback"] = True
+    tok = Tokenizer.from_str(json.dumps(config))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return tok
+
+
+@dataclass(frozen=True)
+class Lane:
+    """One detokenizer lane: how to start a stream, what `decode` says it must stream, and
+    random token sequences to try it on."""
+
+    new: Callable[[list[int]], Detokenizer]
+    expected: Callable[[list[int], list[int]], str]
+    random_ids: Callable[[random.Random, int], list[int]]
+
+
+def byte_table_lane(tokenizer: ModelTokenizer) -> Lane:
+    vocab = tokenizer.vocab_size
+    # Any id at all: lone bytes of multi-byte characters, special tokens, ids the tokenizer lacks.
+    return Lane(tokenizer.detokenizer, lambda prompt, ids: tokenizer.decode(ids),
+                lambda rng, n: [rng.randrange(vocab) for _ in range(n)])
+
+
+def decode_stream_lane() -> Lane:
+    tok = sentencepiece_tokenizer()
+    vocab = tok.get_vocab()
+    pieces = [i for t, i in vocab.items() if not t.startswith("<")]
+    byte_tokens = {b: vocab[f"<0x{b:02X}>"] for b in range(256)}
+    special = [vocab["<s>"], vocab["</s>"]]
+
+    def random_ids(rng: random.Random, n: int) -> list[int]:
+        """Word pieces, special tokens, and characters of 1-4 UTF-8 bytes spelled as byte tokens
+        (the byte fallback's split characters). A run of byte tokens that is not UTF-8 decodes to
+        one U+FFFD per token, retroactively, which no stream can follow; models do not write it."""
+        ids: list[int] = []
+        while len(ids) < n:
+            kind = rng.random()
+            if kind < 0.6:
+                ids.append(rng.choice(pieces))
+            elif kind < 0.7:
+                ids.append(rng.choice(special))
+            else:
+                char = chr(rng.choice([rng.randrange(0x80, 0x800), rng.randrange(0x4E00, 0x9FFF),
+                                       rng.randrange(0x1F300, 0x1FAFF)]))
+                ids.extend(byte_tokens[b] for b in char.encode())
+        return ids
+
+    def expected(prompt: list[int], ids: list[int]) -> str:
+        return tok.decode(prompt + ids, skip_special_tokens=True)[len(tok.decode(prompt, skip_special_tokens=True)):]
+
+    return Lane(lambda prompt: StreamDetokenizer(tok, prompt), expected, random_ids)
+
+
+@pytest.fixture(scope="module", params=["byte table", "DecodeStream"])
+def lane(request: pytest.FixtureRequest, tokenizer: ModelTokenizer) -> Lane:
+    return byte_table_lane(tokenizer) if request.param == "byte table" else decode_stream_lane()
+
+
+def test_the_demo_model_streams_through_its_byte_table_and_sentencepiece_through_decode_stream(
+        tokenizer: ModelTokenizer) -> None:
+    assert tokenizer.detokenizer_lane == "byte table"
+    assert build_byte_table(sentencepiece_tokenizer(), 1000) is None
+
+
+def test_a_byte_table_that_differs_from_decode_is_caught(tokenizer: ModelTokenizer) -> None:
+    table = build_byte_table(tokenizer._fast, tokenizer.vocab_size)
+    assert table is not None and _first_mismatch(tokenizer._fast, table, seed=0) is None
+    wrong = list(table)
+    wrong[tokenizer.encode_text("a")[0]] = b"b"
+    assert _first_mismatch(tokenizer._fast, wrong, seed=0) is not None
 
 
 @pytest.mark.parametrize("text", [
@@ -25,7 +119,7 @@ def tokenizer() -> ModelTokenizer:
 def test_token_by_token_streaming_never_shows_replacement_chars(tokenizer: ModelTokenizer, text: str) -> None:
     ids = tokenizer.encode_text(text)
     assert len(ids) > 3
-    detok = IncrementalDetokenizer(tokenizer.decode)
+    detok = tokenizer.detokenizer([])
     deltas = [detok.push([i]) for i in ids]
     deltas.append(detok.flush())
     assert all("\ufffd" not in d for d in deltas), deltas
@@ -72,42 +166,42 @@ def test_no_stop_strings_pass_text_straight_through() -> None:
     assert s.push("anything") == ("anything", False)
 
 
-def _streamed(tokenizer: ModelTokenizer, ids: list[int], cuts: list[int]) -> str:
-    detok = IncrementalDetokenizer(tokenizer.decode)
+def _streamed(detok: Detokenizer, ids: list[int], cuts: list[int]) -> str:
     bounds = [0, *sorted(cuts), len(ids)]
     text = "".join(detok.push(ids[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a)
     return text + detok.flush()
 
 
-def test_the_text_of_a_token_sequence_does_not_depend_on_how_it_was_batched(tokenizer: ModelTokenizer) -> None:
+def _random_cuts(rng: random.Random, n: int) -> list[int]:
+    return rng.sample(range(1, n), k=rng.randint(0, n - 1)) if n > 1 else []
+
+
+def test_a_stream_is_exactly_what_decode_gives_however_it_was_split_into_steps(lane: Lane) -> None:
     """Paced streams and resumed streams push tokens in batches of any size; the client must see
-    the same text for the same tokens. Random ids include lone bytes of multi-byte characters,
-    which decode to U+FFFD differently in a window than one by one."""
+    the text `decode` gives for all the tokens, for any split."""
     rng = random.Random(7)
-    vocab = tokenizer.vocab_size
     for _ in range(300):
-        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
-        one_by_one = _streamed(tokenizer, ids, list(range(1, len(ids))))
-        cuts = rng.sample(range(1, len(ids)), k=rng.randint(0, max(0, len(ids) - 1))) if len(ids) > 1 else []
-        assert _streamed(tokenizer, ids, cuts) == one_by_one, ids
-        assert _streamed(tokenizer, ids, []) == one_by_one, ids
+        prompt = lane.random_ids(rng, rng.randint(0, 12))
+        ids = lane.random_ids(rng, rng.randint(1, 40))
+        expected = lane.expected(prompt, ids)
+        assert _streamed(lane.new(prompt), ids, list(range(1, len(ids)))) == expected, (prompt, ids)
+        assert _streamed(lane.new(prompt), ids, _random_cuts(rng, len(ids))) == expected, (prompt, ids)
+        assert _streamed(lane.new(prompt), ids, []) == expected, (prompt, ids)
 
 
-def test_a_stream_resumed_elsewhere_continues_the_text_exactly(tokenizer: ModelTokenizer) -> None:
+def test_a_stream_taken_over_mid_character_continues_the_text_exactly(lane: Lane) -> None:
     """A processor taking over a stream pushes the tokens the client already has in one batch and
     drops that text; what it emits next must be exactly the rest of the text, whatever batches
     the failed processor had pushed them in (ending mid-character included)."""
     rng = random.Random(11)
-    vocab = tokenizer.vocab_size
     for _ in range(400):
-        ids = [rng.randrange(vocab) for _ in range(rng.randint(2, 40))]
-        whole = _streamed(tokenizer, ids, list(range(1, len(ids))))
+        prompt = lane.random_ids(rng, rng.randint(0, 12))
+        ids = lane.random_ids(rng, rng.randint(2, 40))
         k = rng.randint(1, len(ids) - 1)
-        first = IncrementalDetokenizer(tokenizer.decode)
-        cuts = sorted(rng.sample(range(1, k), k=rng.randint(0, k - 1))) if k > 1 else []
-        bounds = [0, *cuts, k]
+        first = lane.new(prompt)
+        bounds = [0, *sorted(_random_cuts(rng, k)), k]
         sent = "".join(first.push(ids[a:b]) for a, b in zip(bounds, bounds[1:]))
-        taker = IncrementalDetokenizer(tokenizer.decode)
+        taker = lane.new(prompt)
         taker.push(ids[:k])  # already with the client
         rest = taker.push(ids[k:]) + taker.flush()
-        assert sent + rest == whole, (ids, k)
+        assert sent + rest == lane.expected(prompt, ids), (prompt, ids, k)
