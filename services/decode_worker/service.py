@@ -34,6 +34,7 @@ from services.worker.pacing import DEFAULT_INTERVAL_S
 from services.worker.role_switch import Admit, always
 from services.worker.servicer import (
     GENERATE_RPC,
+    GenerateReply,
     LOCAL_PREFILL,
     WorkerServicer,
     generate_attributes,
@@ -68,7 +69,7 @@ class DecodeServicer(WorkerServicer):
         task.add_done_callback(self._releases.discard)
 
     async def generate(self, request: worker_pb2.WorkerGenerateRequest,
-                       call: CallInfo) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+                       call: CallInfo) -> AsyncIterator[GenerateReply]:
         REQUEST_ID.set(request.request_id)  # this call's task: its log lines carry the id
         async with self.admit(RoleName.DECODE):
             with self.tracing.server_span("decode", call, GENERATE_RPC) as span:
@@ -80,7 +81,7 @@ class DecodeServicer(WorkerServicer):
                 except ValueError as exc:
                     raise refused(exc) from exc
 
-    async def _generate(self, request: worker_pb2.WorkerGenerateRequest) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+    async def _generate(self, request: worker_pb2.WorkerGenerateRequest) -> AsyncIterator[GenerateReply]:
         rid = request.request_id
         local = request_from_proto(request)
         remote: RemotePrefill | None = None
@@ -100,6 +101,8 @@ class DecodeServicer(WorkerServicer):
                         first = await anext(outputs, None)
                         if first is None:
                             return
+                        # A generation's first reply is always a message (WorkerServicer.stream).
+                        assert not isinstance(first, list)
                         if first.finish_reason == FinishReason.ABORT:
                             raise RuntimeError("the engine aborted the request it was to decode from remote KV")
                     started = True

@@ -215,6 +215,7 @@ class Session:
 
     async def _read(self) -> None:
         streams = self.streams
+        rows = self.kind.rows
         try:
             while True:
                 frame = await self._call.read()
@@ -222,6 +223,11 @@ class Session:
                     self._break(grpc.StatusCode.UNAVAILABLE, f"{self.address} closed the {self.kind.name} session")
                     return
                 self.frames_received += 1
+                if rows is not None:
+                    for sid, row in rows.unpack(frame):
+                        stream = streams.get(sid)
+                        if stream is not None:
+                            stream._push(row)
                 for reply in frame.replies:
                     stream = streams.get(reply.stream_id)
                     if stream is not None:
@@ -236,6 +242,8 @@ class Session:
 
     async def _write(self) -> None:
         call_type, down_type = self.kind.call, self.kind.down
+        # The first frame says this end reads rows (session_kind.ReplyRows), where the kind has them.
+        announce = self.kind.rows is not None
         try:
             while not self.closed:
                 if not self._opened and not self._cancelled:
@@ -262,6 +270,9 @@ class Session:
                 self._opened = opened[taken:]
                 frame.cancel.extend(self._cancelled)
                 self._cancelled = []
+                if announce:
+                    frame.accepts_rows = True
+                    announce = False
                 await self._call.write(frame)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
             self._break(grpc.StatusCode.UNAVAILABLE, f"the {self.kind.name} session to {self.address} broke: {exc}")

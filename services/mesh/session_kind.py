@@ -16,7 +16,7 @@ Rules both ends keep:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,38 @@ CODES = {code.value[0]: code for code in grpc.StatusCode}
 OK = grpc.StatusCode.OK.value[0]
 
 
+TokenRow = list[int]
+"""A worker's reply that carries output tokens and nothing else: what its handler yields for
+every output but a call's first and last (and those with logprobs), packed into a frame's
+`TokenRows` columns for a caller that reads them, so no message is built per token."""
+
+
+@dataclass(frozen=True)
+class ReplyRows:
+    """Rows: replies a handler yields as `TokenRow`s, sent as one frame's columns to a caller
+    that announced it reads them (`accepts_rows` on its first frame), as messages to any other."""
+
+    to_message: Callable[[TokenRow], Any]
+
+    @staticmethod
+    def pack(frame: Any, stream_ids: list[int], rows: list[TokenRow]) -> None:
+        columns = frame.rows
+        columns.stream_ids.extend(stream_ids)
+        columns.counts.extend([len(row) for row in rows])
+        columns.token_ids.extend([token for row in rows for token in row])
+
+    @staticmethod
+    def unpack(frame: Any) -> Iterator[tuple[int, TokenRow]]:
+        columns = frame.rows
+        if not columns.stream_ids:
+            return
+        tokens = list(columns.token_ids)
+        at = 0
+        for sid, count in zip(columns.stream_ids, columns.counts):
+            yield sid, tokens[at:at + count]
+            at += count
+
+
 @dataclass(frozen=True)
 class SessionKind:
     """One service's session: its method and frame messages."""
@@ -37,6 +69,8 @@ class SessionKind:
     down: type[Any]  # frames from the caller: repeated `calls`, repeated `cancel`
     up: type[Any]  # frames to the caller: repeated `replies`, repeated `ends`
     call: type[Any]  # one entry of `down.calls`
+    # Set where plain replies may travel as columns (`up.rows`, `down.accepts_rows`).
+    rows: ReplyRows | None = None
 
     @property
     def name(self) -> str:
@@ -81,8 +115,13 @@ def call_info(context: grpc.aio.ServicerContext) -> CallInfo:
     return CallInfo({k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)})
 
 
+def token_row_message(row: TokenRow) -> worker_pb2.WorkerGenerateResponse:
+    """A token row as the reply message it stands for."""
+    return worker_pb2.WorkerGenerateResponse(token_ids=row)
+
+
 WORKER_SESSION = SessionKind("/kvmesh.v1.Worker/Session", worker_pb2.WorkerSessionDown, worker_pb2.WorkerSessionUp,
-                             worker_pb2.WorkerCall)
+                             worker_pb2.WorkerCall, ReplyRows(token_row_message))
 PROCESSOR_SESSION = SessionKind("/kvmesh.v1.Processor/Session", processor_pb2.ProcessorSessionDown,
                                 processor_pb2.ProcessorSessionUp, processor_pb2.ProcessorCall)
 ROUTER_SESSION = SessionKind("/kvmesh.v1.Router/Session", router_pb2.RouterSessionDown, router_pb2.RouterSessionUp,

@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from gen.kvmesh.v1 import common_pb2
-from services.mesh.session_kind import OK, CallError, CallInfo, SessionKind, final_error
+from services.mesh.session_kind import OK, CallError, CallInfo, SessionKind, TokenRow, final_error
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,8 @@ class _ServerSession:
         self._ends: list[common_pb2.StreamEnd] = []
         self._wake = asyncio.Event()
         self._closing = False
+        # The caller reads rows (session_kind.ReplyRows): it said so on its first frame.
+        self.accepts_rows = False
 
     async def run(self, frames: AsyncIterator[Any]) -> None:
         reader = asyncio.create_task(self._read(frames), name=f"{self.hub.kind.name} session reader")
@@ -95,7 +97,10 @@ class _ServerSession:
 
     async def _read(self, frames: AsyncIterator[Any]) -> None:
         """Until the caller half-closes or goes: then `run` cancels everything it had open."""
+        rows = self.hub.kind.rows
         async for frame in frames:
+            if rows is not None and frame.accepts_rows:
+                self.accepts_rows = True
             for call in frame.calls:
                 self._open(call)
             for stream_id in frame.cancel:
@@ -183,15 +188,36 @@ class _ServerSession:
             replies = self._replies
             if len(replies) > MAX_REPLIES_PER_FRAME:
                 taken, self._replies = replies[:MAX_REPLIES_PER_FRAME], replies[MAX_REPLIES_PER_FRAME:]
-                add = frame.replies.add
-                for sid, response in taken:
-                    add(stream_id=sid, response=response)
+                self._fill(frame, taken)
             else:
                 self._replies = []
-                add = frame.replies.add
-                for sid, response in replies:
-                    add(stream_id=sid, response=response)
+                self._fill(frame, replies)
                 # Ends only once every reply before them is in this frame or an earlier one.
                 frame.ends.extend(self._ends)
                 self._ends = []
             await self.context.write(frame)
+
+    def _fill(self, frame: Any, replies: list[tuple[int, Any]]) -> None:
+        """Replies into a frame: rows as columns where the caller reads them, the rest as
+        messages. A frame's rows are read before its replies, so once a call has a message in
+        the frame its later rows go as messages too: a call's replies stay in order."""
+        rows = self.hub.kind.rows
+        add = frame.replies.add
+        if rows is None:
+            for sid, response in replies:
+                add(stream_id=sid, response=response)
+            return
+        row_ids: list[int] = []
+        row_items: list[TokenRow] = []
+        as_messages: set[int] = set()
+        for sid, response in replies:
+            if type(response) is list:
+                if self.accepts_rows and sid not in as_messages:
+                    row_ids.append(sid)
+                    row_items.append(response)
+                    continue
+                response = rows.to_message(response)
+            as_messages.add(sid)
+            add(stream_id=sid, response=response)
+        if row_ids:
+            rows.pack(frame, row_ids, row_items)

@@ -237,14 +237,19 @@ class ChoiceStream:
         first = True
         try:
             async for msg in stream:
-                if msg.finish_reason == "abort":
-                    raise _WorkerLost(f"worker {route.worker_id} aborted the request")
-                if first:
-                    first = False
-                    if not self.generated:
-                        self.cached_tokens = msg.cached_tokens
-                    yield Started(route.worker_id, msg.prefill, route.explanation)
-                response = self._delta(msg, detok, stopper, want_logprobs)
+                if type(msg) is list:
+                    # A token row: output tokens and nothing else, never a call's first or last.
+                    response = self._delta(msg, "", (), detok, stopper, want_logprobs)
+                else:
+                    if msg.finish_reason == "abort":
+                        raise _WorkerLost(f"worker {route.worker_id} aborted the request")
+                    if first:
+                        first = False
+                        if not self.generated:
+                            self.cached_tokens = msg.cached_tokens
+                        yield Started(route.worker_id, msg.prefill, route.explanation)
+                    response = self._delta(list(msg.token_ids), msg.finish_reason, msg.logprobs, detok, stopper,
+                                           want_logprobs)
                 if response is not None:
                     yield Delta(response)
                     if response.delta.finish_reason:
@@ -264,23 +269,22 @@ class ChoiceStream:
         finally:
             stream.cancel()
 
-    def _delta(self, msg: worker_pb2.WorkerGenerateResponse, detok: Detokenizer, stopper: StopStrings,
-               want_logprobs: bool) -> processor_pb2.GenerateResponse | None:
-        """The delta of one worker message, as the response that carries it (built in place: a
-        copy per token into a wrapper costs on every stream); None when it carries nothing. A
-        delta with tokens but no text yet (a character split across tokens) still goes out: the
-        gateway keeps every token it was sent, to hand the stream to another processor should
-        this one fail."""
-        ids = list(msg.token_ids)
+    def _delta(self, ids: list[int], finish_reason: str, logprobs: Sequence[common_pb2.TokenLogprob],
+               detok: Detokenizer, stopper: StopStrings, want_logprobs: bool) -> processor_pb2.GenerateResponse | None:
+        """The delta of one worker reply (its tokens, finish reason and logprobs), as the response
+        that carries it (built in place: a copy per token into a wrapper costs on every stream);
+        None when it carries nothing. A delta with tokens but no text yet (a character split
+        across tokens) still goes out: the gateway keeps every token it was sent, to hand the
+        stream to another processor should this one fail."""
         self.generated.extend(ids)
         text = detok.push(ids) if ids else ""
-        if msg.finish_reason:
+        if finish_reason:
             text += detok.flush()
         out, stopped = stopper.push(text)
         finish = "stop" if stopped else ""
-        if msg.finish_reason and not stopped:
+        if finish_reason and not stopped:
             out += stopper.flush()
-            finish = msg.finish_reason
+            finish = finish_reason
         if not (ids or out or finish or want_logprobs):
             return None
         response = processor_pb2.GenerateResponse()
@@ -294,7 +298,7 @@ class ChoiceStream:
         delta.token_ids.extend(ids)
         if want_logprobs:
             tokenizer = self.ctx.tokenizer
-            delta.logprobs.extend(msg.logprobs)
+            delta.logprobs.extend(logprobs)
             for lp in delta.logprobs:
                 for top in lp.top:
                     top.text = tokenizer.token_text(top.token_id)

@@ -18,7 +18,15 @@ import grpc
 
 from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.mesh.grpc_server import as_rpc
-from services.mesh.session_kind import WORKER_SESSION, CallError, CallInfo, call_info, final_error
+from services.mesh.session_kind import (
+    WORKER_SESSION,
+    CallError,
+    CallInfo,
+    TokenRow,
+    call_info,
+    final_error,
+    token_row_message,
+)
 from services.mesh.session_server import SessionHub
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
@@ -32,6 +40,8 @@ log = logging.getLogger(__name__)
 METRICS_MAX_INTERVAL_S = 1.0
 METRICS_POLL_S = 0.05
 GENERATE_RPC = "kvmesh.v1.Worker/Generate"
+# What a generation yields: messages, and token rows for the outputs between its first and last.
+GenerateReply = worker_pb2.WorkerGenerateResponse | TokenRow
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> Sampling:
@@ -182,15 +192,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             task.add_done_callback(self._subscriptions.discard)
 
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        async for msg in as_rpc(context, self.generate(request, call_info(context))):
-            yield msg
+        async for reply in as_rpc(context, self.generate(request, call_info(context))):
+            yield token_row_message(reply) if isinstance(reply, list) else reply
 
     async def Session(self, frames: AsyncIterator[worker_pb2.WorkerSessionDown],  # noqa: N802
                       context: grpc.aio.ServicerContext) -> None:
         await self.sessions.serve(frames, context)
 
-    async def generate(self, request: worker_pb2.WorkerGenerateRequest,
-                       call: CallInfo) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+    async def generate(self, request: worker_pb2.WorkerGenerateRequest, call: CallInfo) -> AsyncIterator[GenerateReply]:
         """One request's responses, for `Generate` and for a call on a session alike."""
         REQUEST_ID.set(request.request_id)  # this call's task: its log lines carry the id
         with self.tracing.server_span("decode", call, GENERATE_RPC) as span:
@@ -204,21 +213,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 raise refused(exc) from exc
 
     async def stream(self, engine_request: EngineRequest,
-                     prefill: common_pb2.PrefillLocation) -> AsyncGenerator[worker_pb2.WorkerGenerateResponse, None]:
-        """The engine's outputs as response messages; the first says where the prefill ran."""
+                     prefill: common_pb2.PrefillLocation) -> AsyncGenerator[GenerateReply, None]:
+        """The engine's outputs as replies: the first a message that says where the prefill ran,
+        the last a message with the finish reason, those between token rows (session_kind.TokenRow)
+        unless they carry logprobs."""
         log.debug("request %s: %d prompt tokens", engine_request.request_id, len(engine_request.token_ids))
-        first = True
         outputs = self.engine.generate(engine_request)
         if engine_request.sampling.max_tokens > 1:  # one output only: nothing to pace
             outputs = paced(outputs, self.stream_interval_s)
         async with aclosing(outputs):
+            first = await anext(outputs, None)
+            if first is None:
+                return
+            msg = output_to_proto(first)
+            msg.prefill.CopyFrom(prefill)
+            msg.prompt_tokens = len(engine_request.token_ids)
+            yield msg
             async for out in outputs:
-                msg = output_to_proto(out)
-                if first:
-                    msg.prefill.CopyFrom(prefill)
-                    msg.prompt_tokens = len(engine_request.token_ids)
-                    first = False
-                yield msg
+                yield out.token_ids if out.finish_reason is None and out.logprobs is None else output_to_proto(out)
 
     async def SubscribeKvEvents(self, request: worker_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext):
         self._subscribed()

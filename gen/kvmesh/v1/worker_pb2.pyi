@@ -221,12 +221,14 @@ class WorkerCall(_message.Message):
     def __init__(self, stream_id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., request: _Optional[_Union[WorkerGenerateRequest, _Mapping]] = ...) -> None: ...
 
 class WorkerSessionDown(_message.Message):
-    __slots__ = ("calls", "cancel")
+    __slots__ = ("calls", "cancel", "accepts_rows")
     CALLS_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_ROWS_FIELD_NUMBER: _ClassVar[int]
     calls: _containers.RepeatedCompositeFieldContainer[WorkerCall]
     cancel: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, calls: _Optional[_Iterable[_Union[WorkerCall, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
+    accepts_rows: bool
+    def __init__(self, calls: _Optional[_Iterable[_Union[WorkerCall, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ..., accepts_rows: _Optional[bool] = ...) -> None: ...
 
 class WorkerReply(_message.Message):
     __slots__ = ("stream_id", "response")
@@ -236,10 +238,22 @@ class WorkerReply(_message.Message):
     response: WorkerGenerateResponse
     def __init__(self, stream_id: _Optional[int] = ..., response: _Optional[_Union[WorkerGenerateResponse, _Mapping]] = ...) -> None: ...
 
+class TokenRows(_message.Message):
+    __slots__ = ("stream_ids", "counts", "token_ids")
+    STREAM_IDS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    stream_ids: _containers.RepeatedScalarFieldContainer[int]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, stream_ids: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class WorkerSessionUp(_message.Message):
-    __slots__ = ("replies", "ends")
+    __slots__ = ("replies", "ends", "rows")
     REPLIES_FIELD_NUMBER: _ClassVar[int]
     ENDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     replies: _containers.RepeatedCompositeFieldContainer[WorkerReply]
     ends: _containers.RepeatedCompositeFieldContainer[_common_pb2.StreamEnd]
-    def __init__(self, replies: _Optional[_Iterable[_Union[WorkerReply, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[_common_pb2.StreamEnd, _Mapping]]] = ...) -> None: ...
+    rows: TokenRows
+    def __init__(self, replies: _Optional[_Iterable[_Union[WorkerReply, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[_common_pb2.StreamEnd, _Mapping]]] = ..., rows: _Optional[_Union[TokenRows, _Mapping]] = ...) -> None: ...
