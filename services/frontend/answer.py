@@ -122,13 +122,18 @@ class Answer:
             body["usage"] = usage
         return body
 
+    def _choice_chunk(self, index: int, delta: dict | str, logprobs: dict | None = None, finish: str | None = None
+                      ) -> dict:
+        """A streamed chunk of one choice: `delta` is a chat delta, or a completion's text."""
+        if self.kind is CHAT:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": delta, "finish_reason": finish, "logprobs": logprobs}
+        return self._chunk([choice])
+
     def _text_chunk(self, index: int, text: str) -> dict:
         """The chunk of a plain text delta, after a chat choice's first (which names the role)."""
-        if self.kind is CHAT:
-            choice = {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
-        else:
-            choice = {"index": index, "text": text, "finish_reason": None, "logprobs": None}
-        return self._chunk([choice])
+        return self._choice_chunk(index, {"content": text} if self.kind is CHAT else text)
 
     async def sse(self) -> AsyncIterator[bytes]:
         is_chat = self.kind is CHAT
@@ -146,12 +151,12 @@ class Answer:
                     if d.index not in opened:
                         opened.add(d.index)
                         delta["role"] = "assistant"
-                    choice = {"index": d.index, "delta": delta, "logprobs": chat_logprobs([d]) if d.logprobs else None,
-                              "finish_reason": d.finish_reason or None}
+                    chunk = self._choice_chunk(d.index, delta, chat_logprobs([d]) if d.logprobs else None,
+                                               d.finish_reason or None)
                 else:
-                    choice = {"index": d.index, "text": d.text, "finish_reason": d.finish_reason or None,
-                              "logprobs": completion_logprobs([d]) if d.logprobs else None}
-                yield sse(self._chunk([choice]))
+                    chunk = self._choice_chunk(d.index, d.text, completion_logprobs([d]) if d.logprobs else None,
+                                               d.finish_reason or None)
+                yield sse(chunk)
             if self.include_usage:
                 yield sse(self._chunk([], usage_body(self.usage, self.hide_details)))
         except ApiError as exc:

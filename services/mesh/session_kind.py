@@ -5,7 +5,9 @@ calls of many requests (the hot path: gateway -> processor, processor -> router,
 decode worker). Frames down open calls (`calls`: stream id, deadline, trace metadata, request)
 and cancel them (`cancel`); frames up carry replies (`replies`: stream id, response) and ends
 (`ends`: StreamEnd). Each service's protos define its three frame messages with these field
-names; `SessionKind` names them for the generic client and server.
+names; `SessionKind` names them for the generic client and server. A kind may also carry rows
+(`ReplyRows`): replies with nothing but tokens, packed as columns in `up.rows` for a caller that
+set `down.accepts_rows` on its first frame (the worker session: `TokenRows`).
 
 Rules both ends keep:
 - a call's replies arrive in order, and all of them before its end;
