@@ -89,11 +89,14 @@ def cpu_kernels() -> str:
 
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"vllm._C ({platform.machine()})"
-    if not torch.cpu._is_avx512_supported():
-        return "vllm._C_AVX2"
-    if not torch.cpu._is_avx512_bf16_supported():
-        return "vllm._C_AVX512"
-    return "vllm._C (AVX-512 BF16, AMX tiles)" if torch.cpu._is_amx_tile_supported() else "vllm._C (AVX-512 BF16)"
+    try:  # torch's private probes, the ones vLLM asks: a log line must not fail a start
+        if not torch.cpu._is_avx512_supported():
+            return "vllm._C_AVX2"
+        if not torch.cpu._is_avx512_bf16_supported():
+            return "vllm._C_AVX512"
+        return "vllm._C (AVX-512 BF16, AMX tiles)" if torch.cpu._is_amx_tile_supported() else "vllm._C (AVX-512 BF16)"
+    except AttributeError:
+        return "vLLM CPU kernels (unknown build)"
 
 
 class _LoadRecorder:

@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 # vocabulary, special tokens and split characters included).
 CHECK_SEQUENCES = 64
 CHECK_LENGTH = 48
+# Text whose tokens spell multi-byte characters in pieces: a wrong byte in a token that holds
+# part of a character shows only where the whole character is decoded (alone it is U+FFFD
+# whichever byte it is).
+CHECK_TEXT = "Le café de la gare, Straße, naïve. 你好，世界。こんにちは。Ёлка. 🙂🚀 emoji and 👩‍💻 more."
 
 
 def byte_level_alphabet() -> dict[str, int]:
@@ -71,6 +75,8 @@ def _first_mismatch(tokenizer: Any, table: list[bytes], seed: int) -> str | None
     singles = [[i] for i in range(len(table))]
     rng = random.Random(seed)
     sequences = [[rng.randrange(len(table)) for _ in range(CHECK_LENGTH)] for _ in range(CHECK_SEQUENCES)]
+    text_ids = tokenizer.encode(CHECK_TEXT, add_special_tokens=False).ids
+    sequences += [text_ids[start:] for start in range(min(len(text_ids), 16))]
     decoded = tokenizer.decode_batch(singles + sequences, skip_special_tokens=True)
     for ids, text in zip(singles + sequences, decoded, strict=True):
         if b"".join([table[i] for i in ids]).decode("utf-8", "replace") != text:

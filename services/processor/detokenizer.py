@@ -10,8 +10,9 @@ holds back exactly what the failed one held.
 Two lanes, chosen once per tokenizer (`ModelTokenizer.detokenizer`):
 - `ByteTableDetokenizer`: byte-level BPE, a table look-up per token (see byte_table.py);
 - `StreamDetokenizer`: any other tokenizer (SentencePiece with byte fallback, WordPiece, ...),
-  through `tokenizers`' `DecodeStream`, primed with the prompt as vLLM primes it, so a first
-  token's leading space is the one `decode(prompt + output)` shows.
+  through `tokenizers`' `DecodeStream`, primed with the end of the prompt as vLLM primes it, so a
+  first token's leading space is the one `decode(prompt + output)` shows (see the class for the
+  one kind of output it cannot follow exactly).
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ log = logging.getLogger(__name__)
 
 # What `DecodeStream` raises when a new token changes text it already released.
 INVALID_PREFIX = "Invalid prefix encountered"
+REPLACEMENT = "\ufffd"
+# Prompt tokens a `StreamDetokenizer` starts from: context enough for a decoder that strips or
+# merges at the start of a sequence, without decoding a long prompt per stream.
+PROMPT_CONTEXT_TOKENS = 8
+# Tokens one character can span (UTF-8's longest, spelled in byte-fallback tokens).
+MAX_CHAR_TOKENS = 4
 
 
 class Detokenizer(Protocol):
@@ -62,20 +69,43 @@ class ByteTableDetokenizer:
 
 
 class StreamDetokenizer:
+    """Streams what `decode(context + output)` adds to `decode(context)`, through DecodeStream.
+
+    The context is the prompt's last `PROMPT_CONTEXT_TOKENS` tokens, moved back to the start of a
+    character (a byte-fallback decoder shows a whole run of byte tokens as U+FFFDs when it begins
+    inside a character), less trailing tokens while its text ends in U+FFFD (DecodeStream keeps no
+    prefix after such text and would release the prompt itself). One thing no stream can follow:
+    an ill-formed run of byte-fallback tokens, which `decode` shows as one U+FFFD per token once
+    the run is known to be ill-formed, after text was released."""
+
     __slots__ = ("_context", "_emitted", "_ids", "_stream", "_tokenizer")
 
     def __init__(self, tokenizer: Any, prompt: Sequence[int]) -> None:
         """`tokenizer`: a `tokenizers.Tokenizer`; `prompt`: the ids before the stream's first."""
-        from tokenizers.decoders import DecodeStream
-
         self._tokenizer = tokenizer
-        # The whole prompt, not its last few tokens: a window may begin inside a character spelled
-        # in byte-fallback tokens, and DecodeStream then releases the window's own U+FFFDs.
-        # Decoding it costs once per stream, at its first token.
-        self._context = list(prompt)
-        self._stream = DecodeStream(ids=list(self._context), skip_special_tokens=True)
+        self._context = self._context_of(prompt)
+        self._stream = self._new_stream(self._context)
         self._ids: list[int] = []
         self._emitted = 0  # characters released so far
+
+    def _context_of(self, ids: Sequence[int]) -> list[int]:
+        def text(start: int, end: int) -> str:
+            return self._tokenizer.decode(list(ids[start:end]), skip_special_tokens=True)
+
+        start, end = max(0, len(ids) - PROMPT_CONTEXT_TOKENS), len(ids)
+        for _ in range(MAX_CHAR_TOKENS):
+            if start == 0 or not text(start, end).startswith(REPLACEMENT):
+                break
+            start -= 1
+        while end > start and text(start, end).endswith(REPLACEMENT):
+            end -= 1
+        return list(ids[start:end])
+
+    @staticmethod
+    def _new_stream(prefix: list[int]) -> Any:
+        from tokenizers.decoders import DecodeStream
+
+        return DecodeStream(ids=list(prefix), skip_special_tokens=True)
 
     def push(self, new_ids: list[int]) -> str:
         parts = []
@@ -89,17 +119,14 @@ class StreamDetokenizer:
                 text = self._restart()
             if text:
                 parts.append(text)
-        out = "".join(parts)
-        self._emitted += len(out)
-        return out
+                self._emitted += len(text)  # before the next token: a restart counts from here
+        return "".join(parts)
 
     def _restart(self) -> str:
         """A new token rewrote text already released (vLLM meets this too): start a stream after
         everything so far and release what `decode` adds beyond the released text."""
-        from tokenizers.decoders import DecodeStream
-
         log.warning("detokenizer: DecodeStream met an invalid prefix; restarting it after %d tokens", len(self._ids))
-        self._stream = DecodeStream(ids=self._context + self._ids, skip_special_tokens=True)
+        self._stream = self._new_stream(self._context_of(self._context + self._ids))
         return self._remainder()
 
     def _remainder(self) -> str:

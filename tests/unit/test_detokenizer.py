@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from services.processor.byte_table import _first_mismatch, build_byte_table
+from services.processor.byte_table import CHECK_TEXT, _first_mismatch, build_byte_table
 from services.processor.detokenizer import Detokenizer, StopStrings, StreamDetokenizer
 from services.processor.tokenizer import ModelTokenizer
 from services.tools.make_demo_model import CORPUS, ensure_demo_model
@@ -102,11 +102,20 @@ def test_the_demo_model_streams_through_its_byte_table_and_sentencepiece_through
     assert build_byte_table(sentencepiece_tokenizer(), 1000) is None
 
 
-def test_a_byte_table_that_differs_from_decode_is_caught(tokenizer: ModelTokenizer) -> None:
+@pytest.mark.parametrize("token", ["a whole character", "part of a character"])
+def test_a_byte_table_that_differs_from_decode_is_caught(tokenizer: ModelTokenizer, token: str) -> None:
+    """Even a wrong byte in a token holding part of a character, which decodes to U+FFFD alone
+    whatever the byte."""
     table = build_byte_table(tokenizer._fast, tokenizer.vocab_size)
     assert table is not None and _first_mismatch(tokenizer._fast, table, seed=0) is None
+    if token == "a whole character":
+        wrong_id, wrong_bytes = tokenizer.encode_text("a")[0], b"b"
+    else:
+        wrong_id = next(i for i in tokenizer._fast.encode(CHECK_TEXT, add_special_tokens=False).ids
+                        if len(table[i]) == 1 and table[i][0] >= 0xC0)  # a lone lead byte
+        wrong_bytes = bytes([table[wrong_id][0] ^ 1])
     wrong = list(table)
-    wrong[tokenizer.encode_text("a")[0]] = b"b"
+    wrong[wrong_id] = wrong_bytes
     assert _first_mismatch(tokenizer._fast, wrong, seed=0) is not None
 
 
@@ -205,3 +214,29 @@ def test_a_stream_taken_over_mid_character_continues_the_text_exactly(lane: Lane
         taker.push(ids[:k])  # already with the client
         rest = taker.push(ids[k:]) + taker.flush()
         assert sent + rest == lane.expected(prompt, ids), (prompt, ids, k)
+
+
+def test_decode_stream_text_does_not_depend_on_the_split_even_for_ill_formed_byte_runs() -> None:
+    """Random ids of a byte-fallback tokenizer make byte runs that are not UTF-8, which `decode`
+    renders retroactively and no stream can follow; the stream's own text must still not depend
+    on how the ids were pushed (a takeover pushes many at once, and DecodeStream may restart)."""
+    tok = sentencepiece_tokenizer()
+    rng = random.Random(5)
+    size = tok.get_vocab_size()
+    for _ in range(400):
+        prompt = [rng.randrange(size) for _ in range(rng.randint(0, 10))]
+        ids = [rng.randrange(size) for _ in range(rng.randint(1, 30))]
+        one_by_one = _streamed(StreamDetokenizer(tok, prompt), ids, list(range(1, len(ids))))
+        assert _streamed(StreamDetokenizer(tok, prompt), ids, []) == one_by_one, (prompt, ids)
+        assert _streamed(StreamDetokenizer(tok, prompt), ids, _random_cuts(rng, len(ids))) == one_by_one, (prompt, ids)
+
+
+@pytest.mark.parametrize("ending", ["a dangling byte", "a replacement character"])
+def test_a_prompt_whose_text_ends_in_a_replacement_character_does_not_leak_into_the_output(ending: str) -> None:
+    tok = sentencepiece_tokenizer()
+    vocab = tok.get_vocab()
+    prompt = tok.encode("the router keeps a tree").ids
+    prompt += [vocab["<0xE4>"]] if ending == "a dangling byte" else [vocab[f"<0x{b:02X}>"] for b in "\ufffd".encode()]
+    ids = tok.encode("blocks of every worker").ids
+    streamed = _streamed(StreamDetokenizer(tok, prompt), ids, [])
+    assert "router" not in streamed and streamed.strip().endswith("worker"), streamed
