@@ -1,0 +1,81 @@
+"""One freshly started vLLM decode worker (its own mesh, no other worker), in two steps, in this
+order: its very first request, then its death under a structured-output stream. One engine start
+serves both (the suite's time goes to vLLM starts).
+
+1. The first request is a 2-token prompt, and it is answered. On a CPU with AMX tiles such a first
+   request killed the engine (vLLM's attention used AMX before anything had asked Linux for it;
+   see services/engines/vllm_warmup.py): the worker left etcd and every request was a 503. The
+   worker now warms its engine up before it registers. On a machine without AMX the old code
+   answered too; the log assertions say the warm-up ran, and ran first.
+2. A structured-output stream whose worker dies mid-output: the grammar cannot be resumed on
+   another worker (vLLM starts a request's grammar at the beginning of its output), so the stream
+   ends with an error event, and every character the client got still fits the grammar.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from tests.e2e.test_migration import act_after, stream
+from tests.procs import MODEL, Etcd, Proc, ServiceMesh, registered, service
+
+pytestmark = pytest.mark.vllm
+# At least 300 characters before the model may end it: a few hundred tokens, well past the cut.
+PATTERN = "[ab]{300,}"
+
+
+@dataclass
+class FreshWorker:
+    mesh: ServiceMesh
+    worker: Proc
+    instance_id: str
+
+
+@pytest.fixture(scope="module")
+def fresh(etcd: Etcd) -> Iterator[FreshWorker]:
+    mesh = ServiceMesh(etcd.endpoint)
+    try:
+        worker = service("services.decode_worker", "--etcd-endpoints", mesh.etcd, "--namespace", mesh.namespace,
+                         "--engine", "vllm", "--drain-timeout", "8", name="decode-worker")
+        mesh.procs.append(worker)
+        (instance,) = worker.wait_for(r"decode-worker ready: (.+)$", 240).group(1).split()
+        yield FreshWorker(mesh, worker, instance)
+    finally:
+        mesh.stop()
+
+
+def test_a_fresh_vllm_workers_first_request_of_two_tokens_is_answered(fresh: FreshWorker) -> None:
+    mesh, worker = fresh.mesh, fresh.worker
+    first = httpx.post(mesh.url("/v1/completions"), json={"model": MODEL, "prompt": "ab", "max_tokens": 4}, timeout=60)
+    assert first.status_code == 200, first.text
+    body = first.json()
+    assert body["usage"]["prompt_tokens"] == 2, body["usage"]
+    assert body["usage"]["completion_tokens"] == 4 and body["choices"][0]["finish_reason"] == "length", body
+    assert first.headers["x-kvmesh-worker"] == fresh.instance_id
+
+    # The engine lived through it: the worker still serves (1 token now) and is still registered.
+    again = httpx.post(mesh.url("/v1/completions"), json={"model": MODEL, "prompt": "a", "max_tokens": 2}, timeout=60)
+    assert again.status_code == 200, again.text
+    assert [w.instance_id for w in registered(mesh.etcd, mesh.namespace, "decode-worker")] == [fresh.instance_id]
+    assert worker.popen.poll() is None
+
+    # The warm-up ran, and before the worker registered.
+    lines = list(worker.lines)
+    warmed = [i for i, line in enumerate(lines) if "vLLM warm-up: a 64-token prompt, then prompts of 1 and 2" in line]
+    ready = [i for i, line in enumerate(lines) if "decode-worker ready: " in line]
+    assert warmed and warmed[0] < ready[0], worker.tail()
+
+
+def test_a_structured_stream_whose_worker_dies_ends_with_an_error_never_invalid_text(fresh: FreshWorker) -> None:
+    worker = fresh.worker
+    broken = stream(fresh.mesh, "ab", act_after(5, lambda s: worker.kill()), max_tokens=3000,
+                    structured_outputs={"regex": PATTERN})
+    assert broken.error is not None and "grammar cannot be resumed" in broken.error, broken.error
+    assert broken.finish is None
+    text = "".join(broken.text)
+    assert text and re.fullmatch("[ab]+", text), text  # a prefix of what the grammar allows
