@@ -1,5 +1,5 @@
 """The vLLM warm-up's plan and order, against a recording stand-in for the engine's request path
-(the real engine runs it in tests/e2e/test_vllm_first_request.py)."""
+(the real engine runs it in tests/e2e/test_vllm_fresh_worker.py)."""
 
 from __future__ import annotations
 
