@@ -45,7 +45,9 @@ class Scripted(worker_pb2_grpc.WorkerServicer):
     async def handle(self, request: worker_pb2.WorkerGenerateRequest, call: CallInfo) -> AsyncIterator[Reply]:
         for reply in script(int(request.request_id)):
             yield reply
-            await asyncio.sleep(0)  # lockstep: the calls' replies interleave in shared frames
+            # Lockstep, so the calls' replies interleave in shared frames; after a message, long
+            # enough for it to leave first, so the rows after it can travel as rows.
+            await asyncio.sleep(0 if isinstance(reply, list) else 0.01)
 
 
 @asynccontextmanager
@@ -80,9 +82,17 @@ async def test_a_caller_that_reads_rows_gets_plain_replies_as_rows_in_order() ->
         finally:
             await sessions.close()
             await channels.close()
+    rows = 0
     for i, replies in enumerate(got):
-        assert [as_tokens(r) for r in replies] == [as_tokens(r) for r in script(i)], i
+        sent = script(i)
+        assert [as_tokens(r)[1] for r in replies] == [as_tokens(r)[1] for r in sent], i
+        for got_reply, sent_reply in zip(replies, sent, strict=True):
+            # A message stays a message; a row is a row, or a message where it followed one of its
+            # call's messages in one frame (the frame rule, tested exactly below).
+            assert not isinstance(sent_reply, worker_pb2.WorkerGenerateResponse) or not isinstance(got_reply, list)
+            rows += isinstance(got_reply, list)
         assert replies[3].logprobs[0].token_id == 1000 * i + 4 and replies[-1].finish_reason == "length"
+    assert rows >= 40, f"plain replies travel as rows ({rows} of {40 * 4})"
     assert frames < 40 * 7 / 2, "the calls' replies share frames"
 
 
