@@ -38,7 +38,7 @@ class ModelTokenizer:
         self._hf = AutoTokenizer.from_pretrained(model_dir)
         # The Hugging Face tokenizer, for vLLM's output parsers.
         self.hf: Any = self._hf
-        # The Rust tokenizer decodes without Python overhead: it is on the per-token path.
+        # The Rust tokenizer: prompts are encoded with it, and the detokenizer lanes read its vocabulary and decoder.
         self._fast: Any = getattr(self._hf, "_tokenizer", None) or self._hf.backend_tokenizer
         config = json.loads((Path(model_dir) / "config.json").read_text())
         self.max_model_len = int(config.get("max_position_embeddings", 4096))
