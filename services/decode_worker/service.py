@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import replace
 
@@ -24,7 +24,7 @@ from gen.kvmesh.v1 import worker_pb2
 from services.decode_worker.disagg_decision import absolute_prefill_length
 from services.decode_worker.remote_prefill import DisaggMetrics, RemotePrefill, RemotePrefiller
 from services.engines.base import Engine, FinishReason
-from services.mesh.session_kind import CallInfo
+from services.mesh.session_kind import CallInfo, TokenRow
 from services.mesh.tasks import cancel_and_wait
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
@@ -76,12 +76,14 @@ class DecodeServicer(WorkerServicer):
                 if span.is_recording():
                     span.set_attributes(generate_attributes(request, self.worker_id))
                 try:
-                    async for msg in self._generate(request):
+                    async for msg in self._generate(request, call.reply):
                         yield msg
                 except ValueError as exc:
                     raise refused(exc) from exc
 
-    async def _generate(self, request: worker_pb2.WorkerGenerateRequest) -> AsyncIterator[GenerateReply]:
+    async def _generate(self, request: worker_pb2.WorkerGenerateRequest,
+                        reply: Callable[[TokenRow], None] | None) -> AsyncIterator[GenerateReply]:
+        """`reply`: see WorkerServicer.stream (this generator hands on what it gets at once)."""
         rid = request.request_id
         local = request_from_proto(request)
         remote: RemotePrefill | None = None
@@ -92,7 +94,8 @@ class DecodeServicer(WorkerServicer):
         if remote is not None:
             started = False
             try:
-                outputs = self.stream(replace(local, kv_transfer=remote.kv_transfer), remote_prefill(remote.worker_id))
+                outputs = self.stream(replace(local, kv_transfer=remote.kv_transfer), remote_prefill(remote.worker_id),
+                                      reply)
                 async with aclosing(outputs):
                     # Current while the engine pulls, so what it reports of the transfer lands on it.
                     with self.tracing.span("kv transfer") as transfer:
@@ -121,5 +124,5 @@ class DecodeServicer(WorkerServicer):
                 self.prefiller.fallback(rid, "transfer", f"KV from {remote.worker_id} unusable: {exc}")
                 self.metrics.prefilled(False, absolute_prefill_length(len(local.token_ids), request.prefix_hit_rate))
                 await self.prefiller.release(rid, remote)
-        async for msg in self.stream(local, LOCAL_PREFILL):
+        async for msg in self.stream(local, LOCAL_PREFILL, reply):
             yield msg

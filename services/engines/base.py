@@ -9,8 +9,12 @@ import abc
 import enum
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.kv_protocol.events import KvEventData
+
+if TYPE_CHECKING:
+    from services.engines.output_channel import RowTap
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,8 +185,10 @@ class Engine(abc.ABC):
         """Aborts everything in flight and releases the engine's resources."""
 
     @abc.abstractmethod
-    def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
-        """Streams outputs; closing the iterator early aborts the request in the engine."""
+    def generate(self, request: EngineRequest, tap: RowTap | None = None) -> AsyncGenerator[EngineOutput, None]:
+        """Streams outputs; closing the iterator early aborts the request in the engine. `tap`:
+        where the engine's step may deliver plain outputs itself once the caller opens it
+        (output_channel.py); an engine that cannot ignores it and streams them all."""
 
     @abc.abstractmethod
     def load(self) -> LoadSnapshot:

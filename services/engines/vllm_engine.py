@@ -29,6 +29,7 @@ from services.engines.base import (
     UnsupportedFieldError,
 )
 from services.engines.model_facts import read_model_facts
+from services.engines.output_channel import RowTap
 from services.engines.vllm_kv_events import VllmKvEventListener
 from services.engines.vllm_warmup import WarmUpPlan, warm_up
 
@@ -268,7 +269,9 @@ class VllmEngine(Engine):
             kwargs["extra_args"] = extra_args
         return SamplingParams(**kwargs)
 
-    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+    async def generate(self, request: EngineRequest, tap: RowTap | None = None) -> AsyncGenerator[EngineOutput, None]:
+        # `tap` stays unused: each output comes from vLLM's per-request generator already, so
+        # there is no step to deliver it from (a per-step output loop would be).
         extra = {"kv_transfer_params": request.kv_transfer} if request.kv_transfer else None
         async for output in self._generate(request, extra):
             yield output

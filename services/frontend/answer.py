@@ -32,6 +32,7 @@ from services.frontend.responses import (
     sse,
     usage_body,
 )
+from services.mesh.session_kind import TextRow, text_row_message
 from services.mesh.streams import merge
 from services.mesh.tasks import cancel_and_wait
 
@@ -85,23 +86,27 @@ class Answer:
         metrics.completion_tokens.inc(self.usage.completion_tokens)
         metrics.prompt_tokens.inc(self.usage.prompt_tokens)
 
-    async def items(self) -> AsyncIterator[processor_pb2.ChoiceDelta]:
+    def items(self) -> AsyncIterator[processor_pb2.ChoiceDelta]:
         """The choices' deltas that show something; usage is complete when they end."""
-        metrics = self.metrics
+        return self._items(rows=False)  # type: ignore[return-value]
+
+    async def _items(self, rows: bool) -> AsyncIterator[processor_pb2.ChoiceDelta | TextRow]:
+        """`items`, where `rows` leaves text rows (session_kind.TextRow) as they came."""
         last = None
         try:
             async for msg in merge([s.messages() for s in self.streams]):
+                if isinstance(msg, tuple):
+                    if not msg[1]:
+                        continue  # tokens still forming a character: nothing to show yet
+                    last = self._timed(last)
+                    yield msg if rows else text_row_message(msg).delta
+                    continue
                 which = msg.WhichOneof("kind")
                 if which == "delta":
                     d = msg.delta
                     if not (d.text or d.finish_reason or d.logprobs or d.reasoning or d.tool_calls):
                         continue  # tokens still forming a character: nothing to show yet
-                    now = time.perf_counter()
-                    if last is None:
-                        metrics.ttft.observe(now - self.started)
-                    else:
-                        metrics.itl.observe(now - last)
-                    last = now
+                    last = self._timed(last)
                     yield d
                 elif which == "usage":
                     u = self.usage
@@ -114,6 +119,16 @@ class Answer:
             raise
         finally:
             self.close()
+
+    def _timed(self, last: float | None) -> float:
+        """Records a visible delta's time to first token, or its time since the previous one
+        (`last`); returns now."""
+        now = time.perf_counter()
+        if last is None:
+            self.metrics.ttft.observe(now - self.started)
+        else:
+            self.metrics.itl.observe(now - last)
+        return now
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         body = {"id": self.id, "object": self.kind.chunk_name, "created": self.created, "model": self.req.model,
@@ -140,7 +155,15 @@ class Answer:
         opened: set[int] = set()
         plain = TextEvents(self._text_chunk)
         try:
-            async for d in self.items():
+            async for item in self._items(rows=True):
+                if isinstance(item, tuple):
+                    index, text, _ = item
+                    if not is_chat or index in opened:
+                        yield plain.event(index, text)  # most events of a stream: a text row
+                        continue
+                    d = text_row_message(item).delta  # a chat choice's first text
+                else:
+                    d = item
                 if not (d.finish_reason or d.logprobs or d.reasoning or d.tool_calls) and (not is_chat or d.index in opened):
                     yield plain.event(d.index, d.text)  # most events of a stream: text only
                     continue

@@ -30,7 +30,7 @@ from services.frontend.errors import ApiError, from_grpc
 from services.frontend.mesh import MeshView
 from services.mesh.recent_failures import RecentFailures
 from services.mesh.session_client import SessionStream
-from services.mesh.session_kind import CallError
+from services.mesh.session_kind import CallError, TextRow
 from services.mesh.tracing import outgoing_metadata
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,9 @@ class ProcessorStream:
         self._route = await self._open(self._request)
         return self._route
 
-    async def messages(self) -> AsyncIterator[processor_pb2.GenerateResponse]:
-        """Deltas and the usage after `open`, across as many processors as it takes."""
+    async def messages(self) -> AsyncIterator[processor_pb2.GenerateResponse | TextRow]:
+        """Deltas (text rows among them) and the usage after `open`, across as many processors as
+        it takes."""
         while True:
             assert self._call is not None
             try:
@@ -93,12 +94,17 @@ class ProcessorStream:
                 self.took_over = True
                 await self._open(self._takeover_request())
 
-    async def _read(self, call: SessionStream) -> AsyncIterator[processor_pb2.GenerateResponse]:
+    async def _read(self, call: SessionStream) -> AsyncIterator[processor_pb2.GenerateResponse | TextRow]:
+        tokens = self._tokens
         async for msg in call:
+            if type(msg) is tuple:  # a text row: a delta with text and tokens only
+                tokens[msg[0]].extend(msg[2])
+                yield msg
+                continue
             which = msg.WhichOneof("kind")
             if which == "delta":
                 delta = msg.delta
-                self._tokens[delta.index].extend(delta.token_ids)
+                tokens[delta.index].extend(delta.token_ids)
                 if delta.finish_reason:
                     self._finished.add(delta.index)
                 yield msg

@@ -25,7 +25,7 @@ import asyncio
 import itertools
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,16 +50,20 @@ class SessionLimits:
 class SessionStream:
     """One call's responses, in order; `CallError` at the end of a call that failed."""
 
-    __slots__ = ("stream_id", "_session", "_items", "_waiter", "_error", "_ended", "_timer")
+    __slots__ = ("stream_id", "_session", "_items", "_waiter", "_error", "_ended", "_timer", "sink")
 
     def __init__(self, stream_id: int, session: Session) -> None:
         self.stream_id = stream_id
         self._session = session
         self._items: deque[Any] = deque()
         self._waiter: asyncio.Future[None] | None = None
-        self._error: CallError | None = None
+        # What the consumer raises at the end: the call's CallError, or what its sink raised.
+        self._error: Exception | None = None
         self._ended = False
         self._timer: asyncio.TimerHandle | None = None
+        # Takes the call's rows where its frame is read, instead of waking the consumer for each
+        # (set by the consumer; see `_push_row`).
+        self.sink: Callable[[Any], None] | None = None
 
     def __aiter__(self) -> SessionStream:
         return self
@@ -93,6 +97,23 @@ class SessionStream:
 
     # -- from the session --------------------------------------------------------------------
 
+    def _push_row(self, row: Any) -> None:
+        """A row goes to the sink while the consumer waits with nothing unread (so it stays in
+        order after every reply before it), else into the buffer like any reply."""
+        sink = self.sink
+        if sink is not None and not self._items and not self._ended:
+            waiter = self._waiter
+            if waiter is not None and not waiter.done():
+                try:
+                    sink(row)
+                except Exception as exc:  # noqa: BLE001 - the consumer's to raise, not the session reader's
+                    # Raised where the consumer reads, as if it had handled the row itself; the
+                    # session's other calls go on.
+                    self.sink = None
+                    self._session._fail(self, exc)
+                return
+        self._push(row)
+
     def _push(self, response: Any) -> None:
         if self._ended:
             return
@@ -107,7 +128,7 @@ class SessionStream:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _finish(self, error: CallError | None) -> None:
+    def _finish(self, error: Exception | None) -> None:
         """Ends the call; what the consumer has not read yet still comes before the error."""
         if self._ended:
             return
@@ -182,7 +203,7 @@ class Session:
             self._cancelled.append(sid)
             self._wake.set()
 
-    def _fail(self, stream: SessionStream, error: CallError) -> None:
+    def _fail(self, stream: SessionStream, error: Exception) -> None:
         """Ends a call here and at the peer, dropping what it had not read: nobody will."""
         self.buffered -= stream._drop_buffered()
         stream._finish(error)
@@ -227,7 +248,7 @@ class Session:
                     for sid, row in rows.unpack(frame):
                         stream = streams.get(sid)
                         if stream is not None:
-                            stream._push(row)
+                            stream._push_row(row)
                 for reply in frame.replies:
                     stream = streams.get(reply.stream_id)
                     if stream is not None:

@@ -7,7 +7,8 @@ and cancel them (`cancel`); frames up carry replies (`replies`: stream id, respo
 (`ends`: StreamEnd). Each service's protos define its three frame messages with these field
 names; `SessionKind` names them for the generic client and server. A kind may also carry rows
 (`ReplyRows`): replies with nothing but tokens, packed as columns in `up.rows` for a caller that
-set `down.accepts_rows` on its first frame (the worker session: `TokenRows`).
+set `down.accepts_rows` on its first frame (the worker session: `TokenRows`; the processor
+session: `TextRows`).
 
 Rules both ends keep:
 - a call's replies arrive in order, and all of them before its end;
@@ -36,31 +37,74 @@ TokenRow = list[int]
 every output but a call's first and last (and those with logprobs), packed into a frame's
 `TokenRows` columns for a caller that reads them, so no message is built per token."""
 
+TextRow = tuple[int, str, list[int]]
+"""A processor's reply that carries one choice's text and tokens and nothing else: (choice
+index, text, token ids), packed into a frame's `TextRows` columns for a caller that reads them."""
+
 
 @dataclass(frozen=True)
 class ReplyRows:
-    """Rows: replies a handler yields as `TokenRow`s, sent as one frame's columns to a caller
-    that announced it reads them (`accepts_rows` on its first frame), as messages to any other."""
+    """Rows: replies a handler yields as instances of `row_type`, sent as one frame's columns
+    (`up.rows`) to a caller that announced it reads them (`accepts_rows` on its first frame), as
+    the messages they stand for (`to_message`) to any other."""
 
-    to_message: Callable[[TokenRow], Any]
+    row_type: type
+    pack: Callable[[Any, list[int], list[Any]], None]
+    unpack: Callable[[Any], Iterator[tuple[int, Any]]]
+    to_message: Callable[[Any], Any]
 
-    @staticmethod
-    def pack(frame: Any, stream_ids: list[int], rows: list[TokenRow]) -> None:
-        columns = frame.rows
-        columns.stream_ids.extend(stream_ids)
-        columns.counts.extend([len(row) for row in rows])
-        columns.token_ids.extend([token for row in rows for token in row])
 
-    @staticmethod
-    def unpack(frame: Any) -> Iterator[tuple[int, TokenRow]]:
-        columns = frame.rows
-        if not columns.stream_ids:
-            return
-        tokens = list(columns.token_ids)
-        at = 0
-        for sid, count in zip(columns.stream_ids, columns.counts):
-            yield sid, tokens[at:at + count]
-            at += count
+def _pack_tokens(frame: Any, stream_ids: list[int], rows: list[TokenRow]) -> None:
+    columns = frame.rows
+    columns.stream_ids.extend(stream_ids)
+    columns.counts.extend([len(row) for row in rows])
+    columns.token_ids.extend([token for row in rows for token in row])
+
+
+def _unpack_tokens(frame: Any) -> Iterator[tuple[int, TokenRow]]:
+    columns = frame.rows
+    if not columns.stream_ids:
+        return
+    tokens = list(columns.token_ids)
+    at = 0
+    for sid, count in zip(columns.stream_ids, columns.counts):
+        yield sid, tokens[at:at + count]
+        at += count
+
+
+def _pack_texts(frame: Any, stream_ids: list[int], rows: list[TextRow]) -> None:
+    columns = frame.rows
+    columns.stream_ids.extend(stream_ids)
+    columns.indexes.extend([row[0] for row in rows])
+    columns.texts.extend([row[1] for row in rows])
+    columns.counts.extend([len(row[2]) for row in rows])
+    columns.token_ids.extend([token for row in rows for token in row[2]])
+
+
+def _unpack_texts(frame: Any) -> Iterator[tuple[int, TextRow]]:
+    columns = frame.rows
+    if not columns.stream_ids:
+        return
+    tokens = list(columns.token_ids)
+    at = 0
+    for sid, index, text, count in zip(columns.stream_ids, columns.indexes, columns.texts, columns.counts):
+        yield sid, (index, text, tokens[at:at + count])
+        at += count
+
+
+def token_row_message(row: TokenRow) -> worker_pb2.WorkerGenerateResponse:
+    """A token row as the reply message it stands for."""
+    return worker_pb2.WorkerGenerateResponse(token_ids=row)
+
+
+def text_row_message(row: TextRow) -> processor_pb2.GenerateResponse:
+    """A text row as the reply message it stands for."""
+    index, text, ids = row
+    return processor_pb2.GenerateResponse(delta=processor_pb2.ChoiceDelta(index=index, text=text, token_ids=ids))
+
+
+TOKEN_ROWS = ReplyRows(list, _pack_tokens, _unpack_tokens, token_row_message)
+TEXT_ROWS = ReplyRows(tuple, _pack_texts, _unpack_texts, text_row_message)
 
 
 @dataclass(frozen=True)
@@ -107,9 +151,14 @@ def final_error(code: grpc.StatusCode, message: str, param: str = "") -> CallErr
 
 @dataclass(frozen=True, slots=True)
 class CallInfo:
-    """What a handler knows of its call beyond the request: the caller's metadata (trace context)."""
+    """What a handler knows of its call beyond the request: the caller's metadata (trace context),
+    and on a session `reply`: the call's outbox itself, for a reply made outside the handler's
+    generator (a row made where a worker's frame is read). It may be used only while the
+    handler waits with every reply it yielded already taken, so replies stay in order; it drops
+    replies once the call has ended."""
 
     metadata: Mapping[str, str]
+    reply: Callable[[Any], None] | None = None
 
 
 def call_info(context: grpc.aio.ServicerContext) -> CallInfo:
@@ -117,14 +166,9 @@ def call_info(context: grpc.aio.ServicerContext) -> CallInfo:
     return CallInfo({k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)})
 
 
-def token_row_message(row: TokenRow) -> worker_pb2.WorkerGenerateResponse:
-    """A token row as the reply message it stands for."""
-    return worker_pb2.WorkerGenerateResponse(token_ids=row)
-
-
 WORKER_SESSION = SessionKind("/kvmesh.v1.Worker/Session", worker_pb2.WorkerSessionDown, worker_pb2.WorkerSessionUp,
-                             worker_pb2.WorkerCall, ReplyRows(token_row_message))
+                             worker_pb2.WorkerCall, TOKEN_ROWS)
 PROCESSOR_SESSION = SessionKind("/kvmesh.v1.Processor/Session", processor_pb2.ProcessorSessionDown,
-                                processor_pb2.ProcessorSessionUp, processor_pb2.ProcessorCall)
+                                processor_pb2.ProcessorSessionUp, processor_pb2.ProcessorCall, TEXT_ROWS)
 ROUTER_SESSION = SessionKind("/kvmesh.v1.Router/Session", router_pb2.RouterSessionDown, router_pb2.RouterSessionUp,
                              router_pb2.RouterCall)

@@ -21,12 +21,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
 
 import grpc
 
 from gen.kvmesh.v1 import common_pb2
-from services.mesh.session_kind import OK, CallError, CallInfo, SessionKind, TokenRow, final_error
+from services.mesh.session_kind import OK, CallError, CallInfo, SessionKind, final_error
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class _ServerSession:
 
     async def _serve_call(self, sid: int, request: Any, metadata: dict[str, str]) -> None:
         try:
-            async for response in self.hub._handler(request, CallInfo(metadata)):
+            async for response in self.hub._handler(request, CallInfo(metadata, partial(self._reply_open, sid))):
                 self._reply(sid, response)
             end = common_pb2.StreamEnd(stream_id=sid, code=OK)
         except CallError as exc:
@@ -163,6 +164,13 @@ class _ServerSession:
     def _reply(self, sid: int, response: Any) -> None:
         self._replies.append((sid, response))
         self._wake.set()
+
+    def _reply_open(self, sid: int, response: Any) -> None:
+        """A reply from outside the call's task (CallInfo.reply): dropped once the call ended
+        (cancelled or expired while its task had not run yet)."""
+        if sid in self.calls:
+            self._replies.append((sid, response))
+            self._wake.set()
 
     def _end(self, end: common_pb2.StreamEnd) -> None:
         self._ends.append(end)
@@ -208,10 +216,11 @@ class _ServerSession:
                 add(stream_id=sid, response=response)
             return
         row_ids: list[int] = []
-        row_items: list[TokenRow] = []
+        row_items: list[Any] = []
         as_messages: set[int] = set()
+        row_type = rows.row_type
         for sid, response in replies:
-            if type(response) is list:
+            if type(response) is row_type:
                 if self.accepts_rows and sid not in as_messages:
                     row_ids.append(sid)
                     row_items.append(response)

@@ -30,7 +30,7 @@ import grpc
 from gen.kvmesh.v1 import common_pb2, processor_pb2, worker_pb2
 from services.mesh.router_client import RouteChoice
 from services.mesh.session_client import SessionPool
-from services.mesh.session_kind import WORKER_SESSION, CallError
+from services.mesh.session_kind import WORKER_SESSION, CallError, TextRow
 from services.mesh.tracing import outgoing_metadata
 from services.processor.detokenizer import Detokenizer, StopStrings
 from services.processor.output_parsers import OutputParser, ParserFactory
@@ -118,6 +118,10 @@ class ChoiceContext:
     on_migration: Callable[[], None]
     # Reads the text as content, reasoning and tool calls; None: it is all content.
     parsers: ParserFactory | None = None
+    # The gateway call's outbox (CallInfo.reply) where the request's one choice may put its
+    # rows itself; None where its deltas must go through `run`'s events (several choices, or a
+    # per-request RPC).
+    reply: Callable[[TextRow], None] | None = None
 
 
 @dataclass
@@ -234,6 +238,12 @@ class ChoiceStream:
         stream = self.ctx.sessions.get(WORKER_SESSION, route.address).open(self._request(route), remaining,
                                                                        outgoing_metadata())
         want_logprobs = self.spec.sampling.HasField("logprobs")
+        # The fast lane: a choice whose text needs nothing but detokenizing turns the worker's
+        # rows into text rows for the gateway where the worker's frame is read (`_row_sink`),
+        # with no wake-up of this generator per token. Messages (the first and last outputs,
+        # failures) still come here.
+        fast = (self.ctx.reply is not None and self._parser is None and not stopper.active
+                and not want_logprobs)
         first = True
         try:
             async for msg in stream:
@@ -248,6 +258,8 @@ class ChoiceStream:
                         if not self.generated:
                             self.cached_tokens = msg.cached_tokens
                         yield Started(route.worker_id, msg.prefill, route.explanation)
+                        if fast:
+                            stream.sink = self._row_sink(detok)
                     response = self._delta(list(msg.token_ids), msg.finish_reason, msg.logprobs, detok, stopper,
                                            want_logprobs)
                 if response is not None:
@@ -268,6 +280,20 @@ class ChoiceStream:
             raise _WorkerLost(f"{exc.code.name} {exc.message}") from exc
         finally:
             stream.cancel()
+
+    def _row_sink(self, detok: Detokenizer) -> Callable[[list[int]], None]:
+        """Takes a worker's token row while `_from_worker` waits with every delta before it
+        delivered (session_client.SessionStream._push_row): the text row goes straight to the
+        gateway call's outbox, after them. A row with no text yet (a character still forming)
+        goes too: the gateway keeps every token it was sent, for a takeover."""
+        generated, push, reply, index = self.generated, detok.push, self.ctx.reply, self.spec.index
+        assert reply is not None
+
+        def sink(ids: list[int]) -> None:
+            generated.extend(ids)
+            reply((index, push(ids), ids))
+
+        return sink
 
     def _delta(self, ids: list[int], finish_reason: str, logprobs: Sequence[common_pb2.TokenLogprob],
                detok: Detokenizer, stopper: StopStrings, want_logprobs: bool) -> processor_pb2.GenerateResponse | None:

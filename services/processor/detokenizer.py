@@ -151,6 +151,11 @@ class StopStrings:
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._pending = ""
 
+    @property
+    def active(self) -> bool:
+        """Whether there is any stop string to look for (if not, `push` returns its text as is)."""
+        return bool(self._stops)
+
     def push(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, stopped). After a stop, the text ends before the stop string."""
         if not self._stops:

@@ -131,11 +131,11 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         gateway maps them to 400, 404 and 429. Errors this processor chooses are final."""
         REQUEST_ID.set(request.request_id)  # this call's task: its log lines carry the id
         with self._tracing.server_span("generate", call, GENERATE_RPC) as span:
-            async for msg in self._serve(request, span):
+            async for msg in self._serve(request, span, call):
                 yield msg
 
-    async def _serve(self, request: processor_pb2.GenerateRequest,
-                     span: Span) -> AsyncIterator[processor_pb2.GenerateResponse]:
+    async def _serve(self, request: processor_pb2.GenerateRequest, span: Span,
+                     call: CallInfo) -> AsyncIterator[processor_pb2.GenerateResponse]:
         rid = request.request_id or uuid.uuid4().hex
         if span.is_recording():
             span.set_attributes({"kvmesh.request_id": rid, "kvmesh.n": max(request.n, 1)})
@@ -162,7 +162,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
                 sampling = self._checked_sampling(request, len(tokens))
             except PromptError as exc:
                 raise final_error(_status_of(exc), _one_line(exc), exc.param) from None
-            async for msg in self._generate(rid, request, tokens, sampling, span):
+            async for msg in self._generate(rid, request, tokens, sampling, span, call):
                 yield msg
         except ChoiceFailure as exc:
             log.warning("request %s failed: %s", rid, exc.message)
@@ -243,7 +243,8 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         self._failed.add(worker_id)
 
     async def _generate(self, rid: str, request: processor_pb2.GenerateRequest, tokens: list[int],
-                        sampling: common_pb2.SamplingParams, span: Span) -> AsyncIterator[processor_pb2.GenerateResponse]:
+                        sampling: common_pb2.SamplingParams, span: Span,
+                        call: CallInfo) -> AsyncIterator[processor_pb2.GenerateResponse]:
         # Every routing of the request (retries and migrations too) explains itself when asked, so
         # the explanation announced is always that of the worker announced.
         route_fn = partial(self._route, explain=request.explain)
@@ -251,15 +252,18 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         n = max(request.n, 1)
         # A takeover from a failed processor runs only the choices the client has not finished.
         resumed = {r.index: list(r.token_ids) for r in request.resume}
+        running = [i for i in range(n) if not resumed or request.choice_offset + i in resumed]
+        # One choice's deltas reach the call's outbox in order by themselves (nothing between
+        # them and `call.reply` but this generator chain), so its rows may take the short cut.
         ctx = ChoiceContext(self._tok, self._sessions, self._limits, route_fn, self._worker_failed,
-                            self._metrics.migrations.inc, self._parsers.for_request(request))
+                            self._metrics.migrations.inc, self._parsers.for_request(request),
+                            call.reply if len(running) == 1 else None)
         stops = tuple(request.stop)
         choices = [
             ChoiceStream(spec=ChoiceSpec(f"{rid}-{i}" if n > 1 else rid, request.choice_offset + i, tokens,
                                          _choice_sampling(sampling, i), stops),
                          ctx=ctx).run(route, resumed.get(request.choice_offset + i, []))
-            for i in range(n)
-            if not resumed or request.choice_offset + i in resumed
+            for i in running
         ]
         completion_tokens = 0
         cached_tokens = 0

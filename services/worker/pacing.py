@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, nullcontext
 
 from services.engines.base import EngineOutput, TokenLogprobs
@@ -43,13 +43,15 @@ def merged(outputs: deque[EngineOutput]) -> EngineOutput:
                         next((o.kv_transfer for o in reversed(outputs) if o.kv_transfer is not None), None))
 
 
-async def paced(outputs: AsyncIterator[EngineOutput], interval_s: float) -> AsyncGenerator[EngineOutput, None]:
+async def paced(outputs: AsyncIterator[EngineOutput], interval_s: float,
+                on_merge: Callable[[], None] = lambda: None) -> AsyncGenerator[EngineOutput, None]:
     """The engine's outputs, merged so that at most one goes out per `interval_s`.
 
     While outputs come at least `interval_s` apart (a GPU's decode steps), each goes out as it
     comes, read straight from the engine: there is nothing to merge, and a task in between would
     cost two task switches per token. The first output that comes early hands the stream to
-    `_pumped`, which holds it and merges what follows until the interval has passed."""
+    `_pumped`, which holds it and merges what follows until the interval has passed; `on_merge`
+    runs first (from then on outputs wait in a buffer here: a row tap must close)."""
     async with aclosing(outputs) if isinstance(outputs, AsyncGenerator) else nullcontext():
         last_sent = float("-inf")
         while True:
@@ -58,6 +60,7 @@ async def paced(outputs: AsyncIterator[EngineOutput], interval_s: float) -> Asyn
                 return
             now = time.monotonic()
             if out.finish_reason is None and now - last_sent < interval_s:
+                on_merge()
                 async for merged_out in _pumped(outputs, interval_s, out, last_sent):
                     yield merged_out
                 return

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from typing import cast
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 
 import grpc
@@ -33,6 +33,7 @@ from services.mesh.logs import REQUEST_ID
 from services.worker.pacing import DEFAULT_INTERVAL_S, paced
 from services.worker.kv_event_log import KvEventLog, NumberedEvent
 from services.engines.base import Engine, EngineOutput, EngineRequest, LoadSnapshot, Sampling, Structured
+from services.engines.output_channel import RowTap
 from services.kv_protocol.events import KvCleared, KvRemoved, KvStored
 
 log = logging.getLogger(__name__)
@@ -207,20 +208,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 span.set_attributes(generate_attributes(request, self.worker_id))
             engine_request = request_from_proto(request)
             try:
-                async for msg in self.stream(engine_request, LOCAL_PREFILL):
+                async for msg in self.stream(engine_request, LOCAL_PREFILL, call.reply):
                     yield msg
             except ValueError as exc:
                 raise refused(exc) from exc
 
-    async def stream(self, engine_request: EngineRequest,
-                     prefill: common_pb2.PrefillLocation) -> AsyncGenerator[GenerateReply, None]:
+    async def stream(self, engine_request: EngineRequest, prefill: common_pb2.PrefillLocation,
+                     reply: Callable[[TokenRow], None] | None = None) -> AsyncGenerator[GenerateReply, None]:
         """The engine's outputs as replies: the first a message that says where the prefill ran,
         the last a message with the finish reason, those between token rows (session_kind.TokenRow)
-        unless they carry logprobs."""
+        unless they carry logprobs.
+
+        `reply`: the session call's outbox (CallInfo.reply), where the engine's step may put the
+        rows itself (output_channel.RowTap) once the first message is out; every generator
+        between this one and the outbox must hand on what it gets at once."""
         log.debug("request %s: %d prompt tokens", engine_request.request_id, len(engine_request.token_ids))
-        outputs = self.engine.generate(engine_request)
+        tap = RowTap() if reply is not None and engine_request.sampling.logprobs is None else None
+        outputs = self.engine.generate(engine_request, tap)
         if engine_request.sampling.max_tokens > 1:  # one output only: nothing to pace
-            outputs = paced(outputs, self.stream_interval_s)
+            outputs = paced(outputs, self.stream_interval_s, tap.close if tap is not None else lambda: None)
         async with aclosing(outputs):
             first = await anext(outputs, None)
             if first is None:
@@ -229,6 +235,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             msg.prefill.CopyFrom(prefill)
             msg.prompt_tokens = len(engine_request.token_ids)
             yield msg
+            if tap is not None and reply is not None and first.finish_reason is None:
+                # Closed again, for good, if pacing starts merging (it buffers from then on).
+                tap.open(reply, self.stream_interval_s)
             async for out in outputs:
                 yield out.token_ids if out.finish_reason is None and out.logprobs is None else output_to_proto(out)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 
 import grpc
 
@@ -15,6 +15,7 @@ from services.mesh.channels import ChannelPool
 from services.mesh.session_client import SessionPool
 from services.mesh.session_kind import OK, WORKER_SESSION, CallInfo, TokenRow
 from services.mesh.session_server import SessionHub
+from tests.unit.in_process_grpc import read_all, serving
 
 Reply = worker_pb2.WorkerGenerateResponse | TokenRow
 
@@ -50,20 +51,9 @@ class Scripted(worker_pb2_grpc.WorkerServicer):
             await asyncio.sleep(0 if isinstance(reply, list) else 0.01)
 
 
-@asynccontextmanager
-async def worker() -> AsyncIterator[str]:
-    server = grpc.aio.server()
-    worker_pb2_grpc.add_WorkerServicer_to_server(Scripted(), server)
-    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    await server.start()
-    try:
-        yield address
-    finally:
-        await server.stop(None)
+def worker() -> AbstractAsyncContextManager[str]:
+    return serving(worker_pb2_grpc.add_WorkerServicer_to_server, Scripted())
 
-
-async def read_all(stream: AsyncIterator[Reply]) -> list[Reply]:
-    return [reply async for reply in stream]
 
 
 def as_tokens(reply: Reply) -> tuple[str, list[int]]:

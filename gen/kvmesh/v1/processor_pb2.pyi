@@ -186,12 +186,14 @@ class ProcessorCall(_message.Message):
     def __init__(self, stream_id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ...) -> None: ...
 
 class ProcessorSessionDown(_message.Message):
-    __slots__ = ("calls", "cancel")
+    __slots__ = ("calls", "cancel", "accepts_rows")
     CALLS_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_ROWS_FIELD_NUMBER: _ClassVar[int]
     calls: _containers.RepeatedCompositeFieldContainer[ProcessorCall]
     cancel: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, calls: _Optional[_Iterable[_Union[ProcessorCall, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
+    accepts_rows: bool
+    def __init__(self, calls: _Optional[_Iterable[_Union[ProcessorCall, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ..., accepts_rows: _Optional[bool] = ...) -> None: ...
 
 class ProcessorReply(_message.Message):
     __slots__ = ("stream_id", "response")
@@ -201,10 +203,26 @@ class ProcessorReply(_message.Message):
     response: GenerateResponse
     def __init__(self, stream_id: _Optional[int] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ...) -> None: ...
 
+class TextRows(_message.Message):
+    __slots__ = ("stream_ids", "indexes", "texts", "counts", "token_ids")
+    STREAM_IDS_FIELD_NUMBER: _ClassVar[int]
+    INDEXES_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    stream_ids: _containers.RepeatedScalarFieldContainer[int]
+    indexes: _containers.RepeatedScalarFieldContainer[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, stream_ids: _Optional[_Iterable[int]] = ..., indexes: _Optional[_Iterable[int]] = ..., texts: _Optional[_Iterable[str]] = ..., counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ProcessorSessionUp(_message.Message):
-    __slots__ = ("replies", "ends")
+    __slots__ = ("replies", "ends", "rows")
     REPLIES_FIELD_NUMBER: _ClassVar[int]
     ENDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     replies: _containers.RepeatedCompositeFieldContainer[ProcessorReply]
     ends: _containers.RepeatedCompositeFieldContainer[_common_pb2.StreamEnd]
-    def __init__(self, replies: _Optional[_Iterable[_Union[ProcessorReply, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[_common_pb2.StreamEnd, _Mapping]]] = ...) -> None: ...
+    rows: TextRows
+    def __init__(self, replies: _Optional[_Iterable[_Union[ProcessorReply, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[_common_pb2.StreamEnd, _Mapping]]] = ..., rows: _Optional[_Union[TextRows, _Mapping]] = ...) -> None: ...

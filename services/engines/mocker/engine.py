@@ -38,6 +38,7 @@ from services.engines.base import (
 )
 from services.engines.mocker.block_manager import BlockManager
 from services.engines.model_facts import read_model_facts
+from services.engines.output_channel import OutputChannel, RowTap
 from services.engines.mocker.kv_transfer import KvTransferError, NixlKvEndpoint
 from services.engines.mocker.timing import TimingModel
 
@@ -67,7 +68,7 @@ class _Seq:
     tokens: list[int]
     prompt_len: int
     digest: int
-    out: asyncio.Queue[EngineOutput]
+    out: OutputChannel
     blocks: list[int] = field(default_factory=list)
     # Chained hashes of the full blocks of `tokens`, grown as decode fills blocks.
     chain: list[SequenceHash] = field(default_factory=list)
@@ -169,7 +170,7 @@ class MockerEngine(Engine):
     async def release_kv(self, request_id: str) -> bool:
         return self.kv_endpoint is not None and self.kv_endpoint.release(request_id)
 
-    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
+    async def generate(self, request: EngineRequest, tap: RowTap | None = None) -> AsyncGenerator[EngineOutput, None]:
         shaping = request.sampling.shaping_fields()
         if shaping:
             # Its tokens are a hash of prompt and position, not a draw from a distribution:
@@ -187,7 +188,7 @@ class MockerEngine(Engine):
             tokens=list(request.token_ids),
             prompt_len=len(request.token_ids),
             digest=self._digest(request),
-            out=asyncio.Queue(maxsize=request.sampling.max_tokens + 1),
+            out=OutputChannel(request.sampling.max_tokens + 1, tap),
         )
         if request.kv_transfer is not None:
             if self.kv_endpoint is None:
@@ -291,7 +292,7 @@ class MockerEngine(Engine):
             seq.tokens.append(token)
             seq.generated += 1
             finish = self._finish_reason(seq, token)
-            seq.out.put_nowait(EngineOutput([token], finish, seq.cached_tokens))
+            seq.out.put(EngineOutput([token], finish, seq.cached_tokens))
             if finish is None:
                 still.append(seq)
             else:
@@ -345,7 +346,7 @@ class MockerEngine(Engine):
             self._waiting.remove(seq)
         self._release(seq)
         if not seq.out.full():
-            seq.out.put_nowait(EngineOutput([], reason, seq.cached_tokens))
+            seq.out.put(EngineOutput([], reason, seq.cached_tokens))
 
     # -- deterministic tokens ------------------------------------------------------------------
 
