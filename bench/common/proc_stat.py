@@ -1,7 +1,10 @@
 """A process's /proc/<pid>/stat, read the one safe way: its command name may hold spaces and
-parentheses, so the fields are those after the last ')' (the state first, then the parent)."""
+parentheses, so the fields are those after the last ')' (the state first, then the parent).
+Also its context switches and listening ports, for the benchmarks."""
 
 from __future__ import annotations
+
+import os
 
 
 def stat_fields(pid: int) -> list[str] | None:
@@ -20,3 +23,44 @@ def running(pid: int) -> bool:
     """The process exists and has not exited (a zombie has)."""
     fields = stat_fields(pid)
     return fields is not None and fields[0] != "Z"
+
+
+def context_switches(pid: int) -> int:
+    """Voluntary plus involuntary context switches of the process's threads so far (0 when gone)."""
+    total = 0
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                        total += int(line.split()[1])
+    except OSError:
+        return total
+    return total
+
+
+def listening_ports(pid: int) -> list[int]:
+    """The TCP ports the process listens on (IPv4 and IPv6), from its sockets' inodes."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    except OSError:
+        return []
+    ports = []
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                        ports.append(int(fields[1].rsplit(":", 1)[1], 16))
+        except OSError:
+            continue
+    return sorted(set(ports))

@@ -5,8 +5,8 @@ worker, both systems on this machine in the same run.
 Measures (the issue's table):
 - streamed output tokens/s, 64 concurrent streams of 128 tokens (rounds of 64, best of 3);
 - 1-token completions/s at concurrency 64 and 16, and p50 latency at concurrency 1;
-- 512 concurrent streams against a mocker stepping every 20 ms: the time between tokens the
-  client sees, against the engine's own step (mesh-added ITL p99, and max/median per stream);
+- streams on one mocker worker stepping every 20 ms, 512 to 4,096 of them (one_worker.py): how
+  close to the engine's pace the mesh keeps them, and what each process and hop adds;
 - what a token and a request cost in CPU across the mesh's processes (to size a cluster), and
   how 2 frontends (one port, SO_REUSEPORT) and 2 processors share the load.
 Dynamo is installed into its own venv on first use (bench/hot_path/dynamo.py); where that is
@@ -22,18 +22,17 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from bench.hot_path import dynamo
+from bench.hot_path import dynamo, one_worker
 from bench.mesh_overhead import Level, drive
 from bench.hot_path.scale import run_scale
 from bench.common.mesh_process import LaunchedMesh, cpu_seconds, launched_mesh
-from bench.hot_path.stream_load import PROMPT, StreamLoad, one_stream, stream_load
+from bench.hot_path.stream_load import PROMPT, one_stream
 from bench.common.report import bar_plot, save_json, table
 from services.tools.make_demo_model import ensure_demo_model
 
 STREAMS, STREAM_TOKENS, STREAM_ROUNDS = 64, 128, 3
 RPS_LEVELS = {64: 3000, 16: 2000, 1: 300}
 LEVEL_TIME_LIMIT_S = 30.0
-SLOW_STREAMS, SLOW_TOKENS, STEP_MS = 512, 100, 20.0
 
 
 @dataclass
@@ -41,7 +40,6 @@ class Figures:
     tokens_per_s: float = float("nan")
     rps: dict[int, float] = field(default_factory=dict)
     p50_ms: dict[int, float] = field(default_factory=dict)
-    slow: StreamLoad | None = None
     # CPU microseconds of the mesh's processes (etcd excluded) per streamed token / per request.
     cpu_us_per_token: float = float("nan")
     cpu_us_per_request: float = float("nan")
@@ -145,11 +143,6 @@ def _kvmesh(figures: Figures, local: Figures) -> None:
     print("hot path: kvmesh, zero-compute mocker, the processor routing in-process ...", flush=True)
     with launched_mesh("--engine", "mocker", "--speedup", "inf", "--decode-workers", "1", "--routing", "local") as mesh:
         _measure_with_cpu(mesh, local)
-    print(f"hot path: kvmesh, {SLOW_STREAMS} streams on a {STEP_MS:.0f} ms step ...", flush=True)
-    # Every stream runs at once (max-num-seqs): the engine makes SLOW_STREAMS tokens per step.
-    with launched_mesh("--engine", "mocker", "--timing", "fixed-step-20ms", "--decode-workers", "1",
-                       "--max-num-seqs", str(SLOW_STREAMS), "--num-gpu-blocks", "65536") as mesh:
-        figures.slow = stream_load(mesh, "kvmesh-demo", SLOW_STREAMS, SLOW_TOKENS)
 
 
 def _dynamo(figures: Figures) -> None:
@@ -198,23 +191,14 @@ def run(with_scale: bool = True) -> dict:
           ["streamed tokens/s", "vs 1+1", "req/s c64", "vs 1+1", "frontend CPU max/mean", "processor CPU max/mean"],
           [[rep.tokens_per_s, _ratio(rep.tokens_per_s, ours.tokens_per_s), rep.rps, _ratio(rep.rps, ours.rps[64]),
             rep.frontend_spread, rep.processor_spread]])
-    slow = ours.slow
-    assert slow is not None
-    ideal = SLOW_STREAMS * 1000 / STEP_MS
-    table(f"{SLOW_STREAMS} streams x {SLOW_TOKENS} tokens on one worker, mocker stepping every {STEP_MS:.0f} ms "
-          f"(kvmesh; ideal {ideal:,.0f} tokens/s)",
-          ["TTFT p50 ms", "ITL p50 ms", "ITL p99 ms", "added p99 ms", "worst stream max/median", "delivered tokens/s",
-           "of ideal", "mesh CPU us/token", "client CPU us/token"],
-          [[slow.ttft_p50_ms, slow.itl_p50_ms, slow.itl_p99_ms, slow.itl_p99_ms - STEP_MS, slow.worst_stream_ratio,
-            slow.delivered_tokens_per_s, f"{slow.delivered_tokens_per_s / ideal:.2f}", slow.mesh_cpu_us_per_token,
-            slow.client_cpu_us_per_token]])
+    steps = one_worker.run()
     scale = run_scale() if with_scale else {}
     if not theirs.note:
         bar_plot("hot_path", "kvmesh relative to NVIDIA Dynamo (1.0 = equal)", ["tokens/s", "req/s c64", "req/s c16"],
                  {"kvmesh / Dynamo": [ours.tokens_per_s / theirs.tokens_per_s, ours.rps[64] / theirs.rps[64],
                                       ours.rps[16] / theirs.rps[16]]}, "ratio")
-    result = {"kvmesh": {**ours.__dict__, "slow": slow.__dict__}, "kvmesh_local_routing": local.__dict__,
-              "dynamo": theirs.__dict__, "replicas": rep.__dict__,
+    result = {"kvmesh": ours.__dict__, "kvmesh_local_routing": local.__dict__,
+              "dynamo": theirs.__dict__, "replicas": rep.__dict__, "one_worker": steps,
               **scale}
     save_json("hot_path", result)
     return result

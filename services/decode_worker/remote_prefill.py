@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.decode_worker.disagg_decision import DisaggConfig, absolute_prefill_length, prefill_remote, worth_remote
 from services.mesh.channels import ChannelPool
+from services.mesh.hop_latency import hop_latency_histogram
 from services.mesh.recent_failures import RecentFailures
 from services.mesh.router_client import NoWorkerError, RouterClient, RoutingError
 from services.mesh.tracing import TRACING_OFF, Tracing, outgoing_metadata
@@ -51,6 +52,8 @@ class DisaggMetrics:
                                     registry=registry)
         self.fallback = Counter("kvmesh_decode_prefill_fallback",
                                 "remote prefills that failed and ran locally instead", ["reason"], registry=registry)
+        # What this process adds to a streamed token's latency (hop_latency.py).
+        self.hops = hop_latency_histogram(registry)
         self.queue = Gauge("kvmesh_prefill_queue_size", "waiting requests across the prefill pool, as last seen",
                            registry=registry)
         self.transfer_bytes = Counter("kvmesh_kv_transfer_bytes", "KV cache bytes received from prefill workers",

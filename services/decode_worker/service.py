@@ -52,7 +52,7 @@ class DecodeServicer(WorkerServicer):
                  stream_interval_s: float = DEFAULT_INTERVAL_S, admit: Admit = always) -> None:
         """`admit` gates each call by role (a worker that can switch roles decodes only in the
         decode role)."""
-        super().__init__(engine, worker_id, events, tracing, stream_interval_s)
+        super().__init__(engine, worker_id, events, tracing, stream_interval_s, metrics.hops)
         self.admit = admit
         self.prefiller = prefiller
         self.metrics = metrics

@@ -69,6 +69,8 @@ class Answer:
         self.usage = processor_pb2.Usage()
         self.status = "200"
         self._closed = False
+        # When the last delta a client can see was shown (None before the first).
+        self._last_shown: float | None = None
         # Read once: every chunk of the stream asks.
         self.include_usage = req.include_usage
 
@@ -92,13 +94,14 @@ class Answer:
 
     async def _items(self, rows: bool) -> AsyncIterator[processor_pb2.ChoiceDelta | TextRow]:
         """`items`, where `rows` leaves text rows (session_kind.TextRow) as they came."""
-        last = None
+        streams = [s.messages() for s in self.streams]
         try:
-            async for msg in merge([s.messages() for s in self.streams]):
+            # One prompt (most requests): its stream as it is, one generator fewer per delta.
+            async for msg in streams[0] if len(streams) == 1 else merge(streams):
                 if isinstance(msg, tuple):
                     if not msg[1]:
                         continue  # tokens still forming a character: nothing to show yet
-                    last = self._timed(last)
+                    self._shown()
                     yield msg if rows else text_row_message(msg).delta
                     continue
                 which = msg.WhichOneof("kind")
@@ -106,7 +109,7 @@ class Answer:
                     d = msg.delta
                     if not (d.text or d.finish_reason or d.logprobs or d.reasoning or d.tool_calls):
                         continue  # tokens still forming a character: nothing to show yet
-                    last = self._timed(last)
+                    self._shown()
                     yield d
                 elif which == "usage":
                     u = self.usage
@@ -120,15 +123,14 @@ class Answer:
         finally:
             self.close()
 
-    def _timed(self, last: float | None) -> float:
-        """Records a visible delta's time to first token, or its time since the previous one
-        (`last`); returns now."""
+    def _shown(self) -> None:
+        """Records a visible delta's time to first token, or its time since the previous one."""
         now = time.perf_counter()
-        if last is None:
+        if self._last_shown is None:
             self.metrics.ttft.observe(now - self.started)
         else:
-            self.metrics.itl.observe(now - last)
-        return now
+            self.metrics.itl.observe(now - self._last_shown)
+        self._last_shown = now
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         body = {"id": self.id, "object": self.kind.chunk_name, "created": self.created, "model": self.req.model,
@@ -154,12 +156,22 @@ class Answer:
         is_chat = self.kind is CHAT
         opened: set[int] = set()
         plain = TextEvents(self._text_chunk)
+        # One prompt's stream: its rows' frame times tell what this hop adds (hop_latency.py).
+        source = self.streams[0] if len(self.streams) == 1 else None
+        hop = self.metrics.hop
         try:
             async for item in self._items(rows=True):
                 if isinstance(item, tuple):
-                    index, text, _ = item
-                    if not is_chat or index in opened:
-                        yield plain.event(index, text)  # most events of a stream: a text row
+                    if not is_chat or item[0] in opened:
+                        # Most events of a stream: a text row, with the rows already behind it
+                        # (a gateway that fell behind catches up in fewer, larger writes).
+                        origin = source.frame_ns if source is not None else 0
+                        events = plain.event(item[0], item[1])
+                        if source is not None and (more := source.ready_rows()):
+                            events = b"".join([events, *self._row_events(more, plain, opened)])
+                        yield events
+                        if origin:  # the events are with the connection now
+                            hop.record(origin, time.time_ns())
                         continue
                     d = text_row_message(item).delta  # a chat choice's first text
                 else:
@@ -167,25 +179,41 @@ class Answer:
                 if not (d.finish_reason or d.logprobs or d.reasoning or d.tool_calls) and (not is_chat or d.index in opened):
                     yield plain.event(d.index, d.text)  # most events of a stream: text only
                     continue
-                if is_chat:
-                    delta: dict = {"content": d.text}
-                    if d.reasoning or d.tool_calls:
-                        add_agent_delta(delta, d)
-                    if d.index not in opened:
-                        opened.add(d.index)
-                        delta["role"] = "assistant"
-                    chunk = self._choice_chunk(d.index, delta, chat_logprobs([d]) if d.logprobs else None,
-                                               d.finish_reason or None)
-                else:
-                    chunk = self._choice_chunk(d.index, d.text, completion_logprobs([d]) if d.logprobs else None,
-                                               d.finish_reason or None)
-                yield sse(chunk)
+                yield self._delta_event(d, opened)
             if self.include_usage:
                 yield sse(self._chunk([], usage_body(self.usage, self.hide_details)))
         except ApiError as exc:
             exc = shown(exc, self.hide_details)
             yield sse({"error": {"message": exc.message, "type": "server_error", "param": None, "code": exc.code}})
         yield SSE_DONE
+
+    def _row_events(self, rows: list[TextRow], plain: TextEvents, opened: set[int]) -> list[bytes]:
+        """The events of rows taken behind a row being sent (empty texts show nothing)."""
+        is_chat = self.kind is CHAT
+        events = []
+        for row in rows:
+            if row[1]:
+                self._shown()
+                events.append(plain.event(row[0], row[1]) if not is_chat or row[0] in opened
+                              else self._delta_event(text_row_message(row).delta, opened))
+        return events
+
+    def _delta_event(self, d: processor_pb2.ChoiceDelta, opened: set[int]) -> bytes:
+        """A delta's event built in full: a chat choice's first (with the role), or one with a
+        finish reason, logprobs, reasoning or tool calls."""
+        if self.kind is CHAT:
+            delta: dict = {"content": d.text}
+            if d.reasoning or d.tool_calls:
+                add_agent_delta(delta, d)
+            if d.index not in opened:
+                opened.add(d.index)
+                delta["role"] = "assistant"
+            chunk = self._choice_chunk(d.index, delta, chat_logprobs([d]) if d.logprobs else None,
+                                       d.finish_reason or None)
+        else:
+            chunk = self._choice_chunk(d.index, d.text, completion_logprobs([d]) if d.logprobs else None,
+                                       d.finish_reason or None)
+        return sse(chunk)
 
     async def collect(self) -> dict:
         choices: dict[int, ChoiceAccumulator] = {}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.mesh.fast_histogram import FastHistogram
+from services.mesh.hop_latency import HopLatency, hop_latency_histogram
 from services.mesh.metrics_http import LATENCY_BUCKETS
 
 ITL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -22,8 +24,9 @@ class FrontendMetrics:
                                "generation requests for a served model, counted as they arrive", registry=r)
         self.ttft = Histogram("kvmesh_frontend_time_to_first_token_seconds", "time to first token",
                               buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("kvmesh_frontend_inter_token_latency_seconds", "time between streamed deltas",
-                             buckets=ITL_BUCKETS, registry=r)
+        # Observed once per streamed delta: the cheap histogram (fast_histogram.py).
+        self.itl = FastHistogram("kvmesh_frontend_inter_token_latency_seconds", "time between streamed deltas",
+                                 ITL_BUCKETS, r)
         # Output tokens answered (counted when a request ends): throughput in tokens, whatever
         # number of tokens each streamed delta carried.
         self.completion_tokens = Counter("kvmesh_frontend_completion_tokens", "output tokens answered", registry=r)
@@ -31,3 +34,4 @@ class FrontendMetrics:
         self.prompt_tokens = Counter("kvmesh_frontend_prompt_tokens", "prompt tokens of answered requests", registry=r)
         self.duration = Histogram("kvmesh_frontend_request_duration_seconds", "request duration",
                                   buckets=LATENCY_BUCKETS, registry=r)
+        self.hop = HopLatency(hop_latency_histogram(r), "frontend")

@@ -60,6 +60,21 @@ class ProcessorStream:
         self._finished: set[int] = set()
         self.took_over = False
 
+    @property
+    def frame_ns(self) -> int:
+        """When the processor wrote the frame of the oldest response not read yet (or of the
+        last one read): where this hop's latency counts from (hop_latency.py)."""
+        return self._call.frame_ns if self._call is not None else 0
+
+    def ready_rows(self) -> list[TextRow]:
+        """The text rows already here and next in line, taken now (kept for a takeover like any)."""
+        if self._call is None:
+            return []
+        rows = self._call.take_ready(tuple)
+        for index, _, ids in rows:
+            self._tokens[index].extend(ids)
+        return rows
+
     def cancel(self) -> None:
         """Ends the stream for good: a call cancelled here is not a processor failure."""
         self._cancelled = True

@@ -32,6 +32,7 @@ from typing import Any
 import grpc
 
 from services.mesh.channels import ChannelPool
+from services.mesh.hop_latency import FrameClock
 from services.mesh.session_kind import OK, CallError, SessionKind
 from services.mesh.tasks import cancel_and_wait
 
@@ -50,12 +51,15 @@ class SessionLimits:
 class SessionStream:
     """One call's responses, in order; `CallError` at the end of a call that failed."""
 
-    __slots__ = ("stream_id", "_session", "_items", "_waiter", "_error", "_ended", "_timer", "sink")
+    __slots__ = ("stream_id", "_session", "_items", "_frames", "_waiter", "_error", "_ended", "_timer", "sink",
+                 "frame_ns")
 
     def __init__(self, stream_id: int, session: Session) -> None:
         self.stream_id = stream_id
         self._session = session
         self._items: deque[Any] = deque()
+        # The write time of the frame each buffered response came in (hop_latency.py).
+        self._frames: deque[int] = deque()
         self._waiter: asyncio.Future[None] | None = None
         # What the consumer raises at the end: the call's CallError, or what its sink raised.
         self._error: Exception | None = None
@@ -64,6 +68,9 @@ class SessionStream:
         # Takes the call's rows where its frame is read, instead of waking the consumer for each
         # (set by the consumer; see `_push_row`).
         self.sink: Callable[[Any], None] | None = None
+        # The write time of the frame that brought the response read last: where the next hop's
+        # latency counts from (hop_latency.py).
+        self.frame_ns = 0
 
     def __aiter__(self) -> SessionStream:
         return self
@@ -81,7 +88,19 @@ class SessionStream:
             finally:
                 self._waiter = None
         self._session.buffered -= 1
+        self.frame_ns = self._frames.popleft()
         return items.popleft()
+
+    def take_ready(self, row_type: type) -> list[Any]:
+        """The unread responses at the head of the call's buffer that are rows of `row_type`,
+        taken at once (a consumer that is behind sends them together)."""
+        items, frames = self._items, self._frames
+        taken = []
+        while items and type(items[0]) is row_type:
+            taken.append(items.popleft())
+            frames.popleft()
+        self._session.buffered -= len(taken)
+        return taken
 
     async def result(self) -> Any:
         """The response of a call that has one."""
@@ -117,6 +136,7 @@ class SessionStream:
     def _push(self, response: Any) -> None:
         if self._ended:
             return
+        self._frames.append(self._session.clock.reading_ns)
         self._items.append(response)
         session = self._session
         session.buffered += 1
@@ -143,16 +163,20 @@ class SessionStream:
     def _drop_buffered(self) -> int:
         dropped = len(self._items)
         self._items.clear()
+        self._frames.clear()
         return dropped
 
 
 class Session:
     """One stream to one peer carrying many calls."""
 
-    def __init__(self, kind: SessionKind, channel: grpc.aio.Channel, address: str, limits: SessionLimits) -> None:
+    def __init__(self, kind: SessionKind, channel: grpc.aio.Channel, address: str, limits: SessionLimits,
+                 clock: FrameClock | None = None) -> None:
         self.kind = kind
         self.address = address
         self.limits = limits
+        # Set to each frame's write time while its replies are handed out.
+        self.clock = clock or FrameClock()
         self.streams: dict[int, SessionStream] = {}
         self.buffered = 0
         self.closed = False
@@ -235,8 +259,7 @@ class Session:
     # -- the stream ------------------------------------------------------------------------------
 
     async def _read(self) -> None:
-        streams = self.streams
-        rows = self.kind.rows
+        clock = self.clock
         try:
             while True:
                 frame = await self._call.read()
@@ -244,22 +267,32 @@ class Session:
                     self._break(grpc.StatusCode.UNAVAILABLE, f"{self.address} closed the {self.kind.name} session")
                     return
                 self.frames_received += 1
-                if rows is not None:
-                    for sid, row in rows.unpack(frame):
-                        stream = streams.get(sid)
-                        if stream is not None:
-                            stream._push_row(row)
-                for reply in frame.replies:
-                    stream = streams.get(reply.stream_id)
-                    if stream is not None:
-                        stream._push(reply.response)
-                for end in frame.ends:
-                    stream = streams.pop(end.stream_id, None)
-                    if stream is not None:
-                        stream._finish(None if end.code == OK else CallError.from_end(end))
+                clock.reading_ns = frame.sent_unix_ns
+                try:
+                    self._hand_out(frame)
+                finally:
+                    clock.reading_ns = 0  # replies made from here on are not made of this frame
         except grpc.aio.AioRpcError as exc:
             self._break(grpc.StatusCode.UNAVAILABLE,
                         f"the {self.kind.name} session to {self.address} broke: {exc.code().name} {exc.details()}")
+
+    def _hand_out(self, frame: Any) -> None:
+        """A frame's rows, replies and ends to their calls, in that order (session_kind.py)."""
+        streams = self.streams
+        rows = self.kind.rows
+        if rows is not None:
+            for sid, row in rows.unpack(frame):
+                stream = streams.get(sid)
+                if stream is not None:
+                    stream._push_row(row)
+        for reply in frame.replies:
+            stream = streams.get(reply.stream_id)
+            if stream is not None:
+                stream._push(reply.response)
+        for end in frame.ends:
+            stream = streams.pop(end.stream_id, None)
+            if stream is not None:
+                stream._finish(None if end.code == OK else CallError.from_end(end))
 
     async def _write(self) -> None:
         call_type, down_type = self.kind.call, self.kind.down
@@ -305,6 +338,8 @@ class SessionPool:
     def __init__(self, channels: ChannelPool, limits: SessionLimits | None = None) -> None:
         self._channels = channels
         self._limits = limits or SessionLimits()
+        # Shared by the pool's sessions: the upstream frame this process is reading right now.
+        self.clock = FrameClock()
         self._sessions: dict[tuple[str, str], Session] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
@@ -314,7 +349,8 @@ class SessionPool:
         if session is None or session.closed:
             if session is not None:
                 self._retire(session)
-            session = self._sessions[key] = Session(kind, self._channels.get(address), address, self._limits)
+            session = self._sessions[key] = Session(kind, self._channels.get(address), address, self._limits,
+                                                    self.clock)
         return session
 
     def _retire(self, session: Session) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import grpc
 
 from gen.kvmesh.v1 import common_pb2
+from services.mesh.hop_latency import HopLatency
 from services.mesh.session_kind import OK, CallError, CallInfo, SessionKind, final_error
 
 log = logging.getLogger(__name__)
@@ -43,9 +45,11 @@ class SessionHub:
     """Every session of one service in this process."""
 
     def __init__(self, kind: SessionKind, handler: Handler, *, max_calls: int = MAX_CALLS_PER_SESSION,
-                 max_outbox: int = MAX_OUTBOX) -> None:
+                 max_outbox: int = MAX_OUTBOX, latency: HopLatency | None = None) -> None:
+        """`latency`: where this hop records the time from a reply's origin to its frame's write."""
         self.kind = kind
         self._handler = handler
+        self.latency = latency
         self._max_calls = max_calls
         self._max_outbox = max_outbox
         self._sessions: set[_ServerSession] = set()
@@ -74,6 +78,8 @@ class _ServerSession:
         self.calls: dict[int, asyncio.Task[None]] = {}
         self._timers: dict[int, asyncio.TimerHandle] = {}
         self._replies: list[tuple[int, Any]] = []
+        # The origin (hop_latency.py) of the oldest reply waiting; 0 while none waits.
+        self._origin_ns = 0
         self._ends: list[common_pb2.StreamEnd] = []
         self._wake = asyncio.Event()
         self._closing = False
@@ -162,13 +168,21 @@ class _ServerSession:
     # -- frames to the caller ------------------------------------------------------------------
 
     def _reply(self, sid: int, response: Any) -> None:
+        if not self._origin_ns and (latency := self.hub.latency) is not None:
+            self._origin_ns = latency.origin_ns()
         self._replies.append((sid, response))
         self._wake.set()
 
     def _reply_open(self, sid: int, response: Any) -> None:
         """A reply from outside the call's task (CallInfo.reply): dropped once the call ended
-        (cancelled or expired while its task had not run yet)."""
+        (cancelled or expired while its task had not run yet). Made where an upstream frame is
+        read, it counts from that frame's write when it is the oldest."""
         if sid in self.calls:
+            latency = self.hub.latency
+            if latency is not None and (not self._origin_ns or latency.upstream_reading()):
+                origin = latency.origin_ns()
+                if not self._origin_ns or origin < self._origin_ns:
+                    self._origin_ns = origin
             self._replies.append((sid, response))
             self._wake.set()
 
@@ -203,6 +217,12 @@ class _ServerSession:
                 # Ends only once every reply before them is in this frame or an earlier one.
                 frame.ends.extend(self._ends)
                 self._ends = []
+            now = frame.sent_unix_ns = time.time_ns()
+            if self._origin_ns and (latency := self.hub.latency) is not None:
+                latency.record(self._origin_ns, now)
+            if not self._replies:
+                # Replies left for the next frame (a split backlog) keep the origin: it is theirs too.
+                self._origin_ns = 0
             await self.context.write(frame)
 
     def _fill(self, frame: Any, replies: list[tuple[int, Any]]) -> None:

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from gen.kvmesh.v1 import common_pb2, processor_pb2, processor_pb2_grpc
 from services.mesh.flags import ConfigError
 from services.mesh.grpc_server import as_rpc
+from services.mesh.hop_latency import HopLatency, hop_latency_histogram
 from services.mesh.session_client import SessionPool
 from services.mesh.session_kind import PROCESSOR_SESSION, CallInfo, call_info, final_error
 from services.mesh.session_server import SessionHub
@@ -91,6 +92,7 @@ class ProcessorMetrics:
         self.worker_failures = Counter("kvmesh_processor_worker_failures",
                                        "decode worker calls that failed (before or after the first token)",
                                        registry=registry)
+        self.hops = hop_latency_histogram(registry)
 
 
 class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
@@ -104,7 +106,8 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         self._routers = routers
         self._sessions = sessions
         # Gateways' sessions: every request they send, served by `generate`.
-        self.sessions = SessionHub(PROCESSOR_SESSION, self.generate)
+        self.sessions = SessionHub(PROCESSOR_SESSION, self.generate,
+                                   latency=HopLatency(metrics.hops, "processor", upstream=sessions.clock))
         self._metrics = metrics
         self._failed = RecentFailures()
         self._limits = ChoiceLimits(config.request_timeout_s, config.max_attempts, config.migration_limit)

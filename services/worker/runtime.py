@@ -131,7 +131,9 @@ async def start_worker(role: Role, ctx: WorkerContext, make_services: ServicesFa
                        metrics_port: int) -> _Running:
     runner, mesh, spec = ctx.runner, ctx.mesh, ctx.engine
     instance_id = new_instance_id()
-    built = build_engine(spec, instance_id, runner.store, mesh.namespace)
+    # In a thread: a NIXL agent's UCX start-up blocks for seconds (6 s seen on a 2-core machine),
+    # long enough for this process's etcd watches, already open, to time out meanwhile.
+    built = await asyncio.to_thread(build_engine, spec, instance_id, runner.store, mesh.namespace)
     events = KvEventLog(capacity=ctx.args.kv_event_buffer)
     built.engine.set_kv_event_sink(events.append)
     # Registered before the (slow) start: a stop during a vLLM load still stops what it started.

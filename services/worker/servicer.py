@@ -18,6 +18,8 @@ import grpc
 
 from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.mesh.grpc_server import as_rpc
+from services.mesh.fast_histogram import FastHistogram
+from services.mesh.hop_latency import HopLatency
 from services.mesh.session_kind import (
     WORKER_SESSION,
     CallError,
@@ -166,14 +168,16 @@ def remote_prefill(prefill_worker_id: str) -> common_pb2.PrefillLocation:
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, engine: Engine, worker_id: str, events: KvEventLog, tracing: Tracing = TRACING_OFF,
-                 stream_interval_s: float = DEFAULT_INTERVAL_S) -> None:
+                 stream_interval_s: float = DEFAULT_INTERVAL_S, hops: FastHistogram | None = None) -> None:
+        """`hops`: where a decode worker records what it adds to a token's latency (hop_latency.py)."""
         self.engine = engine
         self.stream_interval_s = stream_interval_s
         self.worker_id = worker_id
         self.events = events
         self.tracing = tracing
         # Processors' sessions: every request they send, served by `generate`.
-        self.sessions = SessionHub(WORKER_SESSION, self.generate)
+        self.sessions = SessionHub(WORKER_SESSION, self.generate,
+                                   latency=HopLatency(hops, "decode_worker") if hops is not None else None)
         # The handlers of the endless subscription streams, ended when the worker drains.
         self._subscriptions: set[asyncio.Task[object]] = set()
 

@@ -12,7 +12,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gen.kvmesh.v1 import common_pb2, processor_pb2, processor_pb2_grpc
+from services.mesh.channels import ChannelPool
 from services.mesh.discovery import PROCESSOR
+from services.mesh.session_client import SessionPool
 from services.processor.service import ProcessorConfig, ProcessorMetrics, ProcessorServicer
 from services.processor.tokenizer import ModelTokenizer
 from tests.procs import ROOT, Mesh, registered
@@ -86,8 +88,9 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(mocker_mesh: Mesh) -> Non
     """The processor's loop keeps running while a prompt far past the threshold is tokenized
     (the mesh fixture only makes sure the demo model exists)."""
     tokenizer = ModelTokenizer(str(ROOT / ".cache" / "models" / MODEL))
-    servicer = ProcessorServicer(ProcessorConfig(MODEL), tokenizer, None, None,  # type: ignore[arg-type]
-                                 ProcessorMetrics(CollectorRegistry()))
+    # No worker is ever called: sessions that open none.
+    servicer = ProcessorServicer(ProcessorConfig(MODEL), tokenizer, None,  # type: ignore[arg-type]
+                                 SessionPool(ChannelPool()), ProcessorMetrics(CollectorRegistry()))
     text = "The quick brown fox jumps over the lazy dog. " * 40_000  # 1.8M characters
 
     async def largest_loop_gap() -> tuple[float, int]:

@@ -20,10 +20,11 @@ import grpc
 
 from gen.kvmesh.v1 import processor_pb2, processor_pb2_grpc
 from services.mesh.channels import ChannelPool
-from services.mesh.session_client import SessionLimits, SessionPool, SessionStream
+from services.mesh.session_client import SessionPool, SessionStream
 from services.mesh.session_kind import PROCESSOR_SESSION, TEXT_ROWS, CallInfo, TextRow, text_row_message
 from services.mesh.session_server import SessionHub
 from tests.unit.in_process_grpc import read_all, serving
+from tests.unit.stand_ins import StandInSession
 
 ROWS: list[TextRow] = [(0, "Hel", [5, 6]), (0, "", [7]), (0, "lo é", [8]), (3, "✓", [9, 10, 11])]
 
@@ -123,17 +124,8 @@ async def test_a_caller_that_does_not_announce_rows_gets_the_same_deltas_as_mess
     assert [as_text(r)[1:] for r in replies] == [as_text(r)[1:] for r in [first(4), *rows_of(4), last(4)]]
 
 
-class _Session:
-    """What a SessionStream asks of its session when a reply is buffered."""
-
-    def __init__(self) -> None:
-        self.buffered = 0
-        self.limits = SessionLimits()
-        self.streams: dict[int, SessionStream] = {}
-
-
 async def test_a_row_reaches_the_sink_only_while_the_consumer_waits_with_nothing_unread() -> None:
-    stream = SessionStream(1, _Session())  # type: ignore[arg-type]
+    stream = SessionStream(1, StandInSession())  # type: ignore[arg-type]
     seen: list[tuple[str, str]] = []
     stream.sink = lambda row: seen.append(("sink", row))
     stream._push_row("r0")  # the consumer has not started reading: buffered

@@ -218,11 +218,13 @@ class TextRows(_message.Message):
     def __init__(self, stream_ids: _Optional[_Iterable[int]] = ..., indexes: _Optional[_Iterable[int]] = ..., texts: _Optional[_Iterable[str]] = ..., counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProcessorSessionUp(_message.Message):
-    __slots__ = ("replies", "ends", "rows")
+    __slots__ = ("replies", "ends", "rows", "sent_unix_ns")
     REPLIES_FIELD_NUMBER: _ClassVar[int]
     ENDS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     replies: _containers.RepeatedCompositeFieldContainer[ProcessorReply]
     ends: _containers.RepeatedCompositeFieldContainer[_common_pb2.StreamEnd]
     rows: TextRows
-    def __init__(self, replies: _Optional[_Iterable[_Union[ProcessorReply, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[_common_pb2.StreamEnd, _Mapping]]] = ..., rows: _Optional[_Union[TextRows, _Mapping]] = ...) -> None: ...
+    sent_unix_ns: int
+    def __init__(self, replies: _Optional[_Iterable[_Union[ProcessorReply, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[_common_pb2.StreamEnd, _Mapping]]] = ..., rows: _Optional[_Union[TextRows, _Mapping]] = ..., sent_unix_ns: _Optional[int] = ...) -> None: ...

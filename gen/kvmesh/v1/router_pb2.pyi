@@ -111,9 +111,11 @@ class RouterReply(_message.Message):
     def __init__(self, stream_id: _Optional[int] = ..., response: _Optional[_Union[RouteResponse, _Mapping]] = ...) -> None: ...
 
 class RouterSessionUp(_message.Message):
-    __slots__ = ("replies", "ends")
+    __slots__ = ("replies", "ends", "sent_unix_ns")
     REPLIES_FIELD_NUMBER: _ClassVar[int]
     ENDS_FIELD_NUMBER: _ClassVar[int]
+    SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     replies: _containers.RepeatedCompositeFieldContainer[RouterReply]
     ends: _containers.RepeatedCompositeFieldContainer[_common_pb2.StreamEnd]
-    def __init__(self, replies: _Optional[_Iterable[_Union[RouterReply, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[_common_pb2.StreamEnd, _Mapping]]] = ...) -> None: ...
+    sent_unix_ns: int
+    def __init__(self, replies: _Optional[_Iterable[_Union[RouterReply, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[_common_pb2.StreamEnd, _Mapping]]] = ..., sent_unix_ns: _Optional[int] = ...) -> None: ...

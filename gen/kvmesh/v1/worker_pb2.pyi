@@ -249,11 +249,13 @@ class TokenRows(_message.Message):
     def __init__(self, stream_ids: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerSessionUp(_message.Message):
-    __slots__ = ("replies", "ends", "rows")
+    __slots__ = ("replies", "ends", "rows", "sent_unix_ns")
     REPLIES_FIELD_NUMBER: _ClassVar[int]
     ENDS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     replies: _containers.RepeatedCompositeFieldContainer[WorkerReply]
     ends: _containers.RepeatedCompositeFieldContainer[_common_pb2.StreamEnd]
     rows: TokenRows
-    def __init__(self, replies: _Optional[_Iterable[_Union[WorkerReply, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[_common_pb2.StreamEnd, _Mapping]]] = ..., rows: _Optional[_Union[TokenRows, _Mapping]] = ...) -> None: ...
+    sent_unix_ns: int
+    def __init__(self, replies: _Optional[_Iterable[_Union[WorkerReply, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[_common_pb2.StreamEnd, _Mapping]]] = ..., rows: _Optional[_Union[TokenRows, _Mapping]] = ..., sent_unix_ns: _Optional[int] = ...) -> None: ...
