@@ -47,6 +47,8 @@ STREAM_TIMEOUT_S = 300.0
 
 @dataclass
 class Run:
+    # Streams refused or broken (the rest are measured; ideal is counted for them alone).
+    failed: int
     of_ideal: float
     itl_ms: tuple[float, float, float]  # p50, p99, p99.9
     worst: float
@@ -104,22 +106,29 @@ def _probe(mesh: LaunchedMesh, urls: dict[str, list[str]]) -> tuple[dict[str, fl
     return cpu, switches, hops
 
 
-async def _load(base: str, streams: int, tokens: int) -> list[LeanStream]:
-    return await asyncio.gather(*(lean_stream(base, "kvmesh-demo", f"{i} {PROMPT}", tokens, STREAM_TIMEOUT_S)
-                                  for i in range(streams)))
+async def _load(base: str, streams: int, tokens: int) -> tuple[list[LeanStream], list[BaseException]]:
+    """The streams that completed, and why the others did not (a mesh past its knee refuses some)."""
+    done = await asyncio.gather(*(lean_stream(base, "kvmesh-demo", f"{i} {PROMPT}", tokens, STREAM_TIMEOUT_S)
+                                  for i in range(streams)), return_exceptions=True)
+    failures = [r for r in done if isinstance(r, BaseException)]
+    if len(failures) == streams:
+        raise RuntimeError(f"every stream failed, e.g. {failures[0]}")
+    return [r for r in done if isinstance(r, LeanStream)], failures
 
 
 def _one_run(mesh: LaunchedMesh, urls: dict[str, list[str]], config: Config) -> Run:
     cpu0, sw0, hops0 = _probe(mesh, urls)
-    results = asyncio.run(_load(mesh.base, config.streams, config.tokens))
+    results, failures = asyncio.run(_load(mesh.base, config.streams, config.tokens))
     cpu1, sw1, hops1 = _probe(mesh, urls)
-    total = config.streams * config.tokens
-    of_ideal, itl, worst, ttft = _summarise(results, config.streams, config.tokens)
+    if failures:
+        print(f"  {len(failures)} of {config.streams} streams failed, e.g. {str(failures[0])[:300]}", flush=True)
+    total = len(results) * config.tokens
+    of_ideal, itl, worst, ttft = _summarise(results, len(results), config.tokens)
     hop_ms: dict[str, tuple[float, float]] = {}
     for name in urls:
         for hop, buckets in delta(hops1[name], hops0.get(name, {})).items():
             hop_ms[hop] = (quantile(buckets, 0.5) * 1000, quantile(buckets, 0.99) * 1000)
-    return Run(of_ideal, itl, worst, ttft, {k: (cpu1[k] - cpu0.get(k, 0.0)) / total * 1e6 for k in cpu1},
+    return Run(len(failures), of_ideal, itl, worst, ttft, {k: (cpu1[k] - cpu0.get(k, 0.0)) / total * 1e6 for k in cpu1},
                {k: (sw1[k] - sw0[k]) / total * 1000 for k in sw1}, hop_ms)
 
 
@@ -130,7 +139,7 @@ def measure(config: Config) -> None:
                        "--max-num-seqs", str(config.streams), "--num-gpu-blocks", "65536",
                        "--frontends", str(config.frontends), "--max-inflight", str(2 * config.streams),
                        timeout_s=300) as mesh:
-        asyncio.run(_load(mesh.base, 1, 4))  # warm-up: connections, sessions, tokenizer
+        asyncio.run(_load(mesh.base, 1, 4))  # warm-up: connections, sessions, tokenizer (raises if it fails)
         # Frontends sharing one port answer /metrics in turn: a hop figure summed over them is
         # not to be had from outside, so the frontend hop is left out with several.
         watched = ("frontend", "processor", "decode-worker") if config.frontends == 1 else ("processor", "decode-worker")
@@ -151,9 +160,10 @@ def label(c: Config) -> str:
 def report(configs: list[Config]) -> dict:
     table(f"Streams on one mocker worker stepping every {STEP_MS:.0f} ms (kvmesh; median [lowest-highest] of "
           f"{REPEATS} runs; ideal = streams x 50 tokens/s)",
-          ["config", "of ideal", "ITL p50 ms", "ITL p99 ms", "ITL p99.9 ms", "worst max/median", "TTFT p50 ms",
+          ["config", "failed", "of ideal", "ITL p50 ms", "ITL p99 ms", "ITL p99.9 ms", "worst max/median", "TTFT p50 ms",
            "TTFT p99 ms"],
-          [[label(c), _med([r.of_ideal for r in c.runs]), _med([r.itl_ms[0] for r in c.runs], "{:.1f}"),
+          [[label(c), sum(r.failed for r in c.runs), _med([r.of_ideal for r in c.runs]),
+            _med([r.itl_ms[0] for r in c.runs], "{:.1f}"),
             _med([r.itl_ms[1] for r in c.runs], "{:.0f}"), _med([r.itl_ms[2] for r in c.runs], "{:.0f}"),
             _med([r.worst for r in c.runs], "{:.1f}"), _med([r.ttft_ms[0] for r in c.runs], "{:.0f}"),
             _med([r.ttft_ms[1] for r in c.runs], "{:.0f}")] for c in configs])

@@ -23,8 +23,10 @@ from prometheus_client import CollectorRegistry
 
 from services.mesh.fast_histogram import FastHistogram
 
-# From 50 µs (a hop with nothing queued) to a second (a hop far behind).
-HOP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# From 50 µs (a hop with nothing queued) to 10 s (a hop with a standing backlog: past its
+# capacity, tokens wait in its buffers while the time between them still looks normal).
+HOP_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+               2.5, 5.0, 10.0)
 
 
 def hop_latency_histogram(registry: CollectorRegistry) -> FastHistogram:
