@@ -62,8 +62,8 @@ class ProcessorStream:
 
     @property
     def frame_ns(self) -> int:
-        """When the processor wrote the frame of the oldest response not read yet (or of the
-        last one read): where this hop's latency counts from (hop_latency.py)."""
+        """When the processor wrote the frame of the response read last: where this hop's
+        latency counts from (hop_latency.py)."""
         return self._call.frame_ns if self._call is not None else 0
 
     def ready_rows(self) -> list[TextRow]:

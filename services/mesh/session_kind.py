@@ -61,15 +61,18 @@ def _pack_tokens(frame: Any, stream_ids: list[int], rows: list[TokenRow]) -> Non
     columns.token_ids.extend([token for row in rows for token in row])
 
 
-def _unpack_tokens(frame: Any) -> Iterator[tuple[int, TokenRow]]:
-    columns = frame.rows
-    if not columns.stream_ids:
-        return
+def _token_slices(columns: Any) -> Iterator[list[int]]:
+    """Each row's tokens: the next `counts[i]` entries of `token_ids`."""
     tokens = list(columns.token_ids)
     at = 0
-    for sid, count in zip(columns.stream_ids, columns.counts):
-        yield sid, tokens[at:at + count]
+    for count in columns.counts:
+        yield tokens[at:at + count]
         at += count
+
+
+def _unpack_tokens(frame: Any) -> Iterator[tuple[int, TokenRow]]:
+    columns = frame.rows
+    return zip(columns.stream_ids, _token_slices(columns))
 
 
 def _pack_texts(frame: Any, stream_ids: list[int], rows: list[TextRow]) -> None:
@@ -83,13 +86,8 @@ def _pack_texts(frame: Any, stream_ids: list[int], rows: list[TextRow]) -> None:
 
 def _unpack_texts(frame: Any) -> Iterator[tuple[int, TextRow]]:
     columns = frame.rows
-    if not columns.stream_ids:
-        return
-    tokens = list(columns.token_ids)
-    at = 0
-    for sid, index, text, count in zip(columns.stream_ids, columns.indexes, columns.texts, columns.counts):
-        yield sid, (index, text, tokens[at:at + count])
-        at += count
+    for sid, index, text, ids in zip(columns.stream_ids, columns.indexes, columns.texts, _token_slices(columns)):
+        yield sid, (index, text, ids)
 
 
 def token_row_message(row: TokenRow) -> worker_pb2.WorkerGenerateResponse:

@@ -168,23 +168,21 @@ class _ServerSession:
     # -- frames to the caller ------------------------------------------------------------------
 
     def _reply(self, sid: int, response: Any) -> None:
-        if not self._origin_ns and (latency := self.hub.latency) is not None:
-            self._origin_ns = latency.origin_ns()
+        """A reply for the next frame. Its origin (hop_latency.py) is that frame's when it is the
+        oldest: the first reply waiting, or one made of an upstream frame written earlier."""
+        latency = self.hub.latency
+        if latency is not None and (not self._origin_ns or latency.upstream_reading()):
+            origin = latency.origin_ns()
+            if not self._origin_ns or origin < self._origin_ns:
+                self._origin_ns = origin
         self._replies.append((sid, response))
         self._wake.set()
 
     def _reply_open(self, sid: int, response: Any) -> None:
         """A reply from outside the call's task (CallInfo.reply): dropped once the call ended
-        (cancelled or expired while its task had not run yet). Made where an upstream frame is
-        read, it counts from that frame's write when it is the oldest."""
+        (cancelled or expired while its task had not run yet)."""
         if sid in self.calls:
-            latency = self.hub.latency
-            if latency is not None and (not self._origin_ns or latency.upstream_reading()):
-                origin = latency.origin_ns()
-                if not self._origin_ns or origin < self._origin_ns:
-                    self._origin_ns = origin
-            self._replies.append((sid, response))
-            self._wake.set()
+            self._reply(sid, response)
 
     def _end(self, end: common_pb2.StreamEnd) -> None:
         self._ends.append(end)
