@@ -13,6 +13,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from services.frontend.app import create_admin_app, create_app
+from services.frontend.direct_write import DirectWriteProtocol
 from services.frontend.flags import add_frontend_flags, frontend_config
 from services.frontend.mesh import MeshView
 from services.frontend.metrics import FrontendMetrics
@@ -96,7 +97,7 @@ def main() -> None:
 
 def _serve_http(runner: ServiceRunner, app: ASGIApp, sock: socket.socket, label: str, drain_timeout_s: float) -> None:
     # log_config=None: uvicorn's records go through the process's own handler (text or JSON).
-    server = _Server(uvicorn.Config(app, log_level="warning", log_config=None, access_log=False, http="httptools",
+    server = _Server(uvicorn.Config(app, log_level="warning", log_config=None, access_log=False, http=DirectWriteProtocol,
                                     timeout_keep_alive=30, lifespan="off",
                                     timeout_graceful_shutdown=max(1, round(drain_timeout_s))))
     serving = runner.watch(asyncio.create_task(server.serve(sockets=[sock]), name=label), label)

@@ -17,6 +17,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gen.kvmesh.v1 import processor_pb2
+from services.frontend.direct_write import BodyWriter
 from services.frontend.endpoints import CHAT, COMPLETION, Kind
 from services.frontend.errors import ApiError, shown
 from services.frontend.inflight import Lease
@@ -152,13 +153,17 @@ class Answer:
         """The chunk of a plain text delta, after a chat choice's first (which names the role)."""
         return self._choice_chunk(index, {"content": text} if self.kind is CHAT else text)
 
-    async def sse(self) -> AsyncIterator[bytes]:
+    async def sse(self, writer: BodyWriter | None = None) -> AsyncIterator[bytes]:
+        """The stream's SSE events. With a `writer` (direct_write.py), a one-prompt stream's text
+        rows are written to the connection where they arrive, while this waits for the next."""
         is_chat = self.kind is CHAT
         opened: set[int] = set()
         plain = TextEvents(self._text_chunk)
         # One prompt's stream: its rows' frame times tell what this hop adds (hop_latency.py).
         source = self.streams[0] if len(self.streams) == 1 else None
         hop = self.metrics.hop
+        if source is not None and writer is not None:
+            source.sink_rows(self._row_writer(writer, source, plain, opened))
         try:
             async for item in self._items(rows=True):
                 if isinstance(item, tuple):
@@ -186,6 +191,26 @@ class Answer:
             exc = shown(exc, self.hide_details)
             yield sse({"error": {"message": exc.message, "type": "server_error", "param": None, "code": exc.code}})
         yield SSE_DONE
+
+    def _row_writer(self, writer: BodyWriter, source: ProcessorStream, plain: TextEvents, opened: set[int]
+                    ) -> Callable[[TextRow], bool]:
+        """Writes a text row's event to the connection (ProcessorStream.sink_rows); declines a
+        chat choice's first text (its event names the role) and whatever the writer declines."""
+        is_chat = self.kind is CHAT
+        hop, shown = self.metrics.hop, self._shown
+
+        def write(row: TextRow) -> bool:
+            index, text = row[0], row[1]
+            if not text:
+                return True  # tokens still forming a character: nothing to show yet
+            if (is_chat and index not in opened) or not writer.write(plain.event(index, text)):
+                return False
+            shown()
+            if origin := source.frame_ns:
+                hop.record(origin, time.time_ns())
+            return True
+
+        return write
 
     def _row_events(self, rows: list[TextRow], plain: TextEvents, opened: set[int]) -> list[bytes]:
         """The events of rows taken behind a row being sent (empty texts show nothing)."""

@@ -19,6 +19,7 @@ from services.frontend import openapi
 from services.frontend.answer import Answer, ClientGone, SseResponse, collect_unless_gone, first_route, unless_gone
 from services.frontend.auth import check_api_key
 from services.frontend.body import read_json
+from services.frontend.direct_write import body_writer
 from services.frontend.endpoints import CHAT, COMPLETION, RESPONSES, Kind, processor_requests
 from services.frontend.errors import ApiError, shown
 from services.frontend.fast_paths import FastPaths
@@ -208,7 +209,7 @@ class _Gateway:
         builder = ResponseBuilder(rid, req.model, original) if original is not None else None
         if req.stream:
             events = (response_events(builder, answer.items(), answer.usage) if builder is not None
-                      else answer.sse())
+                      else answer.sse(body_writer(request.scope)))
             return SseResponse(events, answer.close, media_type="text/event-stream", headers=headers)
         try:
             out = await collect_unless_gone(answer, request.receive)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -59,6 +59,7 @@ class ProcessorStream:
         self._tokens: dict[int, list[int]] = {i: [] for i in range(first, first + n)}
         self._finished: set[int] = set()
         self.took_over = False
+        self._row_sink: Callable[[TextRow], bool] | None = None
 
     @property
     def frame_ns(self) -> int:
@@ -74,6 +75,22 @@ class ProcessorStream:
         for index, _, ids in rows:
             self._tokens[index].extend(ids)
         return rows
+
+    def sink_rows(self, sink: Callable[[TextRow], bool]) -> None:
+        """Text rows go to `sink` where the processor's frame is read, while the reader of
+        `messages` waits with nothing unread (SessionStream.sink): on this call and on any a
+        takeover opens. A row the sink took counts as delivered (kept for a takeover)."""
+        tokens = self._tokens
+
+        def take(row: TextRow) -> bool:
+            if sink(row):
+                tokens[row[0]].extend(row[2])
+                return True
+            return False
+
+        self._row_sink = take
+        if self._call is not None:
+            self._call.sink = take
 
     def cancel(self) -> None:
         """Ends the stream for good: a call cancelled here is not a processor failure."""
@@ -156,6 +173,7 @@ class ProcessorStream:
                 raise ApiError(503, f"the request took longer than {self._timeout_s:.0f}s", code="timeout")
             # The request's span is current (request_tracing.py): the processor's joins its trace.
             self._call = call = session.open(request, remaining, outgoing_metadata())
+            call.sink = self._row_sink
             if self._cancelled:
                 call.cancel()
             try:

@@ -66,8 +66,8 @@ class SessionStream:
         self._ended = False
         self._timer: asyncio.TimerHandle | None = None
         # Takes the call's rows where its frame is read, instead of waking the consumer for each
-        # (set by the consumer; see `_push_row`).
-        self.sink: Callable[[Any], None] | None = None
+        # (set by the consumer; see `_push_row`). Returns whether it took the row.
+        self.sink: Callable[[Any], bool] | None = None
         # The write time of the frame that brought the response read last: where the next hop's
         # latency counts from (hop_latency.py).
         self.frame_ns = 0
@@ -118,19 +118,23 @@ class SessionStream:
 
     def _push_row(self, row: Any) -> None:
         """A row goes to the sink while the consumer waits with nothing unread (so it stays in
-        order after every reply before it), else into the buffer like any reply."""
+        order after every reply before it), else, or when the sink declines it, into the buffer
+        like any reply."""
         sink = self.sink
         if sink is not None and not self._items and not self._ended:
             waiter = self._waiter
             if waiter is not None and not waiter.done():
+                # The sink reads the row as the consumer would have: with its frame's time.
+                self.frame_ns = self._session.clock.reading_ns
                 try:
-                    sink(row)
+                    if sink(row):
+                        return
                 except Exception as exc:  # noqa: BLE001 - the consumer's to raise, not the session reader's
                     # Raised where the consumer reads, as if it had handled the row itself; the
                     # session's other calls go on.
                     self.sink = None
                     self._session._fail(self, exc)
-                return
+                    return
         self._push(row)
 
     def _push(self, response: Any) -> None:

@@ -281,7 +281,7 @@ class ChoiceStream:
         finally:
             stream.cancel()
 
-    def _row_sink(self, detok: Detokenizer) -> Callable[[list[int]], None]:
+    def _row_sink(self, detok: Detokenizer) -> Callable[[list[int]], bool]:
         """Takes a worker's token row while `_from_worker` waits with every delta before it
         delivered (session_client.SessionStream._push_row): the text row goes straight to the
         gateway call's outbox, after them. A row with no text yet (a character still forming)
@@ -289,9 +289,10 @@ class ChoiceStream:
         generated, push, reply, index = self.generated, detok.push, self.ctx.reply, self.spec.index
         assert reply is not None
 
-        def sink(ids: list[int]) -> None:
+        def sink(ids: list[int]) -> bool:
             generated.extend(ids)
             reply((index, push(ids), ids))
+            return True
 
         return sink
 

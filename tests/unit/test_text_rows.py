@@ -127,7 +127,13 @@ async def test_a_caller_that_does_not_announce_rows_gets_the_same_deltas_as_mess
 async def test_a_row_reaches_the_sink_only_while_the_consumer_waits_with_nothing_unread() -> None:
     stream = SessionStream(1, StandInSession())  # type: ignore[arg-type]
     seen: list[tuple[str, str]] = []
-    stream.sink = lambda row: seen.append(("sink", row))
+    def sink(row: str) -> bool:
+        if row == "r5":
+            return False  # declined: buffered like any reply
+        seen.append(("sink", row))
+        return True
+
+    stream.sink = sink
     stream._push_row("r0")  # the consumer has not started reading: buffered
     consumer_started = asyncio.Event()
 
@@ -145,10 +151,13 @@ async def test_a_row_reaches_the_sink_only_while_the_consumer_waits_with_nothing
     await asyncio.sleep(0)
     await asyncio.sleep(0)
     stream._push_row("r3")  # the consumer waits again: to the sink
+    stream._push_row("r5")  # declined by the sink: the consumer reads it
+    await asyncio.sleep(0)
     stream._finish(None)
     stream._push_row("r4")  # after the end: dropped
     await asyncio.wait_for(task, 5)
-    assert seen == [("consumer", "r0"), ("sink", "r1"), ("consumer", "m1"), ("consumer", "r2"), ("sink", "r3")]
+    assert seen == [("consumer", "r0"), ("sink", "r1"), ("consumer", "m1"), ("consumer", "r2"), ("sink", "r3"),
+                    ("consumer", "r5")]
 
 
 async def test_a_sink_that_raises_fails_its_own_call_only_with_what_it_raised() -> None:
@@ -160,7 +169,7 @@ async def test_a_sink_that_raises_fails_its_own_call_only_with_what_it_raised() 
             broken = session.open(processor_pb2.GenerateRequest(request_id="1"), 10)
             fine = session.open(processor_pb2.GenerateRequest(request_id="2"), 10)
 
-            def bad_sink(row: TextRow) -> None:
+            def bad_sink(row: TextRow) -> bool:
                 raise ValueError(f"cannot take {row[1]!r}")
 
             async def read_with_bad_sink() -> list[Any]:

@@ -1,0 +1,118 @@
+"""BodyWriter against a real uvicorn server on loopback (DirectWriteProtocol): direct writes and
+ASGI sends interleave into one valid chunked body; the writer declines whenever writing would
+break order or flow control."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import httpx
+import uvicorn
+
+from services.frontend.direct_write import BodyWriter, DirectWriteProtocol, body_writer
+
+App = Callable[[BodyWriter, Callable[[dict], Awaitable[None]]], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def serving(handle: App) -> AsyncIterator[int]:
+    async def app(scope, receive, send) -> None:  # noqa: ANN001 - an ASGI app
+        writer = body_writer(scope)
+        assert writer is not None
+        await handle(writer, send)
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    server = uvicorn.Server(uvicorn.Config(app, http=DirectWriteProtocol, lifespan="off", log_config=None,
+                                           log_level="warning"))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+
+
+START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]}
+
+
+async def test_direct_writes_and_asgi_sends_make_one_body_in_order() -> None:
+    declined_before_start: list[bool] = []
+    declined_after_end: list[bool] = []
+
+    async def handle(writer: BodyWriter, send: Callable[[dict], Awaitable[None]]) -> None:
+        declined_before_start.append(writer.write(b"too early"))
+        await send(START)
+        assert writer.write(b"one ")
+        await send({"type": "http.response.body", "body": b"two ", "more_body": True})
+        assert writer.write(b"three \xe2\x82\xac")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        declined_after_end.append(writer.write(b"too late"))
+
+    async with serving(handle) as port, httpx.AsyncClient() as client:
+        first = await client.get(f"http://127.0.0.1:{port}/")
+        second = await client.get(f"http://127.0.0.1:{port}/")  # the same kept-alive connection
+    assert first.status_code == 200 and first.headers["transfer-encoding"] == "chunked"
+    assert first.content == b"one two three \xe2\x82\xac" == second.content
+    assert declined_before_start == [False, False] and declined_after_end == [False, False]
+
+
+async def test_a_client_that_does_not_read_is_declined_at_the_high_water_mark() -> None:
+    written = asyncio.get_running_loop().create_future()
+
+    async def handle(writer: BodyWriter, send: Callable[[dict], Awaitable[None]]) -> None:
+        await send(START)
+        chunk, total = b"x" * 4096, 0
+        # The kernel's socket buffers take some first; then the transport's buffer fills.
+        while total < 64 * 1024 * 1024 and writer.write(chunk):
+            total += len(chunk)
+            await asyncio.sleep(0)
+        written.set_result(total)
+        await send({"type": "http.response.body", "body": b"end", "more_body": False})
+
+    async with serving(handle) as port:
+        reader, conn = await asyncio.open_connection("127.0.0.1", port)
+        conn.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        total = await asyncio.wait_for(written, 30)  # nothing read meanwhile
+        body = b""
+        while not body.endswith(b"0\r\n\r\n"):
+            body += await asyncio.wait_for(reader.read(1 << 20), 30)
+        conn.close()
+    assert 0 < total < 64 * 1024 * 1024  # declined once the transport's buffer passed the mark
+    assert body.count(b"1000\r\n" + b"x" * 4096 + b"\r\n") == total // 4096
+    assert body.endswith(b"3\r\nend\r\n0\r\n\r\n")
+
+
+async def test_a_client_that_left_is_declined() -> None:
+    after_leaving: list[bool] = []
+    left = asyncio.Event()
+
+    async def handle(writer: BodyWriter, send: Callable[[dict], Awaitable[None]]) -> None:
+        await send(START)
+        assert writer.write(b"hello")
+        await left.wait()
+        for _ in range(100):  # until the server has seen the connection close
+            if not writer.write(b"more"):
+                after_leaving.append(False)
+                return
+            await asyncio.sleep(0.02)
+        after_leaving.append(True)
+
+    async with serving(handle) as port:
+        reader, conn = await asyncio.open_connection("127.0.0.1", port)
+        conn.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"5\r\nhello\r\n"), 10)
+        conn.close()
+        left.set()
+        for _ in range(200):
+            if after_leaving:
+                break
+            await asyncio.sleep(0.02)
+    assert b"transfer-encoding: chunked" in head
+    assert after_leaving == [False]
