@@ -273,6 +273,8 @@ class Session:
                 self.frames_received += 1
                 clock.reading_ns = frame.sent_unix_ns
                 try:
+                    if self.kind.rows is not None:
+                        await self._hand_out_rows(frame)
                     self._hand_out(frame)
                 finally:
                     clock.reading_ns = 0  # replies made from here on are not made of this frame
@@ -280,15 +282,28 @@ class Session:
             self._break(grpc.StatusCode.UNAVAILABLE,
                         f"the {self.kind.name} session to {self.address} broke: {exc.code().name} {exc.details()}")
 
-    def _hand_out(self, frame: Any) -> None:
-        """A frame's rows, replies and ends to their calls, in that order (session_kind.py)."""
-        streams = self.streams
+    async def _hand_out_rows(self, frame: Any) -> None:
+        """A frame's rows to their calls, before its replies and ends (session_kind.py), letting
+        the loop run after every `per_slice` rows where the kind says so."""
         rows = self.kind.rows
-        if rows is not None:
-            for sid, row in rows.unpack(frame):
-                stream = streams.get(sid)
-                if stream is not None:
-                    stream._push_row(row)
+        assert rows is not None
+        streams, clock, sent_ns = self.streams, self.clock, frame.sent_unix_ns
+        # Counts down to the next turn of the loop; from 0 it only goes negative: never.
+        countdown = rows.per_slice
+        for sid, row in rows.unpack(frame):
+            stream = streams.get(sid)
+            if stream is not None:
+                stream._push_row(row)
+            countdown -= 1
+            if not countdown:
+                countdown = rows.per_slice
+                clock.reading_ns = 0  # the pool's clock: other sessions' frames are read meanwhile
+                await asyncio.sleep(0)
+                clock.reading_ns = sent_ns
+
+    def _hand_out(self, frame: Any) -> None:
+        """A frame's replies and ends to their calls, in that order, after its rows."""
+        streams = self.streams
         for reply in frame.replies:
             stream = streams.get(reply.stream_id)
             if stream is not None:

@@ -52,6 +52,8 @@ class ReplyRows:
     pack: Callable[[Any, list[int], list[Any]], None]
     unpack: Callable[[Any], Iterator[tuple[int, Any]]]
     to_message: Callable[[Any], Any]
+    # Rows a caller hands out between two turns of its loop (0: a frame's rows at once).
+    per_slice: int = 0
 
 
 def _pack_tokens(frame: Any, stream_ids: list[int], rows: list[TokenRow]) -> None:
@@ -101,8 +103,12 @@ def text_row_message(row: TextRow) -> processor_pb2.GenerateResponse:
     return processor_pb2.GenerateResponse(delta=processor_pb2.ChoiceDelta(index=index, text=text, token_ids=ids))
 
 
+# A processor hands a worker frame's rows out at once: what they make for a gateway then leaves
+# as one frame, not one per slice.
 TOKEN_ROWS = ReplyRows(list, _pack_tokens, _unpack_tokens, token_row_message)
-TEXT_ROWS = ReplyRows(tuple, _pack_texts, _unpack_texts, text_row_message)
+# A gateway writes each row to a socket where it hands it out: a frame of a few thousand streams
+# is taken in slices (as vLLM's output loop takes 128 outputs), so it never holds the loop long.
+TEXT_ROWS = ReplyRows(tuple, _pack_texts, _unpack_texts, text_row_message, per_slice=128)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@
   caller that announced rows as rows, in order with the messages the handler yields; a caller
   that did not announce them gets the same deltas as messages;
 - `SessionStream._push_row` hands a row to the consumer's sink only while the consumer waits with
-  nothing unread, so a row never overtakes a reply before it.
+  nothing unread, so a row never overtakes a reply before it, and a row the sink declines is
+  read like any reply;
+- a long frame of text rows is handed out in slices of 128, in order, the loop running between.
 """
 
 from __future__ import annotations
@@ -185,3 +187,51 @@ async def test_a_sink_that_raises_fails_its_own_call_only_with_what_it_raised() 
             await channels.close()
     assert isinstance(outcome, ValueError) and "cannot take '1:" in str(outcome)
     assert [as_text(r)[1] for r in replies] == [as_text(r)[1] for r in [first(2), *rows_of(2), last(2)]]
+
+
+class ManyRows(RowMaker):
+    """A first delta, then 300 rows made at once (one frame), then a last delta."""
+
+    async def handle(self, request: processor_pb2.GenerateRequest, call: CallInfo) -> AsyncIterator[Any]:
+        yield first(0)
+        await asyncio.sleep(0.05)  # the first delta leaves in a frame of its own
+        assert call.reply is not None
+        for k in range(300):
+            call.reply((0, f"r{k}", [k]))  # type: ignore[misc]
+        await asyncio.sleep(0.05)
+        yield last(0)
+
+
+async def test_a_gateway_hands_a_long_frame_of_text_rows_out_in_slices_in_order() -> None:
+    """A gateway's sink writes each row to a socket: the loop runs again every 128 rows."""
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    seen: list[tuple[str, int]] = []
+    async with serving(processor_pb2_grpc.add_ProcessorServicer_to_server, ManyRows()) as address:
+        channels = ChannelPool()
+        sessions = SessionPool(channels)
+        ticker = asyncio.create_task(tick())
+        try:
+            call = sessions.get(PROCESSOR_SESSION, address).open(processor_pb2.GenerateRequest(request_id="0"), 10)
+
+            def sink(row: TextRow) -> bool:
+                seen.append((row[1], ticks))
+                return True
+
+            assert as_text(await anext(call))[1] == "<0>"
+            call.sink = sink
+            rest = await read_all(call)
+        finally:
+            ticker.cancel()
+            await sessions.close()
+            await channels.close()
+    assert [text for text, _ in seen] == [f"r{k}" for k in range(300)]
+    assert [as_text(r)[1] for r in rest] == ["."]
+    at = [t for _, t in seen]
+    assert at[0] == at[127] < at[128] == at[255] < at[256] == at[299]
