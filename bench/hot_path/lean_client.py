@@ -32,23 +32,36 @@ class LeanStream:
     completion_tokens: int
 
 
-async def lean_stream(base: str, model: str, prompt: str, max_tokens: int, timeout_s: float) -> LeanStream:
-    """One streamed completion over its own connection."""
+def completion(model: str, prompt: str, max_tokens: int) -> tuple[str, dict]:
+    """A streamed completion of exactly `max_tokens` tokens: (path, body) for `lean_stream`."""
+    return "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                               "ignore_eos": True, "stream_options": {"include_usage": True}}
+
+
+def chat(model: str, prompt: str, max_tokens: int, **extra: object) -> tuple[str, dict]:
+    """A streamed chat completion of exactly `max_tokens` tokens per choice, with `extra` fields."""
+    return "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": prompt}],
+                                    "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+                                    "stream_options": {"include_usage": True}, **extra}
+
+
+async def lean_stream(base: str, request: tuple[str, dict], timeout_s: float) -> LeanStream:
+    """One streamed request (`completion` or `chat`) over its own connection."""
     url = urlsplit(base)
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-                       "ignore_eos": True, "stream_options": {"include_usage": True}}).encode()
-    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+    path, fields = request
+    body = json.dumps(fields).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     started = time.perf_counter()
     # One deadline for the whole stream (a timer per read would cost a task per event).
     async with asyncio.timeout(timeout_s):
         reader, writer = await asyncio.open_connection(url.hostname, url.port)
         try:
-            writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            if not head.startswith(b"HTTP/1.1 200"):
+            writer.write(head + body)
+            answer = await reader.readuntil(b"\r\n\r\n")
+            if not answer.startswith(b"HTTP/1.1 200"):
                 rest = await reader.read(2000)
-                raise RuntimeError(f"{head.split(b' ', 2)[1].decode()}: {(head + rest)[-300:]!r}")
+                raise RuntimeError(f"{answer.split(b' ', 2)[1].decode()}: {(answer + rest)[-300:]!r}")
             return await _events(reader, started)
         finally:
             writer.close()

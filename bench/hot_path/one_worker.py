@@ -1,18 +1,21 @@
 """Step-paced streams on one worker: does the mesh keep the engine's pace? (Part of
 `make bench ARGS="--only hot-path"`; alone: `--only one-worker`.)
 
-One mocker decode worker steps every 20 ms and makes one token per running stream per step, so
-N streams ideally get N x 50 tokens/s each 20 ms apart. Configurations (issue 28's A, B and C):
-512 streams x 200 tokens; 1,024 and 2,048 x 100; 4,096 x 50 through 1 and through 2 gateways
-(frontends sharing the port). Each runs three times on one mesh; tables give the median and, in
-brackets, the lowest and highest run.
+One mocker decode worker steps every 20 ms and makes one token per running sequence per step, so
+N sequences ideally get N x 50 tokens/s each 20 ms apart. Configurations (issue 28's A to D):
+A, 512 streamed completions x 200 tokens; B, 1,024 and 2,048 x 100; C, 4,096 x 50 through 1 and
+through 2 gateways (frontends sharing the port); D, 512 streamed chat completions x 200 tokens, a
+mix by stream number: 10% with stop strings, 10% with logprobs, 5% through the tool parser
+(hermes), 5% with n=2, the rest plain (the processor's and gateway's fast lane). Each runs three
+times on one mesh; tables give the median and, in brackets, the lowest and highest run.
 
 Per run: delivered tokens/s over ideal; the gaps a client sees between arrivals (ITL p50, p99,
 p99.9; events read in one socket read count as one arrival) after every stream has its first
 token (for 4,096 streams, after each stream's own first token: their ramp-up outlasts a
 stream); the worst stream's largest gap over its median gap; TTFT p50 and p99; CPU µs and
 context switches per token of each mesh process (from /proc), and of the load generator apart;
-what each hop adds (`kvmesh_hop_latency_seconds`, p50 and p99, from each process's /metrics).
+what each hop adds (`kvmesh_hop_latency_seconds`, p50 and p99, from each process's /metrics);
+for D, the ITL of each part of the mix apart.
 
 The load generator is lean (lean_client.py: raw HTTP, no JSON per event), so less of the 2-core
 machine goes to measuring.
@@ -29,15 +32,25 @@ from bench.common.mesh_metrics import Buckets, delta, histogram, metrics_urls, q
 from bench.common.mesh_process import LaunchedMesh, launched_mesh
 from bench.common.proc_stat import context_switches
 from bench.common.report import bar_plot, percentile, save_json, table
-from bench.hot_path.lean_client import LeanStream, lean_stream
+from bench.hot_path.lean_client import LeanStream, chat, completion, lean_stream
 from bench.hot_path.stream_load import PROMPT
 
 STEP_S = 0.020
 STEP_MS = STEP_S * 1000
 NAN = float("nan")
 REPEATS = 3
-# (name, streams, tokens per stream, frontends)
-CONFIGS = (("A", 512, 200, 1), ("B", 1024, 100, 1), ("B", 2048, 100, 1), ("C", 4096, 50, 1), ("C", 4096, 50, 2))
+# (name, streams, tokens per stream, frontends, mix)
+CONFIGS = (("A", 512, 200, 1, False), ("B", 1024, 100, 1, False), ("B", 2048, 100, 1, False),
+           ("C", 4096, 50, 1, False), ("C", 4096, 50, 2, False), ("D", 512, 200, 1, True))
+MODEL = "kvmesh-demo"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+FAST_LANE = "plain"
+# D's mix by stream number modulo 20: (part, extra request fields, choices per stream).
+MIX = (2 * [("stop strings", {"stop": ["<<not in any text>>"]}, 1)]
+       + 2 * [("logprobs", {"logprobs": True, "top_logprobs": 2}, 1)]
+       + [("tool parser", {"tools": [WEATHER]}, 1)] + [("n=2", {"n": 2}, 2)] + 14 * [(FAST_LANE, {}, 1)])
 PROCESSES = ("frontend", "processor", "decode-worker", "kv-router")
 # From this many streams the ramp-up outlasts a stream: ITL counts each stream's own gaps.
 OWN_GAPS_FROM = 4096
@@ -56,6 +69,7 @@ class Run:
     cpu_us: dict[str, float]  # per token, per process name, "client" apart
     switches: dict[str, float]  # per 1,000 tokens
     hop_ms: dict[str, tuple[float, float]]  # p50, p99
+    parts: dict[str, tuple[float, float]]  # D: ITL p50, p99 ms by part of the mix
 
 
 @dataclass
@@ -64,7 +78,15 @@ class Config:
     streams: int
     tokens: int
     frontends: int
+    mix: bool = False
     runs: list[Run] = field(default_factory=list)
+
+    def requests(self) -> list[tuple[str, tuple[str, dict], int]]:
+        """Per stream: its part of the mix, its request, its choices."""
+        if not self.mix:
+            return [(FAST_LANE, completion(MODEL, f"{i} {PROMPT}", self.tokens), 1) for i in range(self.streams)]
+        return [(part, chat(MODEL, f"{i} {PROMPT}", self.tokens, **extra), n)
+                for i in range(self.streams) for part, extra, n in [MIX[i % len(MIX)]]]
 
 
 def _arrival_gaps(arrivals: list[float], since: float) -> list[float]:
@@ -73,28 +95,39 @@ def _arrival_gaps(arrivals: list[float], since: float) -> list[float]:
     return [(b - a) * 1000 for a, b in zip(times, times[1:])]
 
 
-def _summarise(results: list[LeanStream], streams: int,
-               tokens: int) -> tuple[float, tuple[float, float, float], float, tuple[float, float]]:
-    """(of ideal, ITL p50/p99/p99.9 ms, worst stream max/median, TTFT p50/p99 ms)."""
-    delivered = sum(r.completion_tokens for r in results)
-    if delivered != streams * tokens or not all(r.arrivals for r in results):
-        raise RuntimeError(f"expected {streams * tokens} tokens in events, usage says {delivered}")
-    firsts = [r.arrivals[0] for r in results]
-    steady = max(firsts) if streams < OWN_GAPS_FROM else 0.0
-    gaps: list[float] = []
+@dataclass
+class Summary:
+    of_ideal: float
+    itl_ms: tuple[float, float, float]  # p50, p99, p99.9
+    worst: float  # the worst stream's largest gap over its median gap
+    ttft_ms: tuple[float, float]  # p50, p99
+    parts: dict[str, tuple[float, float]]  # ITL p50, p99 ms by part of the mix
+
+
+def _summarise(results: list[tuple[str, LeanStream, int]], tokens: int) -> Summary:
+    """`results`: (part of the mix, stream, choices) of each stream that completed."""
+    sequences = sum(n for _, _, n in results)
+    delivered = sum(r.completion_tokens for _, r, _ in results)
+    if delivered != sequences * tokens or not all(r.arrivals for _, r, _ in results):
+        raise RuntimeError(f"expected {sequences * tokens} tokens in events, usage says {delivered}")
+    firsts = [r.arrivals[0] for _, r, _ in results]
+    steady = max(firsts) if len(results) < OWN_GAPS_FROM else 0.0
+    gaps: dict[str, list[float]] = {}
     worst = 0.0
-    for r in results:
+    for part, r, _ in results:
         own = _arrival_gaps(r.arrivals, max(steady, r.arrivals[0]))
         if len(own) >= 2:
-            gaps += own
+            gaps.setdefault(part, []).extend(own)
             worst = max(worst, max(own) / max(statistics.median(own), 1e-3))
     # The tokens after the first arrival anywhere, over the time from it to the last anywhere
-    # (late starters and stragglers lower it, as they lower what users get); each stream's first
+    # (late starters and stragglers lower it, as they lower what users get); each sequence's first
     # token is left out, having come at or after the clock's start.
-    rate = (delivered - streams) / (max(r.arrivals[-1] for r in results) - min(firsts))
-    ttfts = [(r.arrivals[0] - r.started) * 1000 for r in results]
-    itl = (percentile(gaps, 50), percentile(gaps, 99), percentile(gaps, 99.9))
-    return rate * STEP_S / streams, itl, worst, (percentile(ttfts, 50), percentile(ttfts, 99))
+    rate = (delivered - sequences) / (max(r.arrivals[-1] for _, r, _ in results) - min(firsts))
+    ttfts = [(r.arrivals[0] - r.started) * 1000 for _, r, _ in results]
+    every = [gap for part_gaps in gaps.values() for gap in part_gaps]
+    return Summary(rate * STEP_S / sequences, (percentile(every, 50), percentile(every, 99), percentile(every, 99.9)),
+                   worst, (percentile(ttfts, 50), percentile(ttfts, 99)),
+                   {part: (percentile(g, 50), percentile(g, 99)) for part, g in gaps.items()})
 
 
 def _probe(mesh: LaunchedMesh, urls: dict[str, list[str]]) -> tuple[dict[str, float], dict[str, int],
@@ -106,40 +139,45 @@ def _probe(mesh: LaunchedMesh, urls: dict[str, list[str]]) -> tuple[dict[str, fl
     return cpu, switches, hops
 
 
-async def _load(base: str, streams: int, tokens: int) -> tuple[list[LeanStream], list[BaseException]]:
-    """The streams that completed, and why the others did not (a mesh past its knee refuses some)."""
-    done = await asyncio.gather(*(lean_stream(base, "kvmesh-demo", f"{i} {PROMPT}", tokens, STREAM_TIMEOUT_S)
-                                  for i in range(streams)), return_exceptions=True)
+async def _load(base: str, requests: list[tuple[str, tuple[str, dict], int]]
+                ) -> tuple[list[tuple[str, LeanStream, int]], list[BaseException]]:
+    """The streams that completed (part, stream, choices), and why the others did not (a mesh
+    past its knee refuses some)."""
+    done = await asyncio.gather(*(lean_stream(base, request, STREAM_TIMEOUT_S) for _, request, _ in requests),
+                                return_exceptions=True)
     failures = [r for r in done if isinstance(r, BaseException)]
-    if len(failures) == streams:
+    if len(failures) == len(requests):
         raise RuntimeError(f"every stream failed, e.g. {failures[0]}")
-    return [r for r in done if isinstance(r, LeanStream)], failures
+    return [(part, r, n) for (part, _, n), r in zip(requests, done) if isinstance(r, LeanStream)], failures
 
 
 def _one_run(mesh: LaunchedMesh, urls: dict[str, list[str]], config: Config) -> Run:
     cpu0, sw0, hops0 = _probe(mesh, urls)
-    results, failures = asyncio.run(_load(mesh.base, config.streams, config.tokens))
+    results, failures = asyncio.run(_load(mesh.base, config.requests()))
     cpu1, sw1, hops1 = _probe(mesh, urls)
     if failures:
         print(f"  {len(failures)} of {config.streams} streams failed, e.g. {str(failures[0])[:300]}", flush=True)
-    total = len(results) * config.tokens
-    of_ideal, itl, worst, ttft = _summarise(results, len(results), config.tokens)
+    total = sum(r.completion_tokens for _, r, _ in results)
+    summary = _summarise(results, config.tokens)
     hop_ms: dict[str, tuple[float, float]] = {}
     for name in urls:
         for hop, buckets in delta(hops1[name], hops0.get(name, {})).items():
             hop_ms[hop] = (quantile(buckets, 0.5) * 1000, quantile(buckets, 0.99) * 1000)
-    return Run(len(failures), of_ideal, itl, worst, ttft, {k: (cpu1[k] - cpu0.get(k, 0.0)) / total * 1e6 for k in cpu1},
-               {k: (sw1[k] - sw0[k]) / total * 1000 for k in sw1}, hop_ms)
+    return Run(len(failures), summary.of_ideal, summary.itl_ms, summary.worst, summary.ttft_ms,
+               {k: (cpu1[k] - cpu0.get(k, 0.0)) / total * 1e6 for k in cpu1},
+               {k: (sw1[k] - sw0[k]) / total * 1000 for k in sw1}, hop_ms, summary.parts if config.mix else {})
 
 
 def measure(config: Config) -> None:
     print(f"hot path, one worker: {config.streams} streams x {config.tokens} tokens, {config.frontends} "
           f"frontend(s), {REPEATS} runs ...", flush=True)
+    sequences = sum(n for _, _, n in config.requests())
     with launched_mesh("--engine", "mocker", "--timing", "fixed-step-20ms", "--decode-workers", "1",
-                       "--max-num-seqs", str(config.streams), "--num-gpu-blocks", "65536",
+                       "--max-num-seqs", str(sequences), "--num-gpu-blocks", "65536",
                        "--frontends", str(config.frontends), "--max-inflight", str(2 * config.streams),
-                       timeout_s=300) as mesh:
-        asyncio.run(_load(mesh.base, 1, 4))  # warm-up: connections, sessions, tokenizer (raises if it fails)
+                       *(("--tool-call-parser", "hermes") if config.mix else ()), timeout_s=300) as mesh:
+        # Warm-up: connections, sessions, tokenizer (raises if it fails).
+        asyncio.run(_load(mesh.base, [(FAST_LANE, completion(MODEL, PROMPT, 4), 1)]))
         # Frontends sharing one port answer /metrics in turn: a hop figure summed over them is
         # not to be had from outside, so the frontend hop is left out with several.
         watched = ("frontend", "processor", "decode-worker") if config.frontends == 1 else ("processor", "decode-worker")
@@ -154,7 +192,7 @@ def _med(values: list[float], fmt: str = "{:.2f}") -> str:
 
 
 def label(c: Config) -> str:
-    return f"{c.name}: {c.streams} x {c.tokens}, {c.frontends} gw"
+    return f"{c.name}: {c.streams} x {c.tokens}, {c.frontends} gw{', mix' if c.mix else ''}"
 
 
 def report(configs: list[Config]) -> dict:
@@ -180,6 +218,13 @@ def report(configs: list[Config]) -> dict:
           [[label(c), *(f"{statistics.median(r.hop_ms.get(h, (NAN, NAN))[0] for r in c.runs):.2f} / "
                         f"{statistics.median(r.hop_ms.get(h, (NAN, NAN))[1] for r in c.runs):.1f}" for h in HOPS)]
            for c in configs])
+    mixed = [c for c in configs if c.mix]
+    parts = sorted({part for c in mixed for r in c.runs for part in r.parts}, key=lambda p: p != FAST_LANE)
+    if mixed:
+        table("The mix's parts: ITL ms, p50 / p99 (median of the runs)", ["config", *parts],
+              [[label(c), *(f"{statistics.median(r.parts.get(p, (NAN, NAN))[0] for r in c.runs):.1f} / "
+                            f"{statistics.median(r.parts.get(p, (NAN, NAN))[1] for r in c.runs):.0f}" for p in parts)]
+               for c in mixed])
     bar_plot("hot_path_one_worker", f"Delivered / ideal, streams on one worker ({STEP_MS:.0f} ms step)",
              [label(c) for c in configs], {"kvmesh": [statistics.median(r.of_ideal for r in c.runs) for c in configs]},
              "of ideal")
@@ -189,7 +234,7 @@ def report(configs: list[Config]) -> dict:
 
 
 def run() -> dict:
-    configs = [Config(name, streams, tokens, frontends) for name, streams, tokens, frontends in CONFIGS]
+    configs = [Config(*config) for config in CONFIGS]
     for config in configs:
         measure(config)
     return report(configs)
