@@ -34,15 +34,19 @@ class LeanStream:
 
 def completion(model: str, prompt: str, max_tokens: int) -> tuple[str, dict]:
     """A streamed completion of exactly `max_tokens` tokens: (path, body) for `lean_stream`."""
-    return "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-                               "ignore_eos": True, "stream_options": {"include_usage": True}}
+    return "/v1/completions", {"prompt": prompt, **_streamed(model, max_tokens)}
 
 
 def chat(model: str, prompt: str, max_tokens: int, **extra: object) -> tuple[str, dict]:
     """A streamed chat completion of exactly `max_tokens` tokens per choice, with `extra` fields."""
-    return "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": prompt}],
-                                    "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-                                    "stream_options": {"include_usage": True}, **extra}
+    return "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}],
+                                    **_streamed(model, max_tokens), **extra}
+
+
+def _streamed(model: str, max_tokens: int) -> dict:
+    """What every benchmark stream asks: exactly `max_tokens` tokens, streamed, with the usage."""
+    return {"model": model, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
 
 
 async def lean_stream(base: str, request: tuple[str, dict], timeout_s: float) -> LeanStream:

@@ -155,7 +155,8 @@ class Answer:
 
     async def sse(self, writer: BodyWriter | None = None) -> AsyncIterator[bytes]:
         """The stream's SSE events. With a `writer` (direct_write.py), a one-prompt stream's text
-        rows are written to the connection where they arrive, while this waits for the next."""
+        rows are written to the connection where they arrive, while this waits for its next
+        response with every event before them sent (the writer's condition for keeping order)."""
         is_chat = self.kind is CHAT
         opened: set[int] = set()
         plain = TextEvents(self._text_chunk)
@@ -167,11 +168,11 @@ class Answer:
         try:
             async for item in self._items(rows=True):
                 if isinstance(item, tuple):
-                    if not is_chat or item[0] in opened:
+                    events = self._text_event(item, plain, opened)
+                    if events is not None:
                         # Most events of a stream: a text row, with the rows already behind it
                         # (a gateway that fell behind catches up in fewer, larger writes).
                         origin = source.frame_ns if source is not None else 0
-                        events = plain.event(item[0], item[1])
                         if source is not None and (more := source.ready_rows()):
                             events = b"".join([events, *self._row_events(more, plain, opened)])
                         yield events
@@ -196,14 +197,13 @@ class Answer:
                     ) -> Callable[[TextRow], bool]:
         """Writes a text row's event to the connection (ProcessorStream.sink_rows); declines a
         chat choice's first text (its event names the role) and whatever the writer declines."""
-        is_chat = self.kind is CHAT
-        hop, shown = self.metrics.hop, self._shown
+        hop, shown, text_event = self.metrics.hop, self._shown, self._text_event
 
         def write(row: TextRow) -> bool:
-            index, text = row[0], row[1]
-            if not text:
+            if not row[1]:
                 return True  # tokens still forming a character: nothing to show yet
-            if (is_chat and index not in opened) or not writer.write(plain.event(index, text)):
+            event = text_event(row, plain, opened)
+            if event is None or not writer.write(event):
                 return False
             shown()
             if origin := source.frame_ns:
@@ -214,14 +214,20 @@ class Answer:
 
     def _row_events(self, rows: list[TextRow], plain: TextEvents, opened: set[int]) -> list[bytes]:
         """The events of rows taken behind a row being sent (empty texts show nothing)."""
-        is_chat = self.kind is CHAT
         events = []
         for row in rows:
             if row[1]:
                 self._shown()
-                events.append(plain.event(row[0], row[1]) if not is_chat or row[0] in opened
-                              else self._delta_event(text_row_message(row).delta, opened))
+                events.append(self._text_event(row, plain, opened)
+                              or self._delta_event(text_row_message(row).delta, opened))
         return events
+
+    def _text_event(self, row: TextRow, plain: TextEvents, opened: set[int]) -> bytes | None:
+        """A text row's event from its choice's template; None for a chat choice's first text,
+        whose event names the role (`_delta_event`)."""
+        if self.kind is CHAT and row[0] not in opened:
+            return None
+        return plain.event(row[0], row[1])
 
     def _delta_event(self, d: processor_pb2.ChoiceDelta, opened: set[int]) -> bytes:
         """A delta's event built in full: a chat choice's first (with the role), or one with a

@@ -72,19 +72,17 @@ class ProcessorStream:
         if self._call is None:
             return []
         rows = self._call.take_ready(tuple)
-        for index, _, ids in rows:
-            self._tokens[index].extend(ids)
+        for row in rows:
+            self._delivered(row)
         return rows
 
     def sink_rows(self, sink: Callable[[TextRow], bool]) -> None:
         """Text rows go to `sink` where the processor's frame is read, while the reader of
         `messages` waits with nothing unread (SessionStream.sink): on this call and on any a
         takeover opens. A row the sink took counts as delivered (kept for a takeover)."""
-        tokens = self._tokens
-
         def take(row: TextRow) -> bool:
             if sink(row):
-                tokens[row[0]].extend(row[2])
+                self._delivered(row)
                 return True
             return False
 
@@ -95,7 +93,10 @@ class ProcessorStream:
     def cancel(self) -> None:
         """Ends the stream for good: a call cancelled here is not a processor failure."""
         self._cancelled = True
+        # The sink refers back to the request's answer: let both go with the request.
+        self._row_sink = None
         if self._call is not None:
+            self._call.sink = None
             self._call.cancel()
 
     async def open(self) -> processor_pb2.RouteInfo:
@@ -126,17 +127,20 @@ class ProcessorStream:
                 self.took_over = True
                 await self._open(self._takeover_request())
 
+    def _delivered(self, row: TextRow) -> None:
+        """A text row is the client's: its tokens are kept for a takeover."""
+        self._tokens[row[0]].extend(row[2])
+
     async def _read(self, call: SessionStream) -> AsyncIterator[processor_pb2.GenerateResponse | TextRow]:
-        tokens = self._tokens
         async for msg in call:
             if type(msg) is tuple:  # a text row: a delta with text and tokens only
-                tokens[msg[0]].extend(msg[2])
+                self._delivered(msg)
                 yield msg
                 continue
             which = msg.WhichOneof("kind")
             if which == "delta":
                 delta = msg.delta
-                tokens[delta.index].extend(delta.token_ids)
+                self._tokens[delta.index].extend(delta.token_ids)
                 if delta.finish_reason:
                     self._finished.add(delta.index)
                 yield msg

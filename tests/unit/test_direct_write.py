@@ -1,20 +1,26 @@
-"""BodyWriter against a real uvicorn server on loopback (DirectWriteProtocol): direct writes and
-ASGI sends interleave into one valid chunked body; the writer declines whenever writing would
-break order or flow control."""
+"""BodyWriter against a real uvicorn server on loopback (DirectWriteProtocol), on asyncio's loop
+and on uvloop (the gateway's): direct writes and ASGI sends interleave into one valid chunked
+body; the writer declines whenever writing would break order or flow control."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any
 
 import httpx
+import pytest
 import uvicorn
+import uvloop
 
 from services.frontend.direct_write import BodyWriter, DirectWriteProtocol, body_writer
 
 App = Callable[[BodyWriter, Callable[[dict], Awaitable[None]]], Awaitable[None]]
+# Each test runs its scenario on both event loops.
+LOOPS = pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
+Run = Callable[[Coroutine[Any, Any, None]], None]
 
 
 @contextlib.asynccontextmanager
@@ -42,11 +48,18 @@ async def serving(handle: App) -> AsyncIterator[int]:
 START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]}
 
 
-async def test_direct_writes_and_asgi_sends_make_one_body_in_order() -> None:
+@LOOPS
+def test_direct_writes_and_asgi_sends_make_one_body_in_order(run: Run) -> None:
+    run(direct_writes_and_asgi_sends())
+
+
+async def direct_writes_and_asgi_sends() -> None:
     declined_before_start: list[bool] = []
     declined_after_end: list[bool] = []
+    writers: list[BodyWriter] = []
 
     async def handle(writer: BodyWriter, send: Callable[[dict], Awaitable[None]]) -> None:
+        writers.append(writer)
         declined_before_start.append(writer.write(b"too early"))
         await send(START)
         assert writer.write(b"one ")
@@ -61,9 +74,16 @@ async def test_direct_writes_and_asgi_sends_make_one_body_in_order() -> None:
     assert first.status_code == 200 and first.headers["transfer-encoding"] == "chunked"
     assert first.content == b"one two three \xe2\x82\xac" == second.content
     assert declined_before_start == [False, False] and declined_after_end == [False, False]
+    assert writers[0] is not writers[1]  # one writer per request, on one kept-alive connection
+    assert first.extensions["network_stream"] is second.extensions["network_stream"]
 
 
-async def test_a_client_that_does_not_read_is_declined_at_the_high_water_mark() -> None:
+@LOOPS
+def test_a_client_that_does_not_read_is_declined_at_the_high_water_mark(run: Run) -> None:
+    run(a_client_that_does_not_read())
+
+
+async def a_client_that_does_not_read() -> None:
     written = asyncio.get_running_loop().create_future()
 
     async def handle(writer: BodyWriter, send: Callable[[dict], Awaitable[None]]) -> None:
@@ -89,7 +109,12 @@ async def test_a_client_that_does_not_read_is_declined_at_the_high_water_mark() 
     assert body.endswith(b"3\r\nend\r\n0\r\n\r\n")
 
 
-async def test_a_client_that_left_is_declined() -> None:
+@LOOPS
+def test_a_client_that_left_is_declined(run: Run) -> None:
+    run(a_client_that_left())
+
+
+async def a_client_that_left() -> None:
     after_leaving: list[bool] = []
     left = asyncio.Event()
 
