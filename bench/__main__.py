@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from bench import disagg_serving, mesh_overhead, routing_quality
-from bench.hot_path import detokenize, one_worker
+from bench.hot_path import detokenize, http_edge, one_worker
 from bench.hot_path import run as hot_path
 from bench.indexer import run as indexer
 from bench.nixl import run as nixl
@@ -22,6 +22,7 @@ BENCHMARKS = {
     "hot-path": hot_path.run,
     "one-worker": one_worker.run,
     "detokenize": detokenize.run,
+    "http-edge": http_edge.run,
     "planner": planner.run,
     "tiers": tiers.run,
 }

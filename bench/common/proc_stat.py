@@ -64,3 +64,17 @@ def listening_ports(pid: int) -> list[int]:
         except OSError:
             continue
     return sorted(set(ports))
+
+
+def group_cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of the process and of its children so far (a server that runs
+    its work in a worker process, as granian does)."""
+    pids = [pid]
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := stat_fields(int(entry))) is not None and fields[1] == str(pid):
+            pids.append(int(entry))
+    ticks = 0
+    for p in pids:
+        if (fields := stat_fields(p)) is not None:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
