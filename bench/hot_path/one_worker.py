@@ -14,8 +14,9 @@ p99.9; events read in one socket read count as one arrival) after every stream h
 token (for 4,096 streams, after each stream's own first token: their ramp-up outlasts a
 stream); the worst stream's largest gap over its median gap; TTFT p50 and p99; CPU µs and
 context switches per token of each mesh process (from /proc), and of the load generator apart;
-what each hop adds (`kvmesh_hop_latency_seconds`, p50 and p99, from each process's /metrics);
-for D, the ITL of each part of the mix apart.
+what each hop adds (`kvmesh_hop_latency_seconds`, p50 and p99, from each process's /metrics)
+and its garbage-collector pauses (`kvmesh_gc_pause_seconds`); for D, the ITL of each part of the
+mix apart.
 
 The load generator is lean (lean_client.py: raw HTTP, no JSON per event), so less of the 2-core
 machine goes to measuring.
@@ -24,6 +25,7 @@ machine goes to measuring.
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -70,6 +72,8 @@ class Run:
     switches: dict[str, float]  # per 1,000 tokens
     hop_ms: dict[str, tuple[float, float]]  # p50, p99
     parts: dict[str, tuple[float, float]]  # D: ITL p50, p99 ms by part of the mix
+    # Per process name: GC pauses per 1,000 tokens, full (generation 2) collections, p99 pause ms.
+    gc: dict[str, tuple[float, float, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -142,13 +146,32 @@ def _summarise(results: list[tuple[str, LeanStream, int]], tokens: int) -> Summa
                    {part: (percentile(g, 50), percentile(g, 99)) for part, g in gaps.items()})
 
 
-def _probe(mesh: LaunchedMesh, urls: dict[str, list[str]]) -> tuple[dict[str, float], dict[str, int],
-                                                                    dict[str, Buckets]]:
-    """CPU seconds per process name (and this client's), context switches, hop histograms."""
-    cpu = {**mesh.cpu_by_component(), "client": time.process_time()}
-    switches = {name: sum(context_switches(pid) for pid in mesh.pids(name)) for name in PROCESSES}
-    hops = {name: histogram(u, "kvmesh_hop_latency_seconds", "hop") for name, u in urls.items()}
-    return cpu, switches, hops
+@dataclass
+class Probe:
+    """What the mesh's processes had done at one moment (a run is the difference of two)."""
+
+    cpu: dict[str, float]  # seconds per process name, and this client's
+    switches: dict[str, int]
+    hops: dict[str, Buckets]  # per process name, by hop
+    gc: dict[str, Buckets]  # per process name, by generation
+
+
+def _probe(mesh: LaunchedMesh, urls: dict[str, list[str]]) -> Probe:
+    return Probe({**mesh.cpu_by_component(), "client": time.process_time()},
+                 {name: sum(context_switches(pid) for pid in mesh.pids(name)) for name in PROCESSES},
+                 {name: histogram(u, "kvmesh_hop_latency_seconds", "hop") for name, u in urls.items()},
+                 {name: histogram(u, "kvmesh_gc_pause_seconds", "generation") for name, u in urls.items()})
+
+
+def _gc_figures(after: Buckets, before: Buckets, tokens: int) -> tuple[float, float, float]:
+    """(pauses per 1,000 tokens, full collections, p99 pause ms) between two probes."""
+    by_generation = delta(after, before)
+    merged: dict[float, float] = {}
+    for buckets in by_generation.values():
+        for le, count in buckets.items():
+            merged[le] = merged.get(le, 0.0) + count
+    pauses = merged.get(math.inf, 0.0)
+    return pauses / tokens * 1000, by_generation.get("2", {}).get(math.inf, 0.0), quantile(merged, 0.99) * 1000
 
 
 async def _load(base: str, requests: list[tuple[str, tuple[str, dict], int]]
@@ -164,20 +187,22 @@ async def _load(base: str, requests: list[tuple[str, tuple[str, dict], int]]
 
 
 def _one_run(mesh: LaunchedMesh, urls: dict[str, list[str]], config: Config) -> Run:
-    cpu0, sw0, hops0 = _probe(mesh, urls)
+    before = _probe(mesh, urls)
     results, failures = asyncio.run(_load(mesh.base, config.requests()))
-    cpu1, sw1, hops1 = _probe(mesh, urls)
+    after = _probe(mesh, urls)
     if failures:
         print(f"  {len(failures)} of {config.streams} streams failed, e.g. {str(failures[0])[:300]}", flush=True)
     total = sum(r.completion_tokens for _, r, _ in results)
     summary = _summarise(results, config.tokens)
     hop_ms: dict[str, tuple[float, float]] = {}
     for name in urls:
-        for hop, buckets in delta(hops1[name], hops0.get(name, {})).items():
+        for hop, buckets in delta(after.hops[name], before.hops.get(name, {})).items():
             hop_ms[hop] = (quantile(buckets, 0.5) * 1000, quantile(buckets, 0.99) * 1000)
     return Run(len(failures), summary.of_ideal, summary.itl_ms, summary.worst, summary.ttft_ms,
-               {k: (cpu1[k] - cpu0.get(k, 0.0)) / total * 1e6 for k in cpu1},
-               {k: (sw1[k] - sw0[k]) / total * 1000 for k in sw1}, hop_ms, summary.parts if config.mix else {})
+               {k: (after.cpu[k] - before.cpu.get(k, 0.0)) / total * 1e6 for k in after.cpu},
+               {k: (after.switches[k] - before.switches[k]) / total * 1000 for k in after.switches}, hop_ms,
+               summary.parts if config.mix else {},
+               {name: _gc_figures(after.gc[name], before.gc.get(name, {}), total) for name in urls})
 
 
 def measure(config: Config) -> None:
@@ -229,6 +254,12 @@ def report(configs: list[Config]) -> dict:
           ["config", *HOPS],
           [[label(c), *(f"{statistics.median(r.hop_ms.get(h, (NAN, NAN))[0] for r in c.runs):.2f} / "
                         f"{statistics.median(r.hop_ms.get(h, (NAN, NAN))[1] for r in c.runs):.1f}" for h in HOPS)]
+           for c in configs])
+    gc_processes = [p for p in PROCESSES if any(p in r.gc for c in configs for r in c.runs)]
+    table("Garbage-collector pauses by process: per 1,000 tokens / full collections / p99 ms (median of the runs)",
+          ["config", *gc_processes],
+          [[label(c), *(" / ".join(f"{statistics.median(r.gc.get(p, (NAN, NAN, NAN))[i] for r in c.runs):{fmt}}"
+                                   for i, fmt in enumerate((".2f", ".0f", ".1f"))) for p in gc_processes)]
            for c in configs])
     mixed = [c for c in configs if c.mix]
     parts = sorted({part for c in mixed for r in c.runs for part in r.parts}, key=lambda p: p != FAST_LANE)

@@ -77,6 +77,7 @@ def main() -> None:
                         decoders=await runner.watch_component(DECODE_WORKER),
                         sessions=runner.sessions)
         metrics = FrontendMetrics()
+        runner.time_gc(metrics.registry)
         app = create_app(config, view, metrics)
         if tracing.enabled:
             app = RequestTracing(app, tracing=tracing)

@@ -37,6 +37,7 @@ from services.mesh.discovery import ComponentView, InstanceInfo, instance_key
 from services.mesh.etcd_lease import LeasedRegistration
 from services.mesh.etcd_store import EtcdStore, KeyValueStore, StoreUnavailable
 from services.mesh.flags import EXIT_UNREACHABLE, MeshConfig, die
+from services.mesh.gc_pauses import GcPauses
 from services.mesh.grpc_server import ServiceBinding, start_server
 from services.mesh.metrics_http import serve_metrics
 from services.mesh.session_client import SessionPool
@@ -303,7 +304,8 @@ class ServiceRunner:
 
     def serve_metrics(self, registry: CollectorRegistry, port: int = 0) -> int:
         """Serves /metrics, /health (200 while serving) and /live (200 while the event loop runs)
-        on a side port; returns the port."""
+        on a side port, with the process's garbage-collector pauses; returns the port."""
+        self.time_gc(registry)
         host = self._mesh().host
         try:
             server = serve_metrics(registry, host, port, ready=lambda: self._serving, alive=self.alive)
@@ -311,6 +313,13 @@ class ServiceRunner:
             die(f"--metrics-port {port}: cannot listen on {host}:{port} ({exc.strerror})")
         self.on_teardown("close the metrics port", lambda: asyncio.to_thread(_close_http, server))
         return int(server.server_port)
+
+
+    def time_gc(self, registry: CollectorRegistry) -> None:
+        """The process's garbage-collector pauses in `registry` (gc_pauses.py), until teardown."""
+        pauses = GcPauses(registry)
+        pauses.install()
+        self.on_teardown("stop timing garbage collections", pauses.remove)
 
 
 def freeze_start_up_objects() -> None:
