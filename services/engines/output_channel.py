@@ -25,7 +25,8 @@ from services.engines.base import EngineOutput
 
 
 class RowTap:
-    """Where an engine may deliver a request's plain outputs itself (see the module's doc).
+    """Where an engine may deliver a request's plain outputs itself (see the module's doc):
+    the mocker from its step (OutputChannel), vLLM from its output loop (vllm_row_tap.py).
     Closed until the consumer opens it; engines that cannot use it ignore it."""
 
     __slots__ = ("_to", "_interval_s", "_last", "_closed")

@@ -31,6 +31,7 @@ from services.engines.base import (
 from services.engines.model_facts import read_model_facts
 from services.engines.output_channel import RowTap
 from services.engines.vllm_kv_events import VllmKvEventListener
+from services.engines.vllm_row_tap import tap_request
 from services.engines.vllm_warmup import WarmUpPlan, warm_up
 
 log = logging.getLogger(__name__)
@@ -270,10 +271,9 @@ class VllmEngine(Engine):
         return SamplingParams(**kwargs)
 
     async def generate(self, request: EngineRequest, tap: RowTap | None = None) -> AsyncGenerator[EngineOutput, None]:
-        # `tap` stays unused: each output comes from vLLM's per-request generator already, so
-        # there is no step to deliver it from (a per-step output loop would be).
+        # `tap`: vLLM's per-step output loop may hand plain outputs to it (vllm_row_tap.py).
         extra = {"kv_transfer_params": request.kv_transfer} if request.kv_transfer else None
-        async for output in self._generate(request, extra):
+        async for output in self._generate(request, extra, tap=tap):
             yield output
 
     async def prefill(self, request: EngineRequest) -> PrefillResult:
@@ -290,7 +290,7 @@ class VllmEngine(Engine):
         return PrefillResult(params, cached)
 
     async def _generate(self, request: EngineRequest, extra_args: dict[str, Any] | None,
-                        keep_params: bool = False) -> AsyncIterator[EngineOutput]:
+                        keep_params: bool = False, tap: RowTap | None = None) -> AsyncIterator[EngineOutput]:
         if self._llm is None:
             raise RuntimeError("vLLM engine is not started")
         from vllm.exceptions import VLLMClientError
@@ -308,6 +308,8 @@ class VllmEngine(Engine):
                 raise UnsupportedFieldError(_param_of(exc, request.sampling), str(exc)) from exc
             except StopAsyncIteration:
                 return
+            if tap is not None and not first.finished:
+                tap_request(self._llm, request.request_id, tap)
             async for out in _prepend(first, stream):
                 completion = out.outputs[0]
                 result = EngineOutput(
