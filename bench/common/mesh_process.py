@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from bench.common.proc_stat import stat_fields
+from bench.common.proc_stat import cpu_seconds
 from services.mesh.net import free_port
 
 
@@ -78,11 +78,3 @@ def launched(*flags: str, timeout_s: float = 180) -> Iterator[str]:
     """Yields the mesh's base URL (http://127.0.0.1:PORT) once it is READY; stops it afterwards."""
     with launched_mesh(*flags, timeout_s=timeout_s) as mesh:
         yield mesh.base
-
-
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time a process has used so far."""
-    fields = stat_fields(pid)
-    if fields is None:
-        raise ProcessLookupError(f"process {pid} is gone")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -66,15 +66,22 @@ def listening_ports(pid: int) -> list[int]:
     return sorted(set(ports))
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a process has used so far."""
+    fields = stat_fields(pid)
+    if fields is None:
+        raise ProcessLookupError(f"process {pid} is gone")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def group_cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of the process and of its children so far (a server that runs
-    its work in a worker process, as granian does)."""
-    pids = [pid]
+    """`cpu_seconds` of the process and of its children still running (a server that runs its
+    work in a worker process, as granian does)."""
+    total = cpu_seconds(pid)
     for entry in os.listdir("/proc"):
         if entry.isdigit() and (fields := stat_fields(int(entry))) is not None and fields[1] == str(pid):
-            pids.append(int(entry))
-    ticks = 0
-    for p in pids:
-        if (fields := stat_fields(p)) is not None:
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
+            try:
+                total += cpu_seconds(int(entry))
+            except ProcessLookupError:
+                continue  # exited since
+    return total
