@@ -19,6 +19,13 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def median_range(values: Sequence[float], fmt: str = "{:.1f}") -> str:
+    """Repeated runs in a table cell: the median, and the lowest and highest in brackets."""
+    if not values:
+        return "-"
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+
+
 def table(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [[_fmt(c) for c in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]

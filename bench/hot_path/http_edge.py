@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import statistics
 import sys
 import time
 import urllib.error
@@ -25,9 +24,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from bench.common.proc_stat import group_cpu_seconds
-from bench.common.report import bar_plot, percentile, save_json, table
+from bench.common.report import bar_plot, median, median_range, percentile, save_json, table
 from bench.common.side_venv import ROOT, Unavailable, side_venv, started
-from bench.hot_path.lean_client import LeanStream, completion, lean_stream
+from bench.hot_path.lean_client import LeanStream, arrival_gaps, completion, lean_stream
 from services.mesh.net import free_port
 
 GRANIAN = "granian==2.8.9"
@@ -88,19 +87,10 @@ def _one_run(server: str, streams: int, figures: Figures) -> None:
     if events != streams * EVENTS:
         raise RuntimeError(f"{server}: {events} events arrived, {streams * EVENTS} were sent")
     steady = max(r.arrivals[0] for r in results)
-    gaps = []
-    for r in results:
-        times = sorted({t for t in r.arrivals if t >= steady})
-        gaps += [(b - a) * 1000 for a, b in zip(times, times[1:])]
+    gaps = [gap for r in results for gap in arrival_gaps(r.arrivals, steady)]
     figures.server_us.append((server1 - server0) / events * 1e6)
     figures.client_us.append((client1 - client0) / events * 1e6)
     figures.gap_ms.append((percentile(gaps, 50), percentile(gaps, 99)))
-
-
-def _med(values: list[float], fmt: str = "{:.1f}") -> str:
-    if not values:
-        return "-"
-    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
 
 
 def run() -> dict:
@@ -121,16 +111,15 @@ def run() -> dict:
     rows = []
     for (server, n), f in figures.items():
         base = figures[(BASELINE, n)].server_us
-        ratio = (f"{statistics.median(f.server_us) / statistics.median(base):.2f}x" if f.server_us and base else "-")
-        rows.append([server, n, _med(f.server_us), ratio, _med([g[0] for g in f.gap_ms]),
-                     _med([g[1] for g in f.gap_ms]), _med(f.client_us), f.note[:80]])
+        ratio = f"{median(f.server_us) / median(base):.2f}x" if f.server_us and base else "-"
+        rows.append([server, n, median_range(f.server_us), ratio, median_range([g[0] for g in f.gap_ms]),
+                     median_range([g[1] for g in f.gap_ms]), median_range(f.client_us), f.note[:80]])
     table(f"The HTTP edge alone: one SSE event per stream every 20 ms, {EVENTS} per stream (median [lowest-highest] "
           f"of {REPEATS} runs; ratio = CPU per event / {BASELINE}'s in the same run)",
           ["server", "streams", "server CPU us/event", "ratio", "gap p50 ms", "gap p99 ms", "client us/event", "note"],
           rows)
     bar_plot("http_edge", "Server CPU per SSE event (µs)", [f"{n} streams" for n in STREAMS],
-             {s: [statistics.median(figures[(s, n)].server_us) if figures[(s, n)].server_us else float("nan")
-                  for n in STREAMS] for s in SERVERS}, "µs per event")
+             {s: [median(figures[(s, n)].server_us) for n in STREAMS] for s in SERVERS}, "µs per event")
     result = {f"{s} {n}": f.__dict__ for (s, n), f in figures.items()}
     save_json("http_edge", result)
     return result

@@ -94,3 +94,20 @@ async def _events(reader: asyncio.StreamReader, started: float) -> LeanStream:
     if "usage" not in last:
         raise RuntimeError(f"the stream ended without its usage: {json.dumps(last)[:300]}")
     return LeanStream(started, arrivals[:-1], last["usage"]["completion_tokens"])
+
+
+# A stream of several choices gets one event per choice per step, not always in one read: its
+# arrivals closer than this are one step's.
+SAME_STEP_S = 0.001
+
+
+def arrival_gaps(arrivals: list[float], since: float, choices: int = 1) -> list[float]:
+    """Gaps in ms between distinct arrivals (events read together arrive together) from `since`."""
+    times = sorted({t for t in arrivals if t >= since})
+    if choices > 1:
+        steps = times[:1]
+        for t in times[1:]:
+            if t - steps[-1] >= SAME_STEP_S:
+                steps.append(t)
+        times = steps
+    return [(b - a) * 1000 for a, b in zip(times, times[1:])]

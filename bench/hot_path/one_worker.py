@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from bench.common.mesh_metrics import Buckets, delta, histogram, metrics_urls, quantile
 from bench.common.mesh_process import LaunchedMesh, launched_mesh
 from bench.common.proc_stat import context_switches
-from bench.common.report import bar_plot, percentile, save_json, table
-from bench.hot_path.lean_client import LeanStream, chat, completion, lean_stream
+from bench.common.report import bar_plot, median_range, percentile, save_json, table
+from bench.hot_path.lean_client import LeanStream, arrival_gaps, chat, completion, lean_stream
 from bench.hot_path.stream_load import PROMPT
 
 STEP_S = 0.020
@@ -93,23 +93,6 @@ class Config:
                 for i in range(self.streams) for part, extra, n in [MIX[i % len(MIX)]]]
 
 
-# A stream of several choices gets one event per choice per step, not always in one read: its
-# arrivals closer than this are one step's.
-SAME_STEP_S = 0.001
-
-
-def _arrival_gaps(arrivals: list[float], since: float, choices: int = 1) -> list[float]:
-    """Gaps in ms between distinct arrivals (events read together arrive together) from `since`."""
-    times = sorted({t for t in arrivals if t >= since})
-    if choices > 1:
-        steps = times[:1]
-        for t in times[1:]:
-            if t - steps[-1] >= SAME_STEP_S:
-                steps.append(t)
-        times = steps
-    return [(b - a) * 1000 for a, b in zip(times, times[1:])]
-
-
 @dataclass
 class Summary:
     of_ideal: float
@@ -130,7 +113,7 @@ def _summarise(results: list[tuple[str, LeanStream, int]], tokens: int) -> Summa
     gaps: dict[str, list[float]] = {}
     worst = 0.0
     for part, r, n in results:
-        own = _arrival_gaps(r.arrivals, max(steady, r.arrivals[0]), n)
+        own = arrival_gaps(r.arrivals, max(steady, r.arrivals[0]), n)
         if len(own) >= 2:
             gaps.setdefault(part, []).extend(own)
             if n == 1:  # a worst stream of one choice: several choices' gaps are coarser
@@ -223,11 +206,6 @@ def measure(config: Config) -> None:
             config.runs.append(_one_run(mesh, urls, config))
 
 
-def _med(values: list[float], fmt: str = "{:.2f}") -> str:
-    """The median, and the lowest and highest run in brackets."""
-    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
-
-
 def label(c: Config) -> str:
     return f"{c.name}: {c.streams} x {c.tokens}, {c.frontends} gw{', mix' if c.mix else ''}"
 
@@ -237,15 +215,15 @@ def report(configs: list[Config]) -> dict:
           f"{REPEATS} runs; ideal = streams x 50 tokens/s)",
           ["config", "failed", "of ideal", "ITL p50 ms", "ITL p99 ms", "ITL p99.9 ms", "worst max/median", "TTFT p50 ms",
            "TTFT p99 ms"],
-          [[label(c), sum(r.failed for r in c.runs), _med([r.of_ideal for r in c.runs]),
-            _med([r.itl_ms[0] for r in c.runs], "{:.1f}"),
-            _med([r.itl_ms[1] for r in c.runs], "{:.0f}"), _med([r.itl_ms[2] for r in c.runs], "{:.0f}"),
-            _med([r.worst for r in c.runs], "{:.1f}"), _med([r.ttft_ms[0] for r in c.runs], "{:.0f}"),
-            _med([r.ttft_ms[1] for r in c.runs], "{:.0f}")] for c in configs])
+          [[label(c), sum(r.failed for r in c.runs), median_range([r.of_ideal for r in c.runs], "{:.2f}"),
+            median_range([r.itl_ms[0] for r in c.runs], "{:.1f}"),
+            median_range([r.itl_ms[1] for r in c.runs], "{:.0f}"), median_range([r.itl_ms[2] for r in c.runs], "{:.0f}"),
+            median_range([r.worst for r in c.runs], "{:.1f}"), median_range([r.ttft_ms[0] for r in c.runs], "{:.0f}"),
+            median_range([r.ttft_ms[1] for r in c.runs], "{:.0f}")] for c in configs])
     table("CPU µs per token by process (median of the runs; the load generator apart), and context switches "
           "per 1,000 tokens",
           ["config", "mesh", *PROCESSES, "client", *(f"cs {p}" for p in PROCESSES)],
-          [[label(c), _med([sum(r.cpu_us.get(p, 0.0) for p in PROCESSES) for r in c.runs], "{:.1f}"),
+          [[label(c), median_range([sum(r.cpu_us.get(p, 0.0) for p in PROCESSES) for r in c.runs], "{:.1f}"),
             *(statistics.median(r.cpu_us.get(p, NAN) for r in c.runs) for p in PROCESSES),
             statistics.median(r.cpu_us["client"] for r in c.runs),
             *(statistics.median(r.switches.get(p, NAN) for r in c.runs) for p in PROCESSES)]

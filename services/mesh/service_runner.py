@@ -314,7 +314,6 @@ class ServiceRunner:
         self.on_teardown("close the metrics port", lambda: asyncio.to_thread(_close_http, server))
         return int(server.server_port)
 
-
     def time_gc(self, registry: CollectorRegistry) -> None:
         """The process's garbage-collector pauses in `registry` (gc_pauses.py), until teardown."""
         pauses = GcPauses(registry)
