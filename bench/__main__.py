@@ -9,6 +9,7 @@ from bench.hot_path import detokenize, http_edge, one_worker
 from bench.hot_path import run as hot_path
 from bench.indexer import run as indexer
 from bench.nixl import run as nixl
+from bench.overload import run as overload
 from bench.planner import run as planner
 from bench.tiers import run as tiers
 
@@ -25,6 +26,7 @@ BENCHMARKS = {
     "http-edge": http_edge.run,
     "planner": planner.run,
     "tiers": tiers.run,
+    "overload": overload.run,
 }
 
 

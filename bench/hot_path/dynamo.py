@@ -13,7 +13,7 @@ import shutil
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -37,7 +37,8 @@ def python() -> Path:
 
 @contextmanager
 def served(model_dir: Path, model_name: str, *, workers: int = 1, speedup: float = 100000.0,
-           num_gpu_blocks: int = 16384) -> Iterator[str]:
+           num_gpu_blocks: int = 16384, frontend_flags: Sequence[str] = (),
+           mocker_flags: Sequence[str] = ()) -> Iterator[str]:
     """Dynamo's frontend (KV router) and mocker; yields the base URL (http://127.0.0.1:PORT)."""
     interpreter = python()
     with ExitStack() as stack:
@@ -46,11 +47,12 @@ def served(model_dir: Path, model_name: str, *, workers: int = 1, speedup: float
         port = free_port()
         common = ["--discovery-backend", "etcd", "--request-plane", "tcp", "--event-plane", "zmq"]
         stack.enter_context(started([str(interpreter), "-m", "dynamo.frontend", "--http-port", str(port),
-                                      "--router-mode", "kv", *common], env, "dynamo-frontend"))
+                                      "--router-mode", "kv", *common, *frontend_flags], env, "dynamo-frontend"))
         stack.enter_context(started([str(interpreter), "-m", "dynamo.mocker", "--model-path", str(model_dir),
                                       "--model-name", model_name, "--num-workers", str(workers), "--block-size", "16",
                                       "--num-gpu-blocks-override", str(num_gpu_blocks), "--speedup-ratio",
-                                      str(speedup), "--enable-prefix-caching", *common], env, "dynamo-mocker"))
+                                      str(speedup), "--enable-prefix-caching", *common, *mocker_flags], env,
+                                     "dynamo-mocker"))
         base = f"http://127.0.0.1:{port}"
         _wait_for_model(base, model_name)
         yield base

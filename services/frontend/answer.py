@@ -57,8 +57,11 @@ class Answer:
     """The rest of a request after routing: deltas to SSE chunks or one JSON body."""
 
     def __init__(self, metrics: FrontendMetrics, kind: Kind, req, rid: str,
-                 streams: list[ProcessorStream], started: float, lease: Lease, hide_details: bool = False) -> None:
+                 streams: list[ProcessorStream], started: float, lease: Lease, hide_details: bool = False,
+                 first_shown: Callable[[float], None] | None = None) -> None:
         self.hide_details = hide_details
+        # Told the time to first token when the first delta is shown (admission's OutsideQueue).
+        self._first_shown = first_shown
         self.metrics = metrics
         self.kind = kind
         self.req = req
@@ -129,6 +132,8 @@ class Answer:
         now = time.perf_counter()
         if self._last_shown is None:
             self.metrics.ttft.observe(now - self.started)
+            if self._first_shown is not None:
+                self._first_shown(now - self.started)
         else:
             self.metrics.itl.observe(now - self._last_shown)
         self._last_shown = now

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import itertools
+from functools import partial
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,7 +18,9 @@ from starlette.types import ASGIApp
 
 from services.frontend import openapi
 from services.frontend.answer import Answer, ClientGone, SseResponse, collect_unless_gone, first_route, unless_gone
-from services.frontend.auth import check_api_key
+from services.frontend.auth import check_api_key, key_tenant
+from services.frontend.qos import OutsideQueue, check_tenant_name, request_qos
+from services.frontend.refusal_memory import RefusalMemory, RequestKind
 from services.frontend.body import read_json
 from services.frontend.direct_write import body_writer
 from services.frontend.endpoints import CHAT, COMPLETION, RESPONSES, Kind, processor_requests
@@ -42,6 +45,10 @@ log = logging.getLogger(__name__)
 class FrontendConfig:
     # Any of these bearer tokens is accepted; none configured means no check.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # The tenant of each key, in the same order (admission's fair shares and limits).
+    key_tenants: tuple[str, ...] = ()
+    # A header that names the tenant instead (a trusted proxy sets it).
+    tenant_header: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
     max_inflight: int = 2048
     request_timeout_s: float = 600.0
@@ -57,6 +64,12 @@ class FrontendConfig:
         for key in self.api_keys:
             if not key or not key.isascii() or not key.isprintable() or " " in key:
                 raise ConfigError("--api-key: every key must be non-empty printable ASCII without spaces")
+        if self.key_tenants and len(self.key_tenants) != len(self.api_keys):
+            raise ConfigError("every API key needs its tenant")
+        for tenant in self.key_tenants:
+            check_tenant_name(tenant, "--api-key-file: a tenant")
+        if self.tenant_header is not None and not self.tenant_header.strip():
+            raise ConfigError("--tenant-header is empty")
         for flag, value in (("--max-body-bytes", self.max_body_bytes), ("--max-inflight", self.max_inflight)):
             if value <= 0:
                 raise ConfigError(f"{flag} must be > 0, got {value}")
@@ -65,6 +78,12 @@ class FrontendConfig:
         if self.allow_explain and self.hide_routing_details:
             # Explaining a route tells which worker caches the prompt: the very detail hidden.
             raise ConfigError("--allow-explain contradicts --hide-routing-details")
+
+    def tenant_of_key(self, index: int | None) -> str:
+        """The tenant of the key that authenticated (by its index); "" (the default) without keys."""
+        if index is None:
+            return ""
+        return self.key_tenants[index] if self.key_tenants else key_tenant(self.api_keys[index])
 
 
 def create_app(config: FrontendConfig, mesh: MeshView, metrics: FrontendMetrics) -> ASGIApp:
@@ -155,6 +174,9 @@ class _Gateway:
         self.inflight = InflightLimit(config.max_inflight, metrics.inflight)
         # Processors seen failing, kept out of the gateway's choices until they are surely gone.
         self.failed_processors = RecentFailures()
+        self.outside_queue = OutsideQueue()
+        self.refusals = RefusalMemory()
+        metrics.refused_from_memory.set_function(lambda: self.refusals.answered)
         self._ids = request_ids()
 
     async def handle(self, request: Request, kind: Kind) -> Response:
@@ -170,8 +192,9 @@ class _Gateway:
         headers = {"x-request-id": request.headers.get("x-request-id") or rid}
         streams: list[ProcessorStream] = []
         lease: Lease | None = None
+        kind_of: RequestKind | None = None
         try:
-            check_api_key(request.headers.get("authorization"), self.config.api_keys)
+            key = check_api_key(request.headers.get("authorization"), self.config.api_keys)
             body = await read_json(request, self.config.max_body_bytes)
             original = body if kind is RESPONSES and isinstance(body, dict) else None
             req = parse(kind.schema, chat_body(original) if original is not None else body)
@@ -181,8 +204,13 @@ class _Gateway:
             self.metrics.arrived.inc()
             lease = self.inflight.acquire(req.streams())
             explain = self.config.allow_explain and wants_explanation(request.headers.get(EXPLAIN_HEADER))
+            qos = request_qos(request.headers, req.priority, self.config.tenant_of_key(key), self.config.tenant_header,
+                              self.outside_queue.p90_ms)
+            kind_of = (req.model, qos.tenant, qos.priority, qos.ttft_objective_ms)
+            if (refused := self.refusals.recall(kind_of)) is not None:
+                raise refused
             streams = [ProcessorStream(self.mesh, msg, self.config.request_timeout_s, self.failed_processors)
-                       for msg in processor_requests(rid, req, explain)]
+                       for msg in processor_requests(rid, req, explain, qos)]
             # A client may leave while its prompt is prefilled, before any response: then the
             # request is cancelled along the whole chain instead of computed for nobody.
             route = await unless_gone(first_route(streams), request.receive)
@@ -194,18 +222,23 @@ class _Gateway:
                 lease.release()
             if not isinstance(exc, ApiError):
                 raise
+            if kind_of is not None and streams:
+                self.refusals.remember(kind_of, exc)
             return self._refuse(exc, rid, kind, headers)
         prefill = prefill_header(route.prefill)
         if not self.config.hide_routing_details:
             headers["x-kvmesh-worker"] = route.worker_id
             headers["x-kvmesh-prefill"] = prefill
+        if route.queue_wait_ms:
+            headers["x-kvmesh-queue-wait-ms"] = str(route.queue_wait_ms)
         if explain and route.HasField("explanation"):
             headers[ROUTE_HEADER] = route_header(route.explanation)
         log.info("request %s: %s %d prompt tokens x %d streams -> worker %s (%s prefill)%s", rid, kind.endpoint,
                  route.prompt_tokens, req.streams(), route.worker_id, prefill,
                  f" client id {headers['x-request-id'][:64]!r}" if headers["x-request-id"] != rid else "")
         answer = Answer(self.metrics, kind, req, rid, streams, started, lease,
-                        hide_details=self.config.hide_routing_details)
+                        hide_details=self.config.hide_routing_details,
+                        first_shown=partial(self.outside_queue.observe, queue_wait_ms=route.queue_wait_ms))
         builder = ResponseBuilder(rid, req.model, original) if original is not None else None
         if req.stream:
             events = (response_events(builder, answer.items(), answer.usage) if builder is not None

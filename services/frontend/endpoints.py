@@ -29,19 +29,21 @@ COMPLETION = Kind("completions", CompletionRequest, "text_completion", "text_com
 RESPONSES = Kind("responses", ChatCompletionRequest, "response", "response", "resp_")
 
 
-def processor_requests(rid: str, req: GenerationRequest, explain: bool = False) -> list[processor_pb2.GenerateRequest]:
+def processor_requests(rid: str, req: GenerationRequest, explain: bool = False,
+                       qos: common_pb2.Qos | None = None) -> list[processor_pb2.GenerateRequest]:
     """One GenerateRequest per prompt (chat: one); each numbers its choices after the previous ones.
-    `explain` asks each processor for the router's reasons (the x-kvmesh-route header)."""
+    `explain` asks each processor for the router's reasons (the x-kvmesh-route header); `qos` is
+    what admission weighs (frontend/qos.py)."""
     sampling = _sampling(req)
     if isinstance(req, ChatCompletionRequest):
-        msg = _request(rid, req, sampling, 0, explain)
+        msg = _request(rid, req, sampling, 0, explain, qos)
         _chat_input(req, msg.chat)
         return [msg]
     assert isinstance(req, CompletionRequest)
     out = []
     for i, prompt in enumerate(req.prompts()):
         # Only the first prompt's routing reaches the headers (as x-kvmesh-worker): only it is explained.
-        msg = _request(rid if i == 0 else f"{rid}-p{i}", req, sampling, i * req.n, explain and i == 0)
+        msg = _request(rid if i == 0 else f"{rid}-p{i}", req, sampling, i * req.n, explain and i == 0, qos)
         if isinstance(prompt, str):
             msg.text = prompt
         else:
@@ -74,9 +76,9 @@ def _message(m: ChatMessageIn) -> processor_pb2.ChatMessage:
 
 
 def _request(rid: str, req: GenerationRequest, sampling: common_pb2.SamplingParams,
-             choice_offset: int, explain: bool) -> processor_pb2.GenerateRequest:
+             choice_offset: int, explain: bool, qos: common_pb2.Qos | None) -> processor_pb2.GenerateRequest:
     return processor_pb2.GenerateRequest(request_id=rid, model=req.model, sampling=sampling, n=req.n,
-                                         stop=req.stop_list(), choice_offset=choice_offset, explain=explain)
+                                         stop=req.stop_list(), choice_offset=choice_offset, explain=explain, qos=qos)
 
 
 def _sampling(req: GenerationRequest) -> common_pb2.SamplingParams:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import grpc
 from pydantic import BaseModel
 from starlette.responses import JSONResponse
 
+from gen.kvmesh.v1 import common_pb2
 from services.mesh.session_kind import CallError
 
 _TYPES = {
@@ -37,18 +40,24 @@ class ErrorBody(BaseModel):
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_ms: int = 0) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        # When a retry may fit (429 and 503): the mesh's own estimate, else RETRY_AFTER_S.
+        self.retry_after_ms = retry_after_ms
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        """429 and 503 carry Retry-After (the client may retry); 401 says which scheme to use."""
+        """429 and 503 carry Retry-After in whole seconds (HTTP's unit, rounded up) and
+        retry-after-ms (which OpenAI's clients read first); 401 says which scheme to use."""
         out_headers = dict(headers or {})
         if self.status in (429, 503):
-            out_headers["retry-after"] = str(RETRY_AFTER_S)
+            retry_ms = self.retry_after_ms or RETRY_AFTER_S * 1000
+            out_headers["retry-after"] = str(max(1, math.ceil(retry_ms / 1000)))
+            out_headers["retry-after-ms"] = str(retry_ms)
         if self.status == 401:
             out_headers["www-authenticate"] = "Bearer"
         body = {"error": {"message": self.message, "type": _TYPES.get(self.status, "invalid_request_error"),
@@ -67,9 +76,21 @@ _GRPC_TO_HTTP = {
 }
 
 
+# The error code of each reason admission refuses a request for.
+_OVERLOAD_CODES = {
+    common_pb2.OVERLOAD_PREDICTED_LATENCY: "overloaded",
+    common_pb2.OVERLOAD_QUEUE_FULL: "overloaded",
+    common_pb2.OVERLOAD_QUEUE_EXPIRED: "overloaded",
+    common_pb2.OVERLOAD_TENANT_CONCURRENCY: "tenant_concurrency_limit",
+    common_pb2.OVERLOAD_TENANT_TOKENS: "rate_limit_exceeded",
+}
+
+
 def from_grpc(exc: CallError) -> ApiError:
     status, code = _GRPC_TO_HTTP.get(exc.code, (500, "internal_error"))
-    return ApiError(status, exc.message or exc.code.name, param=exc.param or None, code=code)
+    code = _OVERLOAD_CODES.get(exc.overload, code)
+    return ApiError(status, exc.message or exc.code.name, param=exc.param or None, code=code,
+                    retry_after_ms=exc.retry_after_ms)
 
 
 def shown(exc: ApiError, hide_internals: bool) -> ApiError:
@@ -78,4 +99,5 @@ def shown(exc: ApiError, hide_internals: bool) -> ApiError:
     it was (the full message is logged)."""
     if not hide_internals or exc.status < 500:
         return exc
-    return ApiError(exc.status, f"the service could not complete the request ({exc.code})", code=exc.code)
+    return ApiError(exc.status, f"the service could not complete the request ({exc.code})", code=exc.code,
+                    retry_after_ms=exc.retry_after_ms)

@@ -22,7 +22,10 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     g.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                    help=f"require one of these bearer tokens, comma-separated (env {API_KEY_ENV})")
     g.add_argument("--api-key-file", default=os.environ.get(API_KEY_FILE_ENV) or None,
-                   help=f"file with accepted bearer tokens, one per line (env {API_KEY_FILE_ENV})")
+                   help=f"file with accepted bearer tokens, one per line, each optionally followed by its tenant "
+                        f"(env {API_KEY_FILE_ENV})")
+    g.add_argument("--tenant-header", default=None, metavar="NAME",
+                   help="take a request's tenant from this header (set by a proxy you trust) instead of its API key")
     g.add_argument("--reuse-port", action="store_true",
                    help="share --http-port with other frontends on this host (SO_REUSEPORT: the kernel spreads "
                         "connections over them)")
@@ -40,7 +43,9 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
 
 
 def frontend_config(args: argparse.Namespace) -> FrontendConfig:
-    return validated(lambda: FrontendConfig(api_keys=load_api_keys(args.api_key, args.api_key_file),
+    keys = validated(lambda: load_api_keys(args.api_key, args.api_key_file))
+    return validated(lambda: FrontendConfig(api_keys=tuple(keys), key_tenants=tuple(keys.values()),
+                                            tenant_header=args.tenant_header,
                                             max_body_bytes=args.max_body_bytes, max_inflight=args.max_inflight,
                                             hide_routing_details=args.hide_routing_details,
                                             metrics_port=args.metrics_port, allow_explain=args.allow_explain))

@@ -35,3 +35,8 @@ class FrontendMetrics:
         self.duration = Histogram("kvmesh_frontend_request_duration_seconds", "request duration",
                                   buckets=LATENCY_BUCKETS, registry=r)
         self.hop = HopLatency(hop_latency_histogram(r), "frontend")
+        # Overload refusals answered from the gateway's memory of the mesh's last one (a count
+        # read from the gateway: refusal_memory.py).
+        self.refused_from_memory = Gauge("kvmesh_frontend_refused_from_memory_total",
+                                         "overload refusals the gateway answered itself, repeating the mesh's last "
+                                         "refusal of the same kind of request", registry=r)

@@ -123,6 +123,8 @@ class GenerationRequest(_Strict):
                          Field(max_length=256)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsIn | None = None
+    # vLLM's: lower is served sooner (the mesh's queue bands; services/routing/admission/).
+    priority: Annotated[int, Field(ge=-(2**31), le=INT32_MAX), Integral] | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

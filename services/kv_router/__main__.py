@@ -9,7 +9,10 @@ import sys
 from prometheus_client import CollectorRegistry
 
 from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.kv_router.flags import add_router_flags, router_config
+from services.kv_router.flags import add_router_flags, admission_config, router_config
+from services.routing.admission.admission_metrics import AdmissionMetrics
+from services.routing.admission.gate import Admission
+from services.routing.admission.tenant_policy import PolicyFile
 from services.routing.servicer import RouterMetrics, RouterServicer
 from services.routing.worker_pool import SYNC_TIMEOUT_S, WorkerPool
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, ROUTER, InstanceInfo, new_instance_id
@@ -20,6 +23,7 @@ from services.mesh.flags import (
     mesh_config,
     non_negative_float,
     port_number,
+    validated,
 )
 from services.mesh.grpc_server import ServiceBinding
 from services.mesh.logs import setup_logging
@@ -64,6 +68,8 @@ def main() -> None:
     mesh = mesh_config(args)
     setup_logging(mesh.log_level, ROUTER, mesh.log_format)
     config = router_config(args)
+    admission = admission_config(args)
+    policies = validated(lambda: PolicyFile(admission.tenant_policies))
     exit_if_checking(args)
 
     async def assemble(runner: ServiceRunner) -> None:
@@ -75,7 +81,11 @@ def main() -> None:
             runner.on_teardown(f"stop {component} subscriptions", pool.stop)
         await _sync_indexes(pools, args.sync_timeout)
         registry = CollectorRegistry()
-        servicer = RouterServicer(pools, config, RouterMetrics(registry), tracing)
+        routers = await runner.watch_component(ROUTER)
+        gate = Admission(pools[common_pb2.WORKER_ROLE_DECODE], admission, AdmissionMetrics(registry), policies,
+                         routers=lambda: max(1, len(routers.instances)))
+        runner.watch(asyncio.create_task(gate.follow_policies(), name="tenant policies"), "tenant policies")
+        servicer = RouterServicer(pools, config, RouterMetrics(registry), tracing, gate)
         binding = ServiceBinding(router_pb2_grpc.add_RouterServicer_to_server, servicer,
                                  router_pb2.DESCRIPTOR.services_by_name["Router"].full_name)
         port, _ = await runner.serve_grpc([binding], args.port)

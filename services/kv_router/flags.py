@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from services.routing.admission.gate import AdmissionConfig
 from services.routing.cost_function import CostWeights
 from services.routing.servicer import ROUTER_MODES, RouterConfig
-from services.mesh.flags import non_negative_float, validated
+from services.mesh.flags import non_negative_float, non_negative_int, positive_float, positive_int, validated
 
 _WEIGHTS = CostWeights()
+_ADMISSION = AdmissionConfig()
 
 
 def add_router_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -28,6 +30,19 @@ def add_router_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
                    help="cost function: a fixed credit for a prefix block held in a worker's host memory "
                         "(0 = ignore the host tier; default: derived from what loading it back saves "
                         "against recomputing it)")
+    g.add_argument("--ttft-objective-ms", type=positive_int, default=None,
+                   help="admission: refuse at once (429 with Retry-After) a request whose predicted time to first "
+                        "token exceeds this (a request's x-kvmesh-ttft-objective-ms header sets its own; default: "
+                        "only those that set one)")
+    g.add_argument("--worker-queue", type=non_negative_int, default=_ADMISSION.worker_queue,
+                   help="admission: requests a decode worker may hold beyond its slots; the rest wait in the "
+                        "router's ordered queue")
+    g.add_argument("--max-queued", type=positive_int, default=_ADMISSION.max_queued,
+                   help="admission: requests waiting in the router's queue at most (then 429)")
+    g.add_argument("--max-queue-wait", type=positive_float, default=_ADMISSION.max_queue_wait_s,
+                   help="admission: the longest any request may wait for a worker, in seconds (then 429)")
+    g.add_argument("--tenant-policies", default=None, metavar="FILE",
+                   help="admission: tenants' weights and limits (TOML), read again when it changes")
     return g
 
 
@@ -36,3 +51,10 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                           waiting=args.waiting_weight, temperature=args.router_temperature,
                           host_overlap=args.host_overlap_weight)
     return validated(lambda: RouterConfig(mode=args.router_mode, seed=args.seed, weights=weights))
+
+
+def admission_config(args: argparse.Namespace) -> AdmissionConfig:
+    objective = args.ttft_objective_ms / 1000 if args.ttft_objective_ms else None
+    return validated(lambda: AdmissionConfig(ttft_objective_s=objective, worker_queue=args.worker_queue,
+                                             max_queued=args.max_queued, max_queue_wait_s=args.max_queue_wait,
+                                             tenant_policies=args.tenant_policies))

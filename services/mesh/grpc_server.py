@@ -73,6 +73,8 @@ async def start_server(
 FINAL_ERROR_KEY = "kvmesh-final-error"
 # A refused request's field at fault (CallError.param) on a per-request RPC.
 PARAM_KEY = "kvmesh-param"
+# A request refused under overload: when a retry may fit, in milliseconds (CallError.retry_after_ms).
+RETRY_AFTER_KEY = "retry-after-ms"
 
 
 async def abort_final(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
@@ -90,6 +92,8 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: CallError) -> NoRet
     trailers: tuple[tuple[str, str], ...] = ((FINAL_ERROR_KEY, "1"),) if exc.final else ()
     if exc.param:
         trailers += ((PARAM_KEY, exc.param),)
+    if exc.retry_after_ms:
+        trailers += ((RETRY_AFTER_KEY, str(exc.retry_after_ms)),)
     await context.abort(exc.code, exc.message, trailing_metadata=trailers)
     raise AssertionError("abort raises")
 

@@ -11,31 +11,41 @@ Rules:
 - `NOT_FOUND` means the router answered: no worker of the pool serves the model (after the
   caller's exclusions). That outcome is raised as `NoWorkerError` and never retried elsewhere:
   every router sees the same etcd membership.
+- A final `RESOURCE_EXHAUSTED` is admission's refusal: raised as `Overloaded`, with when to
+  retry, and not retried elsewhere, except a refusal for a tenant's limits, of which each router
+  holds a share: the other routers are asked first.
 - Any other status, or no router at all, is `RoutingUnavailable`.
+
+`admit` asks for a new request's worker through the router's admission (its queue): the call
+holds the request's place on the worker after the reply, until the caller releases it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import count
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import grpc
 
 from gen.kvmesh.v1 import common_pb2, router_pb2
 from services.mesh.discovery import InstanceInfo
 from services.mesh.recent_failures import HOLD_S, RecentFailures
-from services.mesh.session_client import SessionPool
+from services.mesh.session_client import Session, SessionPool, SessionStream
 from services.mesh.session_kind import ROUTER_SESSION, CallError
 from services.mesh.tracing import outgoing_metadata
 
 log = logging.getLogger(__name__)
 
 ROUTE_TIMEOUT_S = 2.0
+H = TypeVar("H")
 # Codes that say a router could not answer, so another one should be asked.
 TRY_NEXT_ROUTER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# Refusals for a tenant's limits, of which each router enforces its share: asked of the others.
+TENANT_LIMITS = frozenset({common_pb2.OVERLOAD_TENANT_CONCURRENCY, common_pb2.OVERLOAD_TENANT_TOKENS})
 
 
 class RoutingError(Exception):
@@ -50,6 +60,33 @@ class RoutingUnavailable(RoutingError):
     """No router could answer: none registered, or every one failed."""
 
 
+class Overloaded(RoutingError):
+    """Admission refused the request (the router's RESOURCE_EXHAUSTED): `error` says why and
+    when a retry may fit; the caller answers with it as it is."""
+
+    def __init__(self, error: CallError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """What admission weighs of a request beyond its prompt."""
+
+    qos: common_pb2.Qos
+    # Its choices: its weight on the worker.
+    streams: int = 1
+    max_tokens: int = 0
+    # How long it may wait for a worker at most.
+    queue_timeout_s: float = 30.0
+
+
+class Held(Protocol):
+    """An admitted request's place on its worker, given back once at the request's end."""
+
+    def release(self) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class RouteChoice:
     worker_id: str
@@ -61,11 +98,13 @@ class RouteChoice:
     pool_waiting: int
     # Why this worker: set when the call asked to `explain`.
     explanation: common_pb2.RouteExplanation | None = None
+    # How long admission kept the request waiting for a worker with room.
+    queue_wait_ms: int = 0
 
     @classmethod
     def of(cls, reply: router_pb2.RouteResponse) -> RouteChoice:
         return cls(reply.worker_id, reply.address, reply.overlap_blocks, reply.prefix_hit_rate, reply.pool_waiting,
-                   reply.explanation if reply.HasField("explanation") else None)
+                   reply.explanation if reply.HasField("explanation") else None, reply.queue_wait_ms)
 
 
 class Members(Protocol):
@@ -81,6 +120,24 @@ class Routes(Protocol):
     async def route(self, request_id: str, model: str, token_ids: Sequence[int], role: common_pb2.WorkerRole,
                     exclude: Sequence[str] = (), explain: bool = False) -> RouteChoice: ...
 
+    async def admit(self, request_id: str, model: str, token_ids: Sequence[int], admit: Admit,
+                    explain: bool = False, exclude: Sequence[str] = ()) -> tuple[RouteChoice, Held]:
+        """A decode worker for a new request, through admission: it may wait, or be refused
+        (`Overloaded`); the place it holds is released by the caller at the request's end."""
+        ...
+
+
+class _HeldCall:
+    """A held route call: ending it gives the request's place back."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: SessionStream) -> None:
+        self._stream = stream
+
+    def release(self) -> None:
+        self._stream.cancel()
+
 
 class RouterClient:
     """Routes over one session per router (session_client.py): no round trip of its own per request."""
@@ -95,26 +152,75 @@ class RouterClient:
 
     async def route(self, request_id: str, model: str, token_ids: Sequence[int], role: common_pb2.WorkerRole,
                     exclude: Sequence[str] = (), explain: bool = False) -> RouteChoice:
-        routers = sorted(self._routers.instances.values(), key=lambda r: r.instance_id)
-        if not routers:
-            raise RoutingUnavailable("no router is available")
         request = router_pb2.RouteRequest(request_id=request_id, model=model, token_ids=token_ids, role=role,
                                           exclude_worker_ids=exclude, explain=explain)
         # The router's span joins the caller's trace (None when the caller traces nothing).
         metadata = outgoing_metadata()
+
+        async def ask(session: Session) -> tuple[router_pb2.RouteResponse, None]:
+            return await session.call(request, self._timeout_s, metadata), None
+
+        return (await self._ask(request_id, ask))[0]
+
+    async def admit(self, request_id: str, model: str, token_ids: Sequence[int], admit: Admit,
+                    explain: bool = False, exclude: Sequence[str] = ()) -> tuple[RouteChoice, Held]:
+        queue_ms = max(1, int(admit.queue_timeout_s * 1000))
+        request = router_pb2.RouteRequest(request_id=request_id, model=model, token_ids=token_ids,
+                                          role=common_pb2.WORKER_ROLE_DECODE, explain=explain, hold=True,
+                                          exclude_worker_ids=exclude,
+                                          qos=admit.qos, streams=admit.streams, max_tokens=admit.max_tokens,
+                                          queue_timeout_ms=queue_ms)
+        metadata = outgoing_metadata()
+        # The router answers at once (a worker, a refusal, or "queued"), and a queued request
+        # within the queue's bound; a router that does not is taken for one that cannot answer.
+        deadline_s = admit.queue_timeout_s + self._timeout_s
+
+        async def ask(session: Session) -> tuple[router_pb2.RouteResponse, Held]:
+            # No deadline on the call itself: once answered it stays open until the request ends.
+            stream = session.open(request, None, metadata)
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    reply = await stream.result()
+                if reply.queued:
+                    async with asyncio.timeout(deadline_s):
+                        reply = await stream.result()
+            except TimeoutError:
+                stream.cancel()
+                raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer from the router in time") from None
+            except BaseException:
+                stream.cancel()
+                raise
+            return reply, _HeldCall(stream)
+
+        reply, held = await self._ask(request_id, ask)
+        assert held is not None
+        return reply, held
+
+    async def _ask(self, request_id: str, ask: Callable[[Session], Awaitable[tuple[router_pb2.RouteResponse, H]]]
+                   ) -> tuple[RouteChoice, H]:
+        """Asks the routers in turn until one answers (see the module's rules)."""
+        routers = sorted(self._routers.instances.values(), key=lambda r: r.instance_id)
+        if not routers:
+            raise RoutingUnavailable("no router is available")
         start = next(self._turn)
         failed = set(self._failed.current())
         # This call's turn first, then the rest in order; those that failed lately after all others.
         order = sorted(routers[start % len(routers):] + routers[:start % len(routers)],
                        key=lambda r: r.instance_id in failed)
         failures = []
+        limited: CallError | None = None
         for router in order:
             try:
-                reply = await self._sessions.get(ROUTER_SESSION, router.address).call(request, self._timeout_s, metadata)
+                reply, held = await ask(self._sessions.get(ROUTER_SESSION, router.address))
             except CallError as exc:
                 detail = exc.message or exc.code.name
                 if exc.code == grpc.StatusCode.NOT_FOUND:
                     raise NoWorkerError(detail) from exc
+                if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and exc.final:
+                    if exc.overload not in TENANT_LIMITS:
+                        raise Overloaded(exc) from exc
+                    limited = exc  # this router's share of the tenant's limit: another may have room
+                    continue
                 failures.append(f"router {router.instance_id}: {exc.code.name} {detail}")
                 if exc.code not in TRY_NEXT_ROUTER:
                     break
@@ -124,5 +230,7 @@ class RouterClient:
                 continue
             if router.instance_id in failed:
                 self._failed.discard(router.instance_id)  # it answered: back in its turn
-            return RouteChoice.of(reply)
+            return RouteChoice.of(reply), held
+        if limited is not None:
+            raise Overloaded(limited)
         raise RoutingUnavailable("routing failed: " + "; ".join(failures))

@@ -131,22 +131,29 @@ class CallError(Exception):
     """A call on a session (or the per-request RPC served by the same code) ended with a status.
 
     `final`: the service chose this answer, so the caller must not try the request elsewhere.
-    `param`: for a refused request, the request field at fault (the HTTP error's `param`)."""
+    `param`: for a refused request, the request field at fault (the HTTP error's `param`).
+    `retry_after_ms` and `overload`: for a request refused under overload, when a retry may fit
+    and why it was refused (the HTTP Retry-After and error code)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, final: bool = False, param: str = "") -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, final: bool = False, param: str = "",
+                 retry_after_ms: int = 0, overload: common_pb2.Overload = common_pb2.OVERLOAD_UNSPECIFIED) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.final = final
         self.param = param
+        self.retry_after_ms = retry_after_ms
+        self.overload = overload
 
     def to_end(self, stream_id: int) -> common_pb2.StreamEnd:
         return common_pb2.StreamEnd(stream_id=stream_id, code=self.code.value[0], message=self.message,
-                                    final=self.final, param=self.param)
+                                    final=self.final, param=self.param, retry_after_ms=self.retry_after_ms,
+                                    overload=self.overload)
 
     @staticmethod
     def from_end(end: common_pb2.StreamEnd) -> CallError:
-        return CallError(CODES.get(end.code, grpc.StatusCode.UNKNOWN), end.message, end.final, end.param)
+        return CallError(CODES.get(end.code, grpc.StatusCode.UNKNOWN), end.message, end.final, end.param,
+                         end.retry_after_ms, end.overload)
 
 
 def final_error(code: grpc.StatusCode, message: str, param: str = "") -> CallError:

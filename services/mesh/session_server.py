@@ -13,7 +13,8 @@ Bounds and what happens at them:
   gone: the session ends, its calls are cancelled (the caller migrates them).
 A caller that leaves (its session breaks or it half-closes) cancels every call it had open.
 A drain (`drain()`) refuses new calls with UNAVAILABLE, which callers retry elsewhere, lets those
-in flight finish, then ends each session once it has nothing open.
+in flight finish, then ends each session once it has nothing open (a handler that would wait for
+ever waits on `drained` instead).
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ class SessionHub:
         self._max_outbox = max_outbox
         self._sessions: set[_ServerSession] = set()
         self.draining = False
+        # Set at the drain: a handler whose call would otherwise never end by itself (a router's
+        # held route, which only counts a place) ends when it is set.
+        self.drained = asyncio.Event()
+        self._on_drain: list[Callable[[], None]] = []
 
     async def serve(self, frames: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
         """The body of the service's `Session` method."""
@@ -64,9 +69,16 @@ class SessionHub:
         finally:
             self._sessions.discard(session)
 
+    def on_drain(self, listener: Callable[[], None]) -> None:
+        """Called at the drain (a router's queue sends its waiters elsewhere)."""
+        self._on_drain.append(listener)
+
     def drain(self) -> None:
         """Refuses new calls from now on; each session ends once its calls have."""
         self.draining = True
+        self.drained.set()
+        for listener in self._on_drain:
+            listener()
         for session in list(self._sessions):
             session.maybe_close()
 

@@ -24,6 +24,7 @@ from services.mesh.discovery import (
     FRONTEND,
     PLANNER,
     PREFILL_WORKER,
+    ROUTER,
     ComponentView,
     InstanceInfo,
     new_instance_id,
@@ -92,7 +93,7 @@ def main() -> None:
         await runner.connect_store()
         prefill = await runner.watch_component(PREFILL_WORKER)
         decode = await runner.watch_component(DECODE_WORKER)
-        traffic = MeshTraffic(await runner.watch_component(FRONTEND), decode)
+        traffic = MeshTraffic(await runner.watch_component(FRONTEND), decode, await runner.watch_component(ROUTER))
         runner.on_teardown("close the metrics reader", traffic.close)
         connector = await build_connector(args, runner, prefill, decode)
         runner.on_teardown(f"close the {connector.name} connector", connector.close)

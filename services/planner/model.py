@@ -68,6 +68,10 @@ class Traffic:
     remote_share: float | None = None
     remote_prompt_tokens: float | None = None
     local_prompt_tokens: float | None = None
+    # The routers' admission queues as last read: requests waiting for a decode worker, and
+    # the longest wait a new request is predicted there (0: a worker has room).
+    queued: float = 0.0
+    queue_wait_s: float = 0.0
 
     @property
     def idle(self) -> bool:

@@ -7,7 +7,8 @@ Two modes:
   size changes, every prompt being prefilled locally, keeps the pool at its floor). A pool grows as
   soon as it falls short, but shrinks only when the smaller size would still meet the SLO with
   `headroom` to spare: between the two sizes the current one stays (hysteresis), so a load at
-  the edge does not flap a worker in and out.
+  the edge does not flap a worker in and out. Requests waiting in the routers' admission queues
+  mean every decode slot is taken: the decode pool then grows by one, whatever the model says.
 - **a fixed budget** (`--total-workers N`: N GPUs, roles switched, nothing started): every split
   of N is scored by its worse SLO ratio (predicted / SLO of TTFT and of ITL) and the best is
   chosen, but only when it beats the current split's score by `switch_gain`.
@@ -122,9 +123,16 @@ class Policy:
         lim = self.limits
         decode = self._size(current.decode, lim.min_decode, lim.max_decode, traffic,
                             lambda n: self.predict(traffic, PoolSizes(current.prefill, n)).itl_s / self.slo.itl_s)
+        queue_grew = traffic.queued > 0 and decode <= current.decode
+        if queue_grew:
+            # Requests wait in the routers' queues: every decode slot is taken, whatever the
+            # model says of the ITL, so the pool grows (and never shrinks while they wait).
+            decode = min(lim.max_decode, current.decode + 1)
         prefill = self._size(current.prefill, lim.min_prefill, lim.max_prefill, traffic,
                              lambda n: self.predict(traffic, PoolSizes(n, decode)).ttft_s / self.slo.ttft_s)
         desired = PoolSizes(prefill, decode)
+        if queue_grew:
+            return desired, f"{traffic.queued:.0f} requests wait in the routers' queues"
         return desired, "sizes meet the SLOs" if desired == current else "resized to meet the SLOs"
 
     def _size(self, current: int, low: int, high: int, traffic: Traffic, ratio: Callable[[int], float]) -> int:

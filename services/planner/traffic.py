@@ -163,12 +163,31 @@ class _Deltas(Generic[_C]):
         return self.parse(response.text)
 
 
-class MeshTraffic:
-    """Reads every frontend's and decode worker's metrics; `sample()` gives the traffic since
-    the previous call."""
+# The routers' admission gauges (read as they are, not as differences).
+QUEUED = "kvmesh_admission_queued"
+PREDICTED_WAIT = "kvmesh_admission_predicted_wait_seconds"
 
-    def __init__(self, frontends: ComponentView, decode_workers: ComponentView) -> None:
+
+def parse_queue(text: str) -> tuple[float, float]:
+    """(requests waiting, predicted wait) in one router's metrics."""
+    queued = wait = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == QUEUED:
+                queued += sample.value
+            elif sample.name == PREDICTED_WAIT:
+                wait = max(wait, sample.value)
+    return queued, wait
+
+
+class MeshTraffic:
+    """Reads every frontend's, decode worker's and router's metrics; `sample()` gives the
+    traffic since the previous call, with the routers' queues as they are now."""
+
+    def __init__(self, frontends: ComponentView, decode_workers: ComponentView,
+                 routers: ComponentView | None = None) -> None:
         self.client = httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_S)
+        self._routers = routers
         self._frontends = _Deltas(frontends, parse_counters, Counters, self.client, "frontend")
         self._workers = _Deltas(decode_workers, parse_prefill_counters, PrefillCounters, self.client, "decode worker")
         self._last_at: float | None = None
@@ -176,7 +195,8 @@ class MeshTraffic:
         self._shape: Traffic | None = None
 
     async def sample(self, now: float) -> Traffic:
-        answered, prefilled = await asyncio.gather(self._frontends.read(), self._workers.read())
+        answered, prefilled, (queued, wait) = await asyncio.gather(self._frontends.read(), self._workers.read(),
+                                                                   self._queues())
         seconds = 0.0 if self._last_at is None else now - self._last_at
         self._last_at = now
         traffic = traffic_of(answered, seconds, prefilled)
@@ -190,7 +210,26 @@ class MeshTraffic:
                               mean_output_tokens=shape.mean_output_tokens, remote_share=shape.remote_share,
                               remote_prompt_tokens=shape.remote_prompt_tokens,
                               local_prompt_tokens=shape.local_prompt_tokens)
-        return traffic
+        return replace(traffic, queued=queued, queue_wait_s=wait)
+
+    async def _queues(self) -> tuple[float, float]:
+        """Requests waiting in all the routers' queues, and the longest predicted wait."""
+        if self._routers is None:
+            return 0.0, 0.0
+        routers = list(self._routers.instances.values())
+        texts = await asyncio.gather(*(self._text(f"{r.address.rsplit(':', 1)[0]}:{r.metrics_port}")
+                                       for r in routers))
+        readings = [parse_queue(t) for t in texts if t is not None]
+        return sum(q for q, _ in readings), max((w for _, w in readings), default=0.0)
+
+    async def _text(self, host_port: str) -> str | None:
+        try:
+            response = await self.client.get(f"http://{host_port}/metrics")
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            log.warning("could not read the metrics of the router at %s: %s", host_port, exc)
+            return None
+        return response.text
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 
 from prometheus_client import CollectorRegistry
 
 from gen.kvmesh.v1 import common_pb2, processor_pb2, processor_pb2_grpc
-from services.kv_router.flags import add_router_flags, router_config
+from services.kv_router.flags import add_router_flags, admission_config, router_config
+from services.routing.admission.admission_metrics import AdmissionMetrics
+from services.routing.admission.gate import Admission
+from services.routing.admission.tenant_policy import PolicyFile
 from services.routing.servicer import RouterMetrics, RouterServicer
 from services.routing.worker_pool import SYNC_TIMEOUT_S, WorkerPool
 from services.mesh.discovery import DECODE_WORKER, PROCESSOR, ROUTER, InstanceInfo, new_instance_id
@@ -58,8 +62,14 @@ async def _routing(runner: ServiceRunner, args: argparse.Namespace, registry: Co
     late = await pool.wait_synced(SYNC_TIMEOUT_S)
     if late:
         log.warning("routing without the cached blocks of %d decode worker(s): %s", len(late), ", ".join(late))
+    # The queue lives in each processor: with several, each admits its share (see gate.py).
+    processors = await runner.watch_component(PROCESSOR)
+    gate = Admission(pool, admission_config(args), AdmissionMetrics(registry),
+                     validated(lambda: PolicyFile(args.tenant_policies)),
+                     routers=lambda: max(1, len(processors.instances)))
+    runner.watch(asyncio.create_task(gate.follow_policies(), name="tenant policies"), "tenant policies")
     servicer = RouterServicer({common_pb2.WORKER_ROLE_DECODE: pool}, router_config(args), RouterMetrics(registry),
-                              tracing)
+                              tracing, gate)
     return LocalRouter(servicer, tracing)
 
 

@@ -19,7 +19,7 @@ import grpc
 
 from gen.kvmesh.v1 import common_pb2, router_pb2
 from services.routing.servicer import RouterServicer
-from services.mesh.router_client import NoWorkerError, RouteChoice, RoutingUnavailable
+from services.mesh.router_client import Admit, Held, NoWorkerError, Overloaded, RouteChoice, RoutingUnavailable
 from services.mesh.session_kind import CallError
 from services.mesh.tracing import TRACING_OFF, Tracing
 
@@ -39,7 +39,26 @@ class LocalRouter:
             with self._tracing.span("route") as span:
                 reply = self._servicer.decide(request, span)
         except CallError as exc:
-            if exc.code == grpc.StatusCode.NOT_FOUND:
-                raise NoWorkerError(exc.message) from exc
-            raise RoutingUnavailable(f"local routing failed: {exc.code.name} {exc.message}") from exc
+            raise _routing_error(exc) from exc
         return RouteChoice.of(reply)
+
+    async def admit(self, request_id: str, model: str, token_ids: Sequence[int], admit: Admit,
+                    explain: bool = False, exclude: Sequence[str] = ()) -> tuple[RouteChoice, Held]:
+        request = router_pb2.RouteRequest(request_id=request_id, model=model, token_ids=token_ids,
+                                          role=common_pb2.WORKER_ROLE_DECODE, explain=explain, hold=True,
+                                          exclude_worker_ids=exclude,
+                                          qos=admit.qos, streams=admit.streams, max_tokens=admit.max_tokens,
+                                          queue_timeout_ms=max(1, int(admit.queue_timeout_s * 1000)))
+        try:
+            reply, ticket = await self._servicer.admit(request)
+        except CallError as exc:
+            raise _routing_error(exc) from exc
+        return RouteChoice.of(reply), ticket
+
+
+def _routing_error(exc: CallError) -> Exception:
+    if exc.code == grpc.StatusCode.NOT_FOUND:
+        return NoWorkerError(exc.message)
+    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and exc.final:
+        return Overloaded(exc)
+    return RoutingUnavailable(f"local routing failed: {exc.code.name} {exc.message}")

@@ -32,7 +32,7 @@ from services.mesh.session_client import SessionPool
 from services.mesh.session_kind import PROCESSOR_SESSION, CallInfo, call_info, final_error
 from services.mesh.session_server import SessionHub
 from services.mesh.recent_failures import RecentFailures
-from services.mesh.router_client import NoWorkerError, RouteChoice, Routes, RoutingError
+from services.mesh.router_client import Admit, Held, NoWorkerError, Overloaded, RouteChoice, Routes, RoutingError
 from services.mesh.streams import merge
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
@@ -44,6 +44,7 @@ from services.processor.choice_stream import (
     ChoiceStream,
     Delta,
     Finished,
+    Router,
     Started,
 )
 from services.processor.chat_render import chat_prompt, forced_tool_output
@@ -56,6 +57,8 @@ log = logging.getLogger(__name__)
 # Chats with more messages than this render their template in a worker thread (see _tokenize).
 LARGE_CHAT_MESSAGES = 64
 GENERATE_RPC = "kvmesh.v1.Processor/Generate"
+# The longest a new request may wait in a router's queue, whatever its own time limit.
+MAX_QUEUE_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -236,10 +239,8 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         try:
             return await self._routers.route(rid, self._config.served_model_name, tokens,
                                              common_pb2.WORKER_ROLE_DECODE, exclude, explain=explain)
-        except NoWorkerError as exc:
-            raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE, f"no decode worker can take the request: {exc}") from exc
         except RoutingError as exc:
-            raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+            raise _routing_failure(exc) from exc
 
     def _worker_failed(self, worker_id: str) -> None:
         self._metrics.worker_failures.inc()
@@ -251,11 +252,42 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         # Every routing of the request (retries and migrations too) explains itself when asked, so
         # the explanation announced is always that of the worker announced.
         route_fn = partial(self._route, explain=request.explain)
-        route = await route_fn(rid, tokens, [])
         n = max(request.n, 1)
         # A takeover from a failed processor runs only the choices the client has not finished.
         resumed = {r.index: list(r.token_ids) for r in request.resume}
         running = [i for i in range(n) if not resumed or request.choice_offset + i in resumed]
+        held: Held | None = None
+        if resumed:
+            # Taken over mid-stream: admitted long ago, and a refusal now would break the stream.
+            route = await route_fn(rid, tokens, [])
+        else:
+            route, held = await self._admit(rid, tokens, request, len(running), sampling.max_tokens)
+        try:
+            async for msg in self._choices(rid, request, tokens, sampling, span, call, route, route_fn, running,
+                                           resumed):
+                yield msg
+        finally:
+            if held is not None:
+                held.release()
+
+    async def _admit(self, rid: str, tokens: list[int], request: processor_pb2.GenerateRequest, streams: int,
+                     max_tokens: int) -> tuple[RouteChoice, Held]:
+        """A new request's worker through the router's admission (its queue and objectives)."""
+        admit = Admit(request.qos, streams, max_tokens, min(self._config.request_timeout_s, MAX_QUEUE_TIMEOUT_S))
+        exclude = self._failed.current()
+        try:
+            return await self._routers.admit(rid, self._config.served_model_name, tokens, admit, request.explain,
+                                             exclude)
+        except Overloaded as exc:
+            raise exc.error from None  # the refusal as the router gave it: status, reason, Retry-After
+        except RoutingError as exc:
+            raise _routing_failure(exc) from exc
+
+    async def _choices(self, rid: str, request: processor_pb2.GenerateRequest, tokens: list[int],
+                       sampling: common_pb2.SamplingParams, span: Span, call: CallInfo, route: RouteChoice,
+                       route_fn: Router, running: list[int],
+                       resumed: dict[int, list[int]]) -> AsyncIterator[processor_pb2.GenerateResponse]:
+        n = max(request.n, 1)
         # One choice's deltas reach the call's outbox in order by themselves (nothing between
         # them and `call.reply` but this generator chain), so its rows may take the short cut.
         ctx = ChoiceContext(self._tok, self._sessions, self._limits, route_fn, self._worker_failed,
@@ -282,7 +314,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
                             span.set_attribute("kvmesh.worker_id", event.worker_id)
                         yield processor_pb2.GenerateResponse(route=processor_pb2.RouteInfo(
                             worker_id=event.worker_id, prefill=event.prefill, prompt_tokens=len(tokens),
-                            explanation=event.explanation))
+                            explanation=event.explanation, queue_wait_ms=route.queue_wait_ms))
                 case Finished():
                     completion_tokens += event.completion_tokens
                     cached_tokens = max(cached_tokens, event.cached_tokens)
@@ -290,6 +322,12 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
                     assert_never(event)
         yield processor_pb2.GenerateResponse(usage=processor_pb2.Usage(
             prompt_tokens=len(tokens), completion_tokens=completion_tokens, cached_tokens=cached_tokens))
+
+
+def _routing_failure(exc: RoutingError) -> ChoiceFailure:
+    if isinstance(exc, NoWorkerError):
+        return ChoiceFailure(grpc.StatusCode.UNAVAILABLE, f"no decode worker can take the request: {exc}")
+    return ChoiceFailure(grpc.StatusCode.UNAVAILABLE, str(exc))
 
 
 def _is_large(request: processor_pb2.GenerateRequest) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -31,7 +31,8 @@ from services.routing.explanation import explain
 from services.routing.host_credit import host_credit
 from services.routing.pickers import ROUTER_MODES as ROUTER_MODES
 from services.routing.pickers import PickContext, make_picker
-from services.routing.worker_pool import WorkerPool
+from services.routing.admission.gate import Admission, Queued, Ticket
+from services.routing.worker_pool import WorkerPool, WorkerState
 from services.mesh.flags import ConfigError
 from services.kv_protocol.hashing import local_block_hashes
 from services.mesh.grpc_server import abort_with, as_unary_rpc
@@ -88,8 +89,10 @@ class RouterMetrics:
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, pools: dict[int, WorkerPool], config: RouterConfig, metrics: RouterMetrics,
-                 tracing: Tracing = TRACING_OFF) -> None:
+                 tracing: Tracing = TRACING_OFF, admission: Admission | None = None) -> None:
         self._pools = pools
+        # The decode pool's queue and admission: for calls that `hold` (gate.py).
+        self.admission = admission
         self._metrics = metrics
         self._mode = config.mode
         self._tracing = tracing
@@ -99,6 +102,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
         # Callers' sessions: every routing they ask for, served by `route`.
         self.sessions = SessionHub(ROUTER_SESSION, self.route)
+        if admission is not None:
+            self.sessions.on_drain(admission.drain)
 
     def _pool(self, role: int) -> WorkerPool:
         pool = self._pools.get(role or common_pb2.WORKER_ROLE_DECODE)
@@ -107,6 +112,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return pool
 
     async def Route(self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext) -> router_pb2.RouteResponse:  # noqa: N802
+        if request.hold:
+            # A unary call ends with its reply: it can hold no place (admission needs a session).
+            await abort_with(context, final_error(grpc.StatusCode.INVALID_ARGUMENT,
+                                                  "hold needs a call on Router.Session, not Route"))
         return await as_unary_rpc(context, self.route(request, call_info(context)))
 
     async def Session(self, frames: AsyncIterator[router_pb2.RouterSessionDown],  # noqa: N802
@@ -114,20 +123,76 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         await self.sessions.serve(frames, context)
 
     async def route(self, request: router_pb2.RouteRequest, call: CallInfo) -> AsyncIterator[router_pb2.RouteResponse]:
-        """One routing decision, for `Route` and for a call on a session alike."""
+        """One routing decision, for `Route` and for a call on a session alike. A call that
+        `holds` is admitted first (it may wait, or be refused), and stays open after its reply
+        until the caller ends it: its place on the worker is given back then."""
         REQUEST_ID.set(request.request_id)  # this call's task: its log lines carry the id
+        if not self._admits(request):
+            with self._tracing.server_span("route", call, ROUTE_RPC) as span:
+                yield self.decide(request, span)
+            return
+        assert self.admission is not None
         with self._tracing.server_span("route", call, ROUTE_RPC) as span:
-            yield self.decide(request, span)
+            self._candidates(request)  # no worker at all: refused at once, not queued
+            started = self.admission.begin(request)
+            if isinstance(started, Queued):
+                try:
+                    yield router_pb2.RouteResponse(queued=True)
+                except BaseException:
+                    self.admission.abandon(started)  # closed here: it never began to wait
+                    raise
+                started = await self.admission.wait(started)
+            reply = self._placed(request, span, started)
+        try:
+            yield reply
+            # Until the caller ends the call, or this router drains: its places go with it, and
+            # a router that is going away has no reason to keep a request's stream waiting.
+            await self.sessions.drained.wait()
+        finally:
+            started.release()
 
-    def decide(self, request: router_pb2.RouteRequest, span: Span) -> router_pb2.RouteResponse:
-        """One decision, synchronously (also what an in-process router calls)."""
-        started = time.perf_counter()
+    def _admits(self, request: router_pb2.RouteRequest) -> bool:
+        return (request.hold and self.admission is not None
+                and (request.role or common_pb2.WORKER_ROLE_DECODE) == common_pb2.WORKER_ROLE_DECODE)
+
+    async def admit(self, request: router_pb2.RouteRequest) -> tuple[router_pb2.RouteResponse, Ticket]:
+        """Admits the request (waiting for room, or refused), then decides among the workers
+        with room; the ticket is the caller's to release at the request's end (in-process)."""
+        assert self.admission is not None
+        with self._tracing.span("route") as span:
+            self._candidates(request)
+            ticket = await self.admission.enter(request)
+            return self._placed(request, span, ticket), ticket
+
+    def _placed(self, request: router_pb2.RouteRequest, span: Span, ticket: Ticket) -> router_pb2.RouteResponse:
+        try:
+            reply = self.decide(request, span, ticket.eligible)
+        except BaseException:
+            ticket.release()
+            raise
+        ticket.placed(reply.worker_id)
+        reply.queue_wait_ms = round(ticket.waited_s * 1000)
+        return reply
+
+    def _candidates(self, request: router_pb2.RouteRequest) -> tuple[WorkerPool, list[WorkerState]]:
+        """The request's pool and its workers serving the model, less the excluded; NOT_FOUND
+        when none is left."""
         pool = self._pool(request.role)
         excluded = set(request.exclude_worker_ids)
         candidates = [w for w in pool.candidates(request.model) if w.info.instance_id not in excluded]
         if not candidates:
             self._metrics.no_worker.inc()
             raise final_error(grpc.StatusCode.NOT_FOUND, f"no {pool.view.component} serves model {request.model!r}")
+        return pool, candidates
+
+    def decide(self, request: router_pb2.RouteRequest, span: Span,
+               eligible: Callable[[WorkerState], bool] | None = None) -> router_pb2.RouteResponse:
+        """One decision, synchronously (also what an in-process router calls). `eligible`: the
+        workers an admitted request may take (those with room), when any is."""
+        started = time.perf_counter()
+        pool, candidates = self._candidates(request)
+        if eligible is not None:
+            candidates = [w for w in candidates if eligible(w)] or candidates
         block_size = pool.block_size(request.model) or candidates[0].info.block_size
         tokens = request.token_ids
         overlaps, host_overlaps = pool.index.find_matches_by_tier(local_block_hashes(tokens, block_size))

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -70,7 +70,17 @@ class WorkerPool:
         self._block_size_by_model: dict[str, int] = {}
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
         self._synced_changed = asyncio.Event()
+        # Called with the worker's id after every load report and membership change (admission:
+        # room may have freed).
+        self._load_listeners: list[Callable[[str], None]] = []
         view.add_listener(self._on_change)
+
+    def add_load_listener(self, listener: Callable[[str], None]) -> None:
+        self._load_listeners.append(listener)
+
+    def _load_changed(self, instance_id: str) -> None:
+        for listener in self._load_listeners:
+            listener(instance_id)
 
     async def wait_synced(self, timeout_s: float) -> list[str]:
         """Waits until the index holds the cache of every worker known now (each one's first KV
@@ -118,6 +128,7 @@ class WorkerPool:
             self._forget(instance_id)
         elif self.admit(instance_id, info):
             self._follow(instance_id)
+        self._load_changed(instance_id)
 
     def _follow(self, instance_id: str) -> None:
         loop = asyncio.get_running_loop()
@@ -146,6 +157,7 @@ class WorkerPool:
             try:
                 async for load in stub.SubscribeMetrics(worker_pb2.SubscribeMetricsRequest()):
                     state.observe_load(load)
+                    self._load_changed(instance_id)
             except grpc.aio.AioRpcError as exc:
                 log.debug("metrics stream of %s broke: %s", instance_id, exc.code())
             except Exception:  # noqa: BLE001 - a bug here must not silently freeze this worker's load

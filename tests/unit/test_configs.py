@@ -53,6 +53,8 @@ def test_a_bad_setting_is_one_line_naming_its_flag(case: str, build: Callable[[]
 
 
 def test_flags_left_out_give_exactly_the_config_defaults() -> None:
+    from services.routing.admission.gate import AdmissionConfig
+
     """A default is declared once: the launcher's flags fall back to the configs' own defaults."""
     from services.launch.config import load
 
@@ -61,7 +63,10 @@ def test_flags_left_out_give_exactly_the_config_defaults() -> None:
                                "--max-prefill-queue-size", "2", "--prefill-timeout", "30.0")
     assert (DisaggConfig().max_local_prefill_length, DisaggConfig().max_prefill_queue_size) == (512, 2)
     assert cfg.router_argv == ("--router-mode", RouterConfig().mode, "--overlap-weight", "2.0",
-                               "--cache-usage-weight", "1.0", "--waiting-weight", "1.0", "--router-temperature", "0.0")
+                               "--cache-usage-weight", "1.0", "--waiting-weight", "1.0", "--router-temperature", "0.0",
+                               "--worker-queue", str(AdmissionConfig().worker_queue),
+                               "--max-queued", str(AdmissionConfig().max_queued),
+                               "--max-queue-wait", str(AdmissionConfig().max_queue_wait_s))
     engine = dict(zip(cfg.engine_argv[::2], cfg.engine_argv[1::2], strict=True))
     assert engine["--num-gpu-blocks"] == str(EngineConfig("mocker", demo(), 16).num_gpu_blocks) == "16384"
     assert engine["--timing"] == EngineConfig("mocker", demo(), 16).timing == "h100-8b"

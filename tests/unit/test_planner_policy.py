@@ -194,3 +194,20 @@ def test_a_role_that_is_neither_prefill_nor_decode_is_an_error_not_the_decode_po
     with pytest.raises(ValueError, match="unknown worker role"):
         PoolSizes(1, 2).with_role("router", 3)
     assert PoolSizes(1, 2).with_role("prefill", 3) == PoolSizes(3, 2)
+
+
+def test_requests_waiting_in_the_routers_queues_grow_the_decode_pool_by_one() -> None:
+    from dataclasses import replace
+
+    from services.planner.traffic import parse_queue
+
+    policy = Policy(PROFILE, Slo(ttft_s=10.0, itl_s=10.0), Limits(max_decode=3, cooldown_s=0))
+    quiet = Traffic(rate_per_s=1.0, mean_input_tokens=100, mean_output_tokens=10)
+    assert policy.decide(0.0, PoolSizes(1, 2), quiet).desired.decode == 1  # the SLOs alone: shrink
+    waiting = replace(quiet, queued=12, queue_wait_s=0.4)
+    decision = policy.decide(1.0, PoolSizes(1, 2), waiting)
+    assert decision.desired.decode == 3 and "12 requests wait" in decision.reason
+    assert policy.decide(2.0, PoolSizes(1, 3), waiting).desired.decode == 3  # at its maximum
+    text = ("# TYPE kvmesh_admission_queued gauge\nkvmesh_admission_queued 12.0\n"
+            "# TYPE kvmesh_admission_predicted_wait_seconds gauge\nkvmesh_admission_predicted_wait_seconds 0.4\n")
+    assert parse_queue(text) == (12.0, 0.4)

@@ -12,9 +12,24 @@ class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
     WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
     WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
+
+class Overload(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OVERLOAD_UNSPECIFIED: _ClassVar[Overload]
+    OVERLOAD_PREDICTED_LATENCY: _ClassVar[Overload]
+    OVERLOAD_QUEUE_FULL: _ClassVar[Overload]
+    OVERLOAD_QUEUE_EXPIRED: _ClassVar[Overload]
+    OVERLOAD_TENANT_CONCURRENCY: _ClassVar[Overload]
+    OVERLOAD_TENANT_TOKENS: _ClassVar[Overload]
 WORKER_ROLE_UNSPECIFIED: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
 WORKER_ROLE_PREFILL: WorkerRole
+OVERLOAD_UNSPECIFIED: Overload
+OVERLOAD_PREDICTED_LATENCY: Overload
+OVERLOAD_QUEUE_FULL: Overload
+OVERLOAD_QUEUE_EXPIRED: Overload
+OVERLOAD_TENANT_CONCURRENCY: Overload
+OVERLOAD_TENANT_TOKENS: Overload
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "min_tokens", "logprobs", "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "bad_words", "structured")
@@ -143,15 +158,31 @@ class RouteCandidate(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., cache_usage: _Optional[float] = ..., waiting: _Optional[int] = ..., logit: _Optional[float] = ..., host_overlap_blocks: _Optional[int] = ..., host_credit: _Optional[float] = ...) -> None: ...
 
 class StreamEnd(_message.Message):
-    __slots__ = ("stream_id", "code", "message", "final", "param")
+    __slots__ = ("stream_id", "code", "message", "final", "param", "retry_after_ms", "overload")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     PARAM_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    OVERLOAD_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     code: int
     message: str
     final: bool
     param: str
-    def __init__(self, stream_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., final: _Optional[bool] = ..., param: _Optional[str] = ...) -> None: ...
+    retry_after_ms: int
+    overload: Overload
+    def __init__(self, stream_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., final: _Optional[bool] = ..., param: _Optional[str] = ..., retry_after_ms: _Optional[int] = ..., overload: _Optional[_Union[Overload, str]] = ...) -> None: ...
+
+class Qos(_message.Message):
+    __slots__ = ("priority", "tenant", "ttft_objective_ms", "outside_queue_ms")
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TTFT_OBJECTIVE_MS_FIELD_NUMBER: _ClassVar[int]
+    OUTSIDE_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    priority: int
+    tenant: str
+    ttft_objective_ms: int
+    outside_queue_ms: int
+    def __init__(self, priority: _Optional[int] = ..., tenant: _Optional[str] = ..., ttft_objective_ms: _Optional[int] = ..., outside_queue_ms: _Optional[int] = ...) -> None: ...

@@ -69,7 +69,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "chat", "text", "tokens", "sampling", "n", "stop", "choice_offset", "resume", "explain")
+    __slots__ = ("request_id", "model", "chat", "text", "tokens", "sampling", "n", "stop", "choice_offset", "resume", "explain", "qos")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class GenerateRequest(_message.Message):
     CHOICE_OFFSET_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     EXPLAIN_FIELD_NUMBER: _ClassVar[int]
+    QOS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     chat: ChatInput
@@ -92,7 +93,8 @@ class GenerateRequest(_message.Message):
     choice_offset: int
     resume: _containers.RepeatedCompositeFieldContainer[ResumedChoice]
     explain: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., text: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., choice_offset: _Optional[int] = ..., resume: _Optional[_Iterable[_Union[ResumedChoice, _Mapping]]] = ..., explain: _Optional[bool] = ...) -> None: ...
+    qos: _common_pb2.Qos
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., text: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., choice_offset: _Optional[int] = ..., resume: _Optional[_Iterable[_Union[ResumedChoice, _Mapping]]] = ..., explain: _Optional[bool] = ..., qos: _Optional[_Union[_common_pb2.Qos, _Mapping]] = ...) -> None: ...
 
 class ResumedChoice(_message.Message):
     __slots__ = ("index", "token_ids")
@@ -103,16 +105,18 @@ class ResumedChoice(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RouteInfo(_message.Message):
-    __slots__ = ("worker_id", "prompt_tokens", "prefill", "explanation")
+    __slots__ = ("worker_id", "prompt_tokens", "prefill", "explanation", "queue_wait_ms")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     EXPLANATION_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     prompt_tokens: int
     prefill: _common_pb2.PrefillLocation
     explanation: _common_pb2.RouteExplanation
-    def __init__(self, worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prefill: _Optional[_Union[_common_pb2.PrefillLocation, _Mapping]] = ..., explanation: _Optional[_Union[_common_pb2.RouteExplanation, _Mapping]] = ...) -> None: ...
+    queue_wait_ms: int
+    def __init__(self, worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prefill: _Optional[_Union[_common_pb2.PrefillLocation, _Mapping]] = ..., explanation: _Optional[_Union[_common_pb2.RouteExplanation, _Mapping]] = ..., queue_wait_ms: _Optional[int] = ...) -> None: ...
 
 class ChoiceDelta(_message.Message):
     __slots__ = ("index", "text", "token_ids", "finish_reason", "logprobs", "token_texts", "reasoning", "tool_calls")

@@ -8,23 +8,33 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "model", "token_ids", "role", "exclude_worker_ids", "explain")
+    __slots__ = ("request_id", "model", "token_ids", "role", "exclude_worker_ids", "explain", "hold", "qos", "streams", "max_tokens", "queue_timeout_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
     EXPLAIN_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
+    QOS_FIELD_NUMBER: _ClassVar[int]
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     role: _common_pb2.WorkerRole
     exclude_worker_ids: _containers.RepeatedScalarFieldContainer[str]
     explain: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., explain: _Optional[bool] = ...) -> None: ...
+    hold: bool
+    qos: _common_pb2.Qos
+    streams: int
+    max_tokens: int
+    queue_timeout_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., explain: _Optional[bool] = ..., hold: _Optional[bool] = ..., qos: _Optional[_Union[_common_pb2.Qos, _Mapping]] = ..., streams: _Optional[int] = ..., max_tokens: _Optional[int] = ..., queue_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("worker_id", "address", "overlap_blocks", "prefix_hit_rate", "pool_waiting", "explanation", "host_overlap_blocks")
+    __slots__ = ("worker_id", "address", "overlap_blocks", "prefix_hit_rate", "pool_waiting", "explanation", "host_overlap_blocks", "queued", "queue_wait_ms")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +42,8 @@ class RouteResponse(_message.Message):
     POOL_WAITING_FIELD_NUMBER: _ClassVar[int]
     EXPLANATION_FIELD_NUMBER: _ClassVar[int]
     HOST_OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     overlap_blocks: int
@@ -39,7 +51,9 @@ class RouteResponse(_message.Message):
     pool_waiting: int
     explanation: _common_pb2.RouteExplanation
     host_overlap_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., pool_waiting: _Optional[int] = ..., explanation: _Optional[_Union[_common_pb2.RouteExplanation, _Mapping]] = ..., host_overlap_blocks: _Optional[int] = ...) -> None: ...
+    queued: bool
+    queue_wait_ms: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., pool_waiting: _Optional[int] = ..., explanation: _Optional[_Union[_common_pb2.RouteExplanation, _Mapping]] = ..., host_overlap_blocks: _Optional[int] = ..., queued: _Optional[bool] = ..., queue_wait_ms: _Optional[int] = ...) -> None: ...
 
 class FindMatchesRequest(_message.Message):
     __slots__ = ("model", "token_ids", "role")
