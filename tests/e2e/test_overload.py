@@ -20,6 +20,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.mesh.discovery import DECODE_WORKER, ROUTER
 from tests.procs import MODEL, Etcd, ServiceMesh, registered, wait_until
@@ -94,12 +95,9 @@ async def storm(base: str, heavy_per_s: float, light_per_s: float, seconds: floa
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            if re.match(rf"{name}(\{{|\s)", line):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
+    """The sum of the samples called `name` that carry `labels` (and any others)."""
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and labels.items() <= s.labels.items())
 
 
 def worker_requests(mesh: ServiceMesh) -> float:
