@@ -20,9 +20,10 @@ run: install
 test: install
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
-# The tests that start nothing (tests/unit/): seconds, for the edit-test loop.
+# The tests that start nothing (tests/unit/) and need no vLLM import, with a tenth of the
+# property tests' random search (tests/unit/budget.py): seconds, for the edit-test loop.
 test-unit: install
-	$(VPY) -m pytest tests/unit $(PYTEST_ARGS)
+	KVMESH_QUICK_PROPERTIES=1 $(VPY) -m pytest tests/unit -m "not vllm" -p no:schemathesis $(PYTEST_ARGS)
 
 protos: install
 	$(VPY) -m grpc_tools.protoc -I protos --python_out=gen --grpc_python_out=gen --pyi_out=gen $(PROTO_FILES)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import openai
 import pytest
 
 from tests.procs import Etcd, Mesh
+
+if TYPE_CHECKING:
+    import openai  # imported by the fixtures that use it: a second and a half `make test-unit` need not pay
 
 # The vLLM meshes' drain: a call still open when a test module ends is cut after this, so their
 # teardown fits Mesh.stop's wait (three vLLM children draining one after another).
@@ -45,11 +48,15 @@ def vllm_mesh(etcd: Etcd) -> Iterator[Mesh]:
 
 @pytest.fixture(scope="session")
 def mocker_client(mocker_mesh: Mesh) -> openai.OpenAI:
+    import openai
+
     return openai.OpenAI(base_url=mocker_mesh.base_url, api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="session")
 def vllm_client(vllm_mesh: Mesh) -> openai.OpenAI:
+    import openai
+
     return openai.OpenAI(base_url=vllm_mesh.base_url, api_key="unused", max_retries=0, timeout=120)
 
 

@@ -1,17 +1,16 @@
-"""Real processes for the tests: etcd, the launcher, single services. Output is kept for failures."""
+"""Real processes for the tests: etcd, the launcher, single services, a mesh of them. Output is
+kept for failures. The mesh starter and `Proc` are bench/common/mesh_process.py's, shared with
+the benchmarks."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -20,7 +19,9 @@ from pathlib import Path
 
 import httpx
 
-from services.mesh.discovery import InstanceInfo, component_prefix
+from bench.common.mesh_process import READY, LaunchedMesh, Proc, service_argv
+from services.mesh.discovery import (DECODE_WORKER, FRONTEND, PREFILL_WORKER, PROCESSOR, ROUTER, InstanceInfo,
+                                     component_prefix)
 from services.mesh.etcd_member import EtcdMember
 from services.mesh.etcd_store import EtcdStore
 from services.mesh.net import free_port
@@ -28,73 +29,6 @@ from services.mesh.tls import TlsConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "kvmesh-demo"
-
-
-class Proc:
-    """A child whose merged output is collected line by line on a thread."""
-
-    def __init__(self, argv: Sequence[str], name: str, env: dict[str, str] | None = None) -> None:
-        self.name = name
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        self.popen = subprocess.Popen(
-            list(argv), cwd=ROOT, env=full_env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-        )
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            with self._cond:
-                self.lines.append(line.rstrip("\n"))
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
-
-    def wait_for(self, pattern: str, timeout_s: float) -> re.Match[str]:
-        """The first output line matching `pattern`; fails with the output tail if the child dies."""
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout_s
-        seen = 0
-        with self._cond:
-            while True:
-                for line in self.lines[seen:]:
-                    if m := regex.search(line):
-                        return m
-                seen = len(self.lines)
-                if self.popen.poll() is not None and not self._reader.is_alive():
-                    raise RuntimeError(f"{self.name} exited ({self.popen.returncode}) before {pattern!r}:\n{self.tail()}")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"{self.name}: no {pattern!r} within {timeout_s}s:\n{self.tail()}")
-                self._cond.wait(min(remaining, 0.5))
-
-    def tail(self, n: int = 60) -> str:
-        with self._cond:
-            return "\n".join(self.lines[-n:])
-
-    def terminate(self) -> None:
-        """SIGTERM (the service drains); `stop` then waits for it."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-
-    def stop(self, timeout_s: float = 20) -> int:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(5)
-        self._reader.join(5)
-        return self.popen.returncode
-
-    def kill(self) -> None:
-        self.popen.kill()
-        self.popen.wait(10)
 
 
 @dataclass
@@ -144,29 +78,18 @@ def service(module: str, *args: str, name: str | None = None, env: dict[str, str
     return Proc([sys.executable, "-m", module, *args], name or module, env)
 
 
-@dataclass
-class Mesh:
+class Mesh(LaunchedMesh):
     """A mesh started by `services.launch` against the test etcd, in its own namespace."""
 
-    launcher: Proc
-    base_url: str
-    http_port: int
-    etcd: str
-    namespace: str
-    model: str
+    etcd: str = ""
+    namespace: str = ""
 
     @classmethod
     def launch(cls, etcd: str, namespace: str, engine: str, *extra: str, timeout_s: float = 300) -> Mesh:
-        port = free_port()
-        if "--prefill-workers" not in extra:
-            extra = ("--prefill-workers", "0", *extra)
-        launcher = service("services.launch", "--engine", engine, "--etcd-endpoints", etcd, "--namespace", namespace,
-                           "--http-port", str(port), *extra, name=f"launch-{namespace}")
-        m = launcher.wait_for(r"^READY (\S+)", timeout_s)
-        return cls(launcher, m.group(1), port, etcd, namespace, "kvmesh-demo")
-
-    def stop(self) -> int:
-        return self.launcher.stop(timeout_s=30)
+        mesh = cls.start("--engine", engine, "--etcd-endpoints", etcd, "--namespace", namespace, *extra,
+                         timeout_s=timeout_s, log_level=None, name=f"launch-{namespace}")
+        mesh.etcd, mesh.namespace = etcd, namespace
+        return mesh
 
 
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:  # noqa: ANN001
@@ -204,55 +127,67 @@ def registered(etcd: str, namespace: str, component: str, tls: TlsConfig | None 
 
 
 class ServiceMesh:
-    """Router, processor and frontend as separate processes; workers are added by the tests."""
+    """Router, processor and frontend as separate processes; workers are added by the tests.
+    Stopped by `stop`, or at the end of a `with` block; a start that fails stops what it started."""
 
     def __init__(self, etcd: str, router_mode: str = "kv", processor_flags: Sequence[str] = (),
                  processors: int = 1, frontend_flags: Sequence[str] = (), env: dict[str, str] | None = None,
-                 router_flags: Sequence[str] = ()) -> None:
-        """`env` is added to every process's environment, the workers' included."""
+                 router_flags: Sequence[str] = (), flags: Sequence[str] = (), namespace: str | None = None) -> None:
+        """`env` is added to every process's environment and `flags` to every command line, the
+        workers' included."""
         self.etcd = etcd
-        self.namespace = f"mesh-{uuid.uuid4().hex[:8]}"
+        self.namespace = namespace or f"mesh-{uuid.uuid4().hex[:8]}"
         self.port = free_port()
         self.env = env
-        common = ["--etcd-endpoints", etcd, "--namespace", self.namespace]
-        self.processors = [service("services.processor", *common, *processor_flags, name=f"processor-{i}", env=env)
-                           for i in range(processors)]
-        self.procs = [
-            service("services.kv_router", *common, "--router-mode", router_mode, *router_flags, name="router", env=env),
-            *self.processors,
-            service("services.frontend", *common, "--http-port", str(self.port), *frontend_flags, name="frontend",
-                    env=env),
-        ]
-        self.procs[-1].wait_for("listening on", 60)
-        for processor in self.processors:
-            processor.wait_for(r"processor \w+ for", 60)
+        self.flags = tuple(flags)
+        self.procs: list[Proc] = []
+        try:
+            self.procs.append(self._start(ROUTER, "--router-mode", router_mode, *router_flags, name="router"))
+            self.processors = [self._start(PROCESSOR, *processor_flags, name=f"processor-{i}")
+                               for i in range(processors)]
+            self.procs += self.processors
+            self.procs.append(self._start(FRONTEND, "--http-port", str(self.port), *frontend_flags, name="frontend"))
+            self.procs[-1].wait_for(READY[FRONTEND], 60)
+            for processor in self.processors:
+                processor.wait_for(READY[PROCESSOR], 60)
+        except BaseException:
+            self.stop()
+            raise
+
+    def __enter__(self) -> ServiceMesh:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+    def _start(self, component: str, *flags: str, name: str) -> Proc:
+        return Proc(service_argv(component, self.etcd, self.namespace, *self.flags, *flags), name, self.env)
 
     def worker(self, *extra: str) -> tuple[Proc, list[str]]:
         """A mocker decode worker process joining this mesh; returns it and its instance ids."""
-        return self._worker("decode-worker", *extra)
+        return self._worker(DECODE_WORKER, *extra)
 
     def prefill_worker(self, *extra: str) -> tuple[Proc, list[str]]:
-        return self._worker("prefill-worker", *extra)
+        return self._worker(PREFILL_WORKER, *extra)
 
     def switchable_worker(self, start_as: str, *extra: str) -> tuple[Proc, list[str]]:
         """A mocker worker that can change role, registered first in `start_as`'s pool."""
-        return self._worker("decode-worker", "--switchable", "--kv-transfer", "nixl", "--start-as", start_as, *extra,
+        return self._worker(DECODE_WORKER, "--switchable", "--kv-transfer", "nixl", "--start-as", start_as, *extra,
                             ready_as=f"{start_as}-worker")
 
     def _worker(self, component: str, *extra: str, ready_as: str | None = None) -> tuple[Proc, list[str]]:
-        proc = service(f"services.{component.replace('-', '_')}", "--etcd-endpoints", self.etcd,
-                       "--namespace", self.namespace, "--engine", "mocker", "--speedup", "20", *extra, name=component,
-                       env=self.env)
+        proc = self._start(component, "--engine", "mocker", "--speedup", "20", *extra, name=component)
         self.procs.append(proc)  # before the wait: a worker that never gets ready is still stopped
-        ids = proc.wait_for(rf"{ready_as or component} ready: (.+)$", 60).group(1).split()
+        ids = proc.wait_for(READY[ready_as or component], 60).group(1).split()
         return proc, ids
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
-    def complete(self, prompt: str | list[int] = "hello", max_tokens: int = 3) -> httpx.Response:
+    def complete(self, prompt: str | list[int] = "hello", max_tokens: int = 3,
+                 headers: dict[str, str] | None = None) -> httpx.Response:
         return httpx.post(self.url("/v1/completions"), json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens},
-                          timeout=30)
+                          headers=headers, timeout=30)
 
     def find_matches(self, token_ids: list[int]) -> dict[str, int]:
         return find_matches(self.etcd, self.namespace, token_ids)
@@ -266,8 +201,7 @@ class ServiceMesh:
         old = self.procs[0]
         old_ids = {i.instance_id for i in registered(self.etcd, self.namespace, "kv-router")}
         assert old.stop() == 0, old.tail()
-        self.procs[0] = service("services.kv_router", "--etcd-endpoints", self.etcd, "--namespace", self.namespace,
-                                "--router-mode", router_mode, name="router", env=self.env)
+        self.procs[0] = self._start(ROUTER, "--router-mode", router_mode, name="router")
         assert wait_until(lambda: {i.instance_id for i in registered(self.etcd, self.namespace, "kv-router")} - old_ids
                           and not old_ids & {i.instance_id for i in registered(self.etcd, self.namespace, "kv-router")},
                           30)

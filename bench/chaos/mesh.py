@@ -4,7 +4,8 @@ Layout (`MeshLayout`): 2 kv-routers, 2 processors, 1 frontend, 2 prefill workers
 workers on the mocker, disaggregated (decode workers prefill prompts of more than
 `max_local_prefill_length` uncached tokens on the prefill workers over NIXL). Each process logs to
 its own file in the run directory; `ChaosMesh` starts them, starts replacements, tells which
-instances etcd lists, and stops everything at the end.
+instances etcd lists, and stops everything at the end. Each service's command line and the line
+it prints once it serves are the shared starter's (bench/common/mesh_process.py).
 """
 
 from __future__ import annotations
@@ -19,18 +20,13 @@ from pathlib import Path
 import aiohttp
 
 from bench.chaos.procs import Child, ChildFailed, EtcdServer, spawn
-from services.launch.children import python_module
-from services.mesh.net import free_port
-from services.mesh.discovery import InstanceInfo, component_prefix
+from bench.common.mesh_process import MODULES, READY, service_argv
+from services.mesh.discovery import (DECODE_WORKER, FRONTEND, PREFILL_WORKER, PROCESSOR, ROUTER, InstanceInfo,
+                                     component_prefix)
 from services.mesh.etcd_store import EtcdStore, StoreUnavailable
+from services.mesh.net import free_port
 
-ROUTER, PROCESSOR, FRONTEND = "kv-router", "processor", "frontend"
-PREFILL, DECODE = "prefill-worker", "decode-worker"
-MODULES = {ROUTER: "services.kv_router", PROCESSOR: "services.processor", FRONTEND: "services.frontend",
-           PREFILL: "services.prefill_worker", DECODE: "services.decode_worker"}
-# What each component prints or logs once it serves; group 1 (when present) holds its instance ids.
-READY = {ROUTER: r"router (\w+) \(", PROCESSOR: r"processor (\w+) for", FRONTEND: r"frontend (\w+) listening on",
-         PREFILL: r"prefill-worker ready: (.+)$", DECODE: r"decode-worker ready: (.+)$"}
+PREFILL, DECODE = PREFILL_WORKER, DECODE_WORKER
 READY_TIMEOUT_S = 90.0
 
 
@@ -109,8 +105,7 @@ class ChaosMesh:
 
     def _argv(self, role: str) -> list[str]:
         lay = self.layout
-        args = ["--etcd-endpoints", self.etcd.endpoint, "--namespace", self.namespace,
-                "--drain-timeout", f"{lay.drain_timeout_s:g}"]
+        args = ["--drain-timeout", f"{lay.drain_timeout_s:g}"]
         if role == FRONTEND:
             args += ["--http-port", str(self.http_port)]
         elif role == ROUTER:
@@ -119,7 +114,7 @@ class ChaosMesh:
             args += ["--engine", "mocker", "--speedup", f"{lay.speedup:g}", "--kv-transfer", "nixl"]
         if role == DECODE:
             args += ["--remote-prefill", "--max-local-prefill-length", str(lay.max_local_prefill_length)]
-        return python_module(MODULES[role], *args)
+        return service_argv(role, self.etcd.endpoint, self.namespace, *args)
 
     # -- what etcd says ---------------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """Child processes for the chaos run: services and etcd, each with its output in a log file.
 
-bench/ never imports tests/, so the chaos run keeps its own small helpers here. Everything is
-asyncio-friendly (polling with short sleeps, never blocking the event loop for long): the load,
-the faults and the metrics scraper share one loop. Every child gets the environment variable
+Unlike the shared starter's `Proc` (bench/common/mesh_process.py: output kept in memory, read on
+a thread), a chaos child writes a log file the run keeps. Everything is asyncio-friendly (polling
+with short sleeps, never blocking the event loop for long): the load, the faults and the metrics
+scraper share one loop. Every child gets the environment variable
 `KVMESH_CHAOS_RUN=<namespace>`, so `leftovers` can find anything of the run still alive at the
 end, even a grandchild that was reparented to init.
 """

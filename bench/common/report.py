@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from services.mesh.stats import percentile
+from services.profiles.stats import percentile
 
 __all__ = ["percentile", "median", "table", "save_json", "bar_plot"]
 

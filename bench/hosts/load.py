@@ -22,7 +22,7 @@ import httpx
 
 from bench.hosts.faults import Fault
 from bench.hosts.mesh import HostsMesh
-from services.mesh.stats import percentile
+from services.profiles.stats import percentile
 
 MODEL = "kvmesh-demo"
 TOKENS = 120

@@ -14,16 +14,15 @@ UCX would otherwise pick shared memory, which no partition of the network cuts, 
 from __future__ import annotations
 
 import asyncio
-import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
 
-from bench.chaos.mesh import DECODE, FRONTEND, MODULES, PREFILL, PROCESSOR, ROUTER, MeshLayout
+from bench.chaos.mesh import DECODE, FRONTEND, PREFILL, PROCESSOR, ROUTER, MeshLayout
 from bench.chaos.procs import Child, ChildFailed, spawn
+from bench.common.mesh_process import READY, service_argv
 from bench.hosts.netns import Bed, Host
-from services.launch.readiness import ready_pattern
 from services.mesh.discovery import InstanceInfo, component_prefix, instances_prefix
 from services.mesh.etcd_member import EtcdMember
 from services.mesh.etcd_store import EtcdStore
@@ -134,7 +133,7 @@ class HostsMesh:
         for name, host in self.placed.items():
             kind = name.rsplit("-", 1)[0]
             env = WORKER_ENV if kind.endswith("-worker") else None
-            waits.append(self._service(name, host, MODULES[kind], *flags[kind], ready=kind, env=env))
+            waits.append(self._service(name, host, kind, *flags[kind], env=env))
         await asyncio.gather(*waits)
         await self._healthy()
 
@@ -148,13 +147,11 @@ class HostsMesh:
             argv = replace(member, cluster=cluster).argv()
             self.children.append(spawn(f"etcd-{member.name}", "etcd", host.argv(*argv), self.run_dir, self.namespace))
 
-    async def _service(self, name: str, host: Host, module: str, *flags: str, ready: str,
-                       env: dict[str, str] | None) -> Child:
-        argv = host.argv(sys.executable, "-m", module, "--etcd-endpoints", self.endpoints, "--namespace",
-                         self.namespace, "--host", host.address, *flags)
-        child = spawn(name, ready, argv, self.run_dir, self.namespace, env)
+    async def _service(self, name: str, host: Host, kind: str, *flags: str, env: dict[str, str] | None) -> Child:
+        argv = host.argv(*service_argv(kind, self.endpoints, self.namespace, "--host", host.address, *flags))
+        child = spawn(name, kind, argv, self.run_dir, self.namespace, env)
         self.children.append(child)
-        await child.wait_for_line(ready_pattern(ready).pattern, START_TIMEOUT_S)
+        await child.wait_for_line(READY[kind], START_TIMEOUT_S)
         return child
 
     async def _healthy(self) -> None:

@@ -15,22 +15,22 @@ from services.decode_worker.remote_prefill import DisaggMetrics, RemotePrefiller
 from services.decode_worker.service import DecodeServicer
 from services.engines.base import Engine
 from services.mesh.discovery import DECODE_WORKER, ROUTER
-from services.mesh.router_client import RouterClient
+from services.routing.router_client import RouterClient
 from services.worker.kv_event_log import KvEventLog
-from services.mesh.worker_roles import RoleName
+from services.contract.worker_roles import RoleName
 from services.worker.role_switch import always
 from services.worker.runtime import Role, ServicesFactory, WorkerContext, WorkerServices, main
 
 
 async def prepare(ctx: WorkerContext) -> ServicesFactory:
     """Per process: the disaggregation rule, its metrics, and a router client for the prefill pool."""
-    config = disagg_config(ctx.args, kv_transfer=ctx.engine.kv_transfer == "nixl")
+    config = disagg_config(ctx.args, can_receive_kv=ctx.engine.kv_transfer == "nixl")
     metrics = DisaggMetrics(ctx.registry)
     prefiller = None
     if config.remote_prefill:
         routers = RouterClient(await ctx.runner.watch_component(ROUTER), ctx.runner.sessions)
-        prefiller = RemotePrefiller(config, ctx.engine.served_model_name, routers, ctx.runner.channels, metrics,
-                                    ctx.tracing)
+        prefiller = RemotePrefiller(config, ctx.engine.served_model_name, routers, ctx.runner.sessions,
+                                    ctx.runner.channels, metrics, ctx.tracing)
 
     def services(engine: Engine, worker_id: str, events: KvEventLog) -> WorkerServices:
         engine.set_kv_transfer_sink(metrics.record_transfer)
@@ -48,7 +48,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def check_flags(args: argparse.Namespace, spec: EngineConfig) -> None:
-    disagg_config(args, kv_transfer=spec.kv_transfer == "nixl")
+    disagg_config(args, can_receive_kv=spec.kv_transfer == "nixl")
     if args.switchable and spec.kv_transfer != "nixl":
         die("--switchable needs --kv-transfer nixl (the prefill role hands its KV over NIXL)")
     if args.start_as != RoleName.DECODE and not args.switchable:

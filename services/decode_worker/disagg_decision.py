@@ -22,10 +22,10 @@ class DisaggConfig:
     max_prefill_queue_size: int = 2
     prefill_timeout_s: float = 30.0
     # Whether this worker can receive a prompt's KV from a prefill worker (NIXL).
-    kv_transfer: bool = True
+    can_receive_kv: bool = True
 
     def __post_init__(self) -> None:
-        if self.remote_prefill and not self.kv_transfer:
+        if self.remote_prefill and not self.can_receive_kv:
             raise ConfigError("--remote-prefill needs --kv-transfer nixl (the KV cache has to come over NIXL)")
         if self.max_local_prefill_length < 0 or self.max_prefill_queue_size < 0:
             raise ConfigError("--max-local-prefill-length and --max-prefill-queue-size must be >= 0")

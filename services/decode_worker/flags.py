@@ -27,10 +27,10 @@ def add_disagg_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     return g
 
 
-def disagg_config(args: argparse.Namespace, kv_transfer: bool) -> DisaggConfig:
-    """`--remote-prefill` unset means: on exactly when this worker can receive KV (`kv_transfer`)."""
-    remote = kv_transfer if args.remote_prefill is None else args.remote_prefill
+def disagg_config(args: argparse.Namespace, can_receive_kv: bool) -> DisaggConfig:
+    """`--remote-prefill` unset means: on exactly when this worker can receive KV (`--kv-transfer nixl`)."""
+    remote = can_receive_kv if args.remote_prefill is None else args.remote_prefill
     return validated(lambda: DisaggConfig(
         remote_prefill=remote, conditional_disagg=args.conditional_disagg,
         max_local_prefill_length=args.max_local_prefill_length, max_prefill_queue_size=args.max_prefill_queue_size,
-        prefill_timeout_s=args.prefill_timeout, kv_transfer=kv_transfer))
+        prefill_timeout_s=args.prefill_timeout, can_receive_kv=can_receive_kv))

@@ -2,8 +2,11 @@
 
 The decode worker asks the router for the best prefill worker (KV-aware over the prefill pool,
 which also reports the pool's queue), applies the disaggregation rule, and calls that worker's
-Prefill with a deadline. Whatever goes wrong on the way — no prefill worker, an error, the
-deadline — the answer is "prefill locally": logged at WARNING and counted as a fallback.
+prefill with a deadline, over the session to it (`Prefiller.Session`: frames, outcomes,
+deadlines and cancellation as on every other hop). Whatever goes wrong on the way — no prefill
+worker, an error, the deadline — the answer is "prefill locally": logged at WARNING and counted
+as a fallback under the reason the outcome table gives (services/contract/outcomes.py, hop
+PREFILL), which also says which prefill workers to set aside for a while.
 
 A prompt worth prefilling remotely is traced as a `remote prefill` span: the router's `route`
 span and the prefill worker's `prefill` span sit under it, and a fallback is an error on it.
@@ -11,9 +14,9 @@ span and the prefill worker's `prefill` span sit under it, and a fallback is an 
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from opentelemetry import trace
@@ -21,22 +24,20 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.contract.outcomes import Hop, fallback_reason, verdict
 from services.decode_worker.disagg_decision import DisaggConfig, absolute_prefill_length, prefill_remote, worth_remote
 from services.mesh.channels import ChannelPool
 from services.mesh.hop_latency import hop_latency_histogram
 from services.mesh.recent_failures import RecentFailures
-from services.mesh.router_client import NoWorkerError, RouterClient, RoutingError
+from services.mesh.session_client import SessionPool
+from services.mesh.session_kind import PREFILL_SESSION, CallError
 from services.mesh.tracing import TRACING_OFF, Tracing, outgoing_metadata
+from services.routing.router_client import NoWorkerError, RouterClient, RoutingError
+from services.worker.kv_pull import kv_pull_from_proto
 
 log = logging.getLogger(__name__)
 
 RELEASE_TIMEOUT_S = 2.0
-# A prefill worker unreachable or too slow is set aside (RecentFailures) rather than chosen again
-# until its lease runs out; one that answered with an error is not gone.
-PREFILL_WORKER_FAILED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-# A failed Prefill call's reason on kvmesh_decode_prefill_fallback_total; any other status is "error".
-FALLBACK_REASONS = {grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
-                    grpc.StatusCode.RESOURCE_EXHAUSTED: "busy"}  # no room for more KV held for pulling
 
 
 class DisaggMetrics:
@@ -83,16 +84,18 @@ class DisaggMetrics:
 class RemotePrefill:
     worker_id: str
     address: str
-    kv_transfer: dict
+    # What the decode engine needs to pull the KV (EngineRequest.kv_pull).
+    kv_pull: dict[str, Any]
 
 
 class RemotePrefiller:
-    def __init__(self, config: DisaggConfig, model: str, routers: RouterClient, channels: ChannelPool,
-                 metrics: DisaggMetrics, tracing: Tracing = TRACING_OFF) -> None:
+    def __init__(self, config: DisaggConfig, model: str, routers: RouterClient, sessions: SessionPool,
+                 channels: ChannelPool, metrics: DisaggMetrics, tracing: Tracing = TRACING_OFF) -> None:
         self.config = config
         self._tracing = tracing
         self._model = model
         self._routers = routers
+        self._sessions = sessions
         self._channels = channels
         self.metrics = metrics
         self._failed = RecentFailures()
@@ -128,19 +131,20 @@ class RemotePrefiller:
         if span.is_recording():
             span.set_attributes({"kvmesh.request_id": rid, "kvmesh.prefill_worker_id": route.worker_id,
                                  "kvmesh.prompt_tokens": len(tokens)})
-        stub = worker_pb2_grpc.PrefillerStub(self._channels.get(route.address))
+        session = self._sessions.get(PREFILL_SESSION, route.address)
         try:
-            reply = await stub.Prefill(worker_pb2.PrefillRequest(request_id=rid, token_ids=tokens, sampling=sampling),
-                                       timeout=self.config.prefill_timeout_s, metadata=outgoing_metadata())
-        except grpc.aio.AioRpcError as exc:
-            reason = FALLBACK_REASONS.get(exc.code(), "error")
-            if exc.code() in PREFILL_WORKER_FAILED:
+            reply = await session.call(worker_pb2.PrefillRequest(request_id=rid, token_ids=tokens, sampling=sampling),
+                                       self.config.prefill_timeout_s, outgoing_metadata())
+        except CallError as exc:
+            judged = verdict(Hop.PREFILL, exc.outcome)
+            if judged.set_aside:
                 self._failed.add(route.worker_id)
-            self.fallback(rid, reason, f"prefill worker {route.worker_id}: {exc.code().name} {exc.details()}", span)
+            self.fallback(rid, fallback_reason(exc.outcome),
+                          f"prefill worker {route.worker_id}: {exc.outcome_name} {exc.message}", span)
             return None
         log.info("request %s: %d tokens prefilled remotely on %s (%d cached there)", rid, len(tokens),
                  route.worker_id, reply.cached_tokens)
-        return RemotePrefill(route.worker_id, route.address, json.loads(reply.kv_transfer_json))
+        return RemotePrefill(route.worker_id, route.address, kv_pull_from_proto(reply.kv_pull))
 
     def fallback(self, rid: str, reason: str, detail: str, span: Span = trace.INVALID_SPAN) -> None:
         """Counts and logs a remote prefill given up for a local one; `span`, the remote prefill's,

@@ -23,12 +23,12 @@ from dataclasses import replace
 from gen.kvmesh.v1 import worker_pb2
 from services.decode_worker.disagg_decision import absolute_prefill_length
 from services.decode_worker.remote_prefill import DisaggMetrics, RemotePrefill, RemotePrefiller
-from services.engines.base import Engine, FinishReason
+from services.engines.base import Engine
 from services.mesh.session_kind import CallInfo, TokenRow
 from services.mesh.tasks import cancel_and_wait
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
-from services.mesh.worker_roles import RoleName
+from services.contract.worker_roles import RoleName
 from services.worker.kv_event_log import KvEventLog
 from services.worker.pacing import DEFAULT_INTERVAL_S
 from services.worker.role_switch import Admit, always
@@ -94,7 +94,7 @@ class DecodeServicer(WorkerServicer):
         if remote is not None:
             started = False
             try:
-                outputs = self.stream(replace(local, kv_transfer=remote.kv_transfer), remote_prefill(remote.worker_id),
+                outputs = self.stream(replace(local, kv_pull=remote.kv_pull), remote_prefill(remote.worker_id),
                                       reply)
                 async with aclosing(outputs):
                     # Current while the engine pulls, so what it reports of the transfer lands on it.
@@ -104,10 +104,9 @@ class DecodeServicer(WorkerServicer):
                         first = await anext(outputs, None)
                         if first is None:
                             return
-                        # A generation's first reply is always a message (WorkerServicer.stream).
+                        # A generation's first reply is always a message (WorkerServicer.stream); an
+                        # engine that dropped the request raised CallError (PEER_FAILED) instead.
                         assert not isinstance(first, list)
-                        if first.finish_reason == FinishReason.ABORT:
-                            raise RuntimeError("the engine aborted the request it was to decode from remote KV")
                     started = True
                     yield first
                     async for msg in outputs:

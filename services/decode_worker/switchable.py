@@ -13,7 +13,7 @@ from gen.kvmesh.v1 import worker_pb2_grpc
 from services.engines.base import Engine
 from services.mesh.grpc_server import ServiceBinding
 from services.worker.prefill_servicer import PREFILLER_SERVICE, PrefillServicer
-from services.mesh.worker_roles import RoleName
+from services.contract.worker_roles import RoleName
 from services.worker.role_switch import ROLE_CONTROL_SERVICE, RoleSwitch
 from services.worker.runtime import WorkerContext, WorkerServices
 from services.worker.servicer import WorkerServicer

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import abc
 import enum
+import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from services.kv_protocol.events import KvEventData
-
-if TYPE_CHECKING:
-    from services.engines.output_channel import RowTap
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +73,7 @@ class EngineRequest:
     token_ids: list[int]
     sampling: Sampling
     # Set when a prefill worker computed this prompt's KV: what the engine needs to pull it.
-    kv_transfer: dict | None = None
+    kv_pull: dict | None = None
     # A request moved from another worker: the last `resumed_tokens` of token_ids are output it
     # already generated there, to be continued as if the sequence had never broken.
     resumed_tokens: int = 0
@@ -85,7 +82,7 @@ class EngineRequest:
 @dataclass(frozen=True, slots=True)
 class PrefillResult:
     # What a decode engine needs to pull the prompt's KV (engine-specific, JSON-serialisable).
-    kv_transfer: dict
+    kv_pull: dict
     # Prompt tokens found in this engine's own prefix cache.
     cached_tokens: int = 0
 
@@ -98,9 +95,9 @@ class TokenLogprobs:
 
 
 class FinishReason(enum.StrEnum):
-    """Why a request's generation ended. STOP and LENGTH are OpenAI's and reach clients; ABORT is
-    the mesh's own (the engine dropped the request: cancelled, or lost with its worker) and is
-    never shown to a client: the processor migrates the request or ends it with an error."""
+    """Why a request's generation ended. STOP and LENGTH travel on (common.proto's FinishReason);
+    ABORT (the engine dropped the request: cancelled, or lost with its worker) does not: the
+    worker ends the call with OUTCOME_PEER_FAILED instead, and the processor moves the request."""
 
     STOP = "stop"
     LENGTH = "length"
@@ -116,7 +113,7 @@ class EngineOutput:
     cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
     # Set by a prefill run on its last output: what a decode engine needs to pull the KV.
-    kv_transfer: dict | None = None
+    kv_pull: dict | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,3 +221,40 @@ class Engine(abc.ABC):
         sink = getattr(self, "_transfer_sink", None)
         if sink is not None:
             sink(nbytes, seconds)
+
+
+class RowTap:
+    """Where an engine may deliver a request's plain outputs itself (see output_channel.py):
+    the mocker from its step (OutputChannel), vLLM from its output loop (vllm_row_tap.py).
+    Closed until the consumer opens it; engines that cannot use it ignore it."""
+
+    __slots__ = ("_to", "_interval_s", "_last", "_closed")
+
+    def __init__(self) -> None:
+        self._to: Callable[[list[int]], None] | None = None
+        self._closed = False
+        self._interval_s = 0.0
+        self._last = 0.0
+
+    def open(self, to: Callable[[list[int]], None], interval_s: float) -> None:
+        """From now on plain outputs may go to `to`: the caller's chain up to it has no buffer."""
+        if not self._closed:
+            self._to, self._interval_s, self._last = to, interval_s, time.monotonic()
+
+    def close(self) -> None:
+        """For good: the chain may buffer outputs from now on (pacing merges them)."""
+        self._to = None
+        self._closed = True
+
+    def take(self, out: EngineOutput) -> bool:
+        """Delivers `out` through the tap if it is open and `out` may go that way."""
+        to = self._to
+        if to is None or out.finish_reason is not None or out.logprobs is not None or out.kv_pull is not None:
+            return False
+        now = time.monotonic()
+        if now - self._last < self._interval_s:
+            self.close()  # outputs come faster than the pacing: they take the chain from now on
+            return False
+        self._last = now
+        to(out.token_ids)
+        return True

@@ -17,48 +17,9 @@ where pacing merges what comes fast (worker/pacing.py).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
-from collections.abc import Callable
 
-from services.engines.base import EngineOutput
-
-
-class RowTap:
-    """Where an engine may deliver a request's plain outputs itself (see the module's doc):
-    the mocker from its step (OutputChannel), vLLM from its output loop (vllm_row_tap.py).
-    Closed until the consumer opens it; engines that cannot use it ignore it."""
-
-    __slots__ = ("_to", "_interval_s", "_last", "_closed")
-
-    def __init__(self) -> None:
-        self._to: Callable[[list[int]], None] | None = None
-        self._closed = False
-        self._interval_s = 0.0
-        self._last = 0.0
-
-    def open(self, to: Callable[[list[int]], None], interval_s: float) -> None:
-        """From now on plain outputs may go to `to`: the caller's chain up to it has no buffer."""
-        if not self._closed:
-            self._to, self._interval_s, self._last = to, interval_s, time.monotonic()
-
-    def close(self) -> None:
-        """For good: the chain may buffer outputs from now on (pacing merges them)."""
-        self._to = None
-        self._closed = True
-
-    def take(self, out: EngineOutput) -> bool:
-        """Delivers `out` through the tap if it is open and `out` may go that way."""
-        to = self._to
-        if to is None or out.finish_reason is not None or out.logprobs is not None or out.kv_transfer is not None:
-            return False
-        now = time.monotonic()
-        if now - self._last < self._interval_s:
-            self.close()  # outputs come faster than the pacing: they take the chain from now on
-            return False
-        self._last = now
-        to(out.token_ids)
-        return True
+from services.engines.base import EngineOutput, RowTap
 
 
 class OutputChannel:

@@ -23,13 +23,13 @@ from services.engines.base import (
     FinishReason,
     LoadSnapshot,
     PrefillResult,
+    RowTap,
     Sampling,
     Structured,
     TokenLogprobs,
     UnsupportedFieldError,
 )
 from services.engines.model_facts import read_model_facts
-from services.engines.output_channel import RowTap
 from services.engines.vllm_kv_events import VllmKvEventListener
 from services.engines.vllm_row_tap import tap_request
 from services.engines.vllm_warmup import WarmUpPlan, warm_up
@@ -47,7 +47,8 @@ class VllmConfig:
     # On CPU, the KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE); ignored on GPU.
     cpu_kv_cache_gib: int = 1
     gpu_memory_utilization: float = 0.85
-    kv_transfer: dict[str, Any] | None = None
+    # vLLM's KVTransferConfig for its KV connector (NIXL between prefill and decode workers).
+    kv_connector: dict[str, Any] | None = None
     # vLLM's native CPU offloading, sized to this many KV blocks (0: off; GPU only).
     host_kv_blocks: int = 0
     # Where vLLM publishes its KV events to this worker (a free loopback port the worker chose).
@@ -192,10 +193,10 @@ class VllmEngine(Engine):
             # its offloading connector to this config).
             kwargs["kv_transfer_config"] = KVTransferConfig(
                 kv_connector_extra_config={"self_describing_kv_events": True})
-        elif self.config.kv_transfer:
+        elif self.config.kv_connector:
             from vllm.config import KVTransferConfig
 
-            kwargs["kv_transfer_config"] = KVTransferConfig(**self.config.kv_transfer)
+            kwargs["kv_transfer_config"] = KVTransferConfig(**self.config.kv_connector)
         args = AsyncEngineArgs(**kwargs)
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._load.factory()])
         self._num_blocks = int(self._llm.vllm_config.cache_config.num_gpu_blocks or 0)
@@ -272,19 +273,19 @@ class VllmEngine(Engine):
 
     async def generate(self, request: EngineRequest, tap: RowTap | None = None) -> AsyncGenerator[EngineOutput, None]:
         # `tap`: vLLM's per-step output loop may hand plain outputs to it (vllm_row_tap.py).
-        extra = {"kv_transfer_params": request.kv_transfer} if request.kv_transfer else None
+        extra = {"kv_transfer_params": request.kv_pull} if request.kv_pull else None
         async for output in self._generate(request, extra, tap=tap):
             yield output
 
     async def prefill(self, request: EngineRequest) -> PrefillResult:
         """Prompt with one output token; vLLM keeps the KV for the decode engine to pull via NIXL."""
-        if not self.config.kv_transfer:
+        if not self.config.kv_connector:
             return await super().prefill(request)
         one = EngineRequest(request.request_id, request.token_ids, replace(request.sampling, max_tokens=1))
         cached, params = 0, None
         async for out in self._generate(one, {"kv_transfer_params": {"do_remote_decode": True}}, keep_params=True):
             cached = out.cached_tokens
-            params = out.kv_transfer or params
+            params = out.kv_pull or params
         if params is None:
             raise RuntimeError("vLLM returned no KV transfer parameters (is the NixlConnector configured?)")
         return PrefillResult(params, cached)
@@ -304,7 +305,7 @@ class VllmEngine(Engine):
             except VLLMClientError as exc:
                 # vLLM refused the request itself (a token out of vocabulary, a schema its grammar
                 # backend cannot compile, ...): the Engine interface says ValueError, which
-                # workers answer with INVALID_ARGUMENT, naming the field when vLLM names one.
+                # workers answer with OUTCOME_BAD_REQUEST, naming the field when vLLM names one.
                 raise UnsupportedFieldError(_param_of(exc, request.sampling), str(exc)) from exc
             except StopAsyncIteration:
                 return
@@ -319,7 +320,7 @@ class VllmEngine(Engine):
                     logprobs=_logprobs(completion) if request.sampling.logprobs is not None else None,
                 )
                 if keep_params and out.kv_transfer_params:
-                    result.kv_transfer = dict(out.kv_transfer_params)
+                    result.kv_pull = dict(out.kv_transfer_params)
                 yield result
 
 

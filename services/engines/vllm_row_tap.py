@@ -20,8 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from services.engines.base import EngineOutput
-from services.engines.output_channel import RowTap
+from services.engines.base import EngineOutput, RowTap
 
 log = logging.getLogger(__name__)
 

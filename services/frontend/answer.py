@@ -24,6 +24,7 @@ from services.frontend.inflight import Lease
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.processor_stream import ProcessorStream
 from services.frontend.responses import (
+    finish_name,
     SSE_DONE,
     ChoiceAccumulator,
     TextEvents,
@@ -245,10 +246,10 @@ class Answer:
                 opened.add(d.index)
                 delta["role"] = "assistant"
             chunk = self._choice_chunk(d.index, delta, chat_logprobs([d]) if d.logprobs else None,
-                                       d.finish_reason or None)
+                                       finish_name(d.finish_reason))
         else:
             chunk = self._choice_chunk(d.index, d.text, completion_logprobs([d]) if d.logprobs else None,
-                                       d.finish_reason or None)
+                                       finish_name(d.finish_reason))
         return sse(chunk)
 
     async def collect(self) -> dict:
@@ -261,7 +262,7 @@ class Answer:
             if d.logprobs:
                 acc.tokens.append(d)
             if d.finish_reason:
-                acc.finish_reason = d.finish_reason
+                acc.finish_reason = finish_name(d.finish_reason)
         out = []
         for index in sorted(choices):
             acc = choices[index]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from gen.kvmesh.v1 import common_pb2, processor_pb2
-from services.frontend.agent_schemas import structured_from_format, structured_from_vllm, tool_choice_of
+from services.contract.json_value import to_json_value
+from services.frontend.agent_schemas import Tool, structured_from_format, structured_from_vllm, tool_choice_of
+from services.frontend.errors import ApiError
 from services.frontend.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest, GenerationRequest
 
 # The smallest positive float32: a smaller top_p would reach the engine as 0 (invalid) though
@@ -56,22 +59,45 @@ def _chat_input(req: ChatCompletionRequest, chat: processor_pb2.ChatInput) -> No
     chat.add_generation_prompt = req.add_generation_prompt
     chat.continue_final_message = req.continue_final_message
     chat.messages.extend(_message(m) for m in req.messages)
-    if req.tools:
-        chat.tools_json = json.dumps([t.model_dump(by_alias=True, exclude_none=True) for t in req.tools])
-        chat.tool_choice.CopyFrom(tool_choice_of(req.tool_choice, req.parallel_tool_calls))
     kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    if req.tools:
+        with _no_lone_surrogate("tools"):
+            chat.tools.extend(_tool(t) for t in req.tools)
+        chat.tool_choice.CopyFrom(tool_choice_of(req.tool_choice, req.parallel_tool_calls))
     if kwargs:
-        chat.template_kwargs_json = json.dumps(kwargs)
+        with _no_lone_surrogate("chat_template_kwargs"):
+            chat.template_kwargs.CopyFrom(to_json_value(kwargs))
+
+
+@contextmanager
+def _no_lone_surrogate(param: str) -> Iterator[None]:
+    """No protobuf string carries a lone surrogate (which JSON may escape): one in a tool's
+    parameters or a template argument (the only free JSON here; every other string was checked
+    by its schema) is refused naming its field, with the message the processor gave one that
+    reached the prompt."""
+    try:
+        yield
+    except UnicodeEncodeError:
+        raise ApiError(400, "the rendered prompt is not valid Unicode (an unpaired surrogate escape in tools or "
+                            "chat_template_kwargs)", param=param, code="invalid_request") from None
+
+
+def _tool(tool: Tool) -> processor_pb2.Tool:
+    f = tool.function
+    out = processor_pb2.Tool(name=f.name, description=f.description, strict=f.strict)
+    if f.parameters is not None:
+        out.parameters.CopyFrom(to_json_value(f.parameters))
+    return out
 
 
 def _message(m: ChatMessageIn) -> processor_pb2.ChatMessage:
     out = processor_pb2.ChatMessage(role=m.role, content=m.text(), name=m.name or "", no_content=m.content is None,
                                     tool_call_id=m.tool_call_id or "",
                                     reasoning=m.reasoning_content or m.reasoning or "")
-    if m.tool_calls:
-        out.tool_calls_json = json.dumps([c.model_dump() for c in m.tool_calls])
+    out.tool_calls.extend(processor_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                          for c in m.tool_calls or ())
     return out
 
 

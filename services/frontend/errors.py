@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import math
 
-import grpc
 from pydantic import BaseModel
 from starlette.responses import JSONResponse
 
-from gen.kvmesh.v1 import common_pb2
+from services.contract.outcomes import http_answer
 from services.mesh.session_kind import CallError
 
 _TYPES = {
@@ -65,31 +64,10 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status, headers=out_headers)
 
 
-_GRPC_TO_HTTP = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "context_length_exceeded"),
-    grpc.StatusCode.NOT_FOUND: (404, "model_not_found"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "overloaded"),
-    grpc.StatusCode.UNAVAILABLE: (503, "unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (503, "timeout"),
-    grpc.StatusCode.CANCELLED: (503, "cancelled"),
-}
-
-
-# The error code of each reason admission refuses a request for.
-_OVERLOAD_CODES = {
-    common_pb2.OVERLOAD_PREDICTED_LATENCY: "overloaded",
-    common_pb2.OVERLOAD_QUEUE_FULL: "overloaded",
-    common_pb2.OVERLOAD_QUEUE_EXPIRED: "overloaded",
-    common_pb2.OVERLOAD_TENANT_CONCURRENCY: "tenant_concurrency_limit",
-    common_pb2.OVERLOAD_TENANT_TOKENS: "rate_limit_exceeded",
-}
-
-
-def from_grpc(exc: CallError) -> ApiError:
-    status, code = _GRPC_TO_HTTP.get(exc.code, (500, "internal_error"))
-    code = _OVERLOAD_CODES.get(exc.overload, code)
-    return ApiError(status, exc.message or exc.code.name, param=exc.param or None, code=code,
+def answered(exc: CallError) -> ApiError:
+    """A call's outcome as the HTTP error the request is answered with (contract/outcomes.py)."""
+    answer = http_answer(exc.outcome, exc.overload)
+    return ApiError(answer.status, exc.message or exc.outcome_name, param=exc.param or None, code=answer.code,
                     retry_after_ms=exc.retry_after_ms)
 
 

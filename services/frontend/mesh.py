@@ -6,9 +6,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
-from services.mesh.discovery import ComponentView, InstanceInfo
+from services.mesh.discovery import ComponentView
 from services.mesh.session_client import Session, SessionPool
 from services.mesh.session_kind import PROCESSOR_SESSION
+from services.mesh.turns import in_turn
 
 
 @dataclass
@@ -31,12 +32,12 @@ class MeshView:
 
     def processor_for(self, model: str, exclude: Sequence[str] = ()) -> tuple[str, Session] | None:
         """The next processor of `model` in turn, skipping `exclude`: its id and the session to it."""
-        candidates: list[InstanceInfo] = sorted(
-            (p for p in self.processors.instances.values() if p.model == model and p.instance_id not in exclude),
-            key=lambda p: p.instance_id)
+        candidates = in_turn((p for p in self.processors.instances.values()
+                              if p.model == model and p.instance_id not in exclude),
+                             next(self._turn), lambda p: p.instance_id)
         if not candidates:
             return None
-        chosen = candidates[next(self._turn) % len(candidates)]
+        chosen = candidates[0]
         return chosen.instance_id, self.sessions.get(PROCESSOR_SESSION, chosen.address)
 
     def health(self) -> tuple[bool, str]:

@@ -11,10 +11,11 @@ instead:
   continuing each after its tokens without sending their text again (decode workers continue a
   sequence exactly), so the client sees one stream.
 
-"Failed" means the call broke (UNAVAILABLE, CANCELLED, UNKNOWN, INTERNAL) without the processor
-saying so itself: an error a processor chose to return (bad input, no worker for the model)
-is marked final and is the answer. Failed processors are kept out of the
-gateway's choices for a while (RecentFailures), not only until their lease expires.
+Which outcomes move the stream and which are its answer is the outcome table's
+(services/contract/outcomes.py, hop PROCESSOR): a processor gone, draining or failing is moved
+from; what a processor answers (bad input, no worker for the model, overload) is the answer.
+Processors moved from are kept out of the gateway's choices for a while (RecentFailures), not
+only until their lease expires.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
-import grpc
-
 from gen.kvmesh.v1 import processor_pb2
-from services.frontend.errors import ApiError, from_grpc
+from services.contract.outcomes import Action, Hop, verdict
+from services.frontend.errors import ApiError, answered
 from services.frontend.mesh import MeshView
 from services.mesh.recent_failures import RecentFailures
 from services.mesh.session_client import SessionStream
@@ -35,8 +35,6 @@ from services.mesh.tracing import outgoing_metadata
 
 log = logging.getLogger(__name__)
 
-PROCESSOR_FAILED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
-                              grpc.StatusCode.INTERNAL})
 # Processors tried per stream, counting the first; each failure excludes the one that failed.
 MAX_PROCESSORS_PER_STREAM = 4
 
@@ -114,16 +112,15 @@ class ProcessorStream:
                     yield msg
                 return
             except CallError as exc:
-                if not self._failed(exc) or len(self._tried) >= MAX_PROCESSORS_PER_STREAM:
-                    raise from_grpc(exc) from None
-                self._failures.add(self._processor)
+                if not self._moves(exc, started=True) or len(self._tried) >= MAX_PROCESSORS_PER_STREAM:
+                    raise answered(exc) from None
                 if len(self._finished) == len(self._tokens):
                     # Every choice had finished; only the usage was lost with the processor.
                     yield self._usage(processor_pb2.GenerateResponse(usage=processor_pb2.Usage(
                         prompt_tokens=self._route.prompt_tokens if self._route else 0)))
                     return
                 log.warning("request %s: processor %s failed mid-stream (%s); taking the stream over elsewhere",
-                            self._request.request_id, self._processor, exc.code.name)
+                            self._request.request_id, self._processor, exc.outcome_name)
                 self.took_over = True
                 await self._open(self._takeover_request())
 
@@ -167,7 +164,7 @@ class ProcessorStream:
     async def _open(self, request: processor_pb2.GenerateRequest) -> processor_pb2.RouteInfo:
         last: CallError | None = None
         while len(self._tried) < MAX_PROCESSORS_PER_STREAM:
-            chosen = self._mesh.processor_for(request.model, exclude=self._tried + self._failures.current())
+            chosen = self._mesh.processor_for(request.model, exclude=self._failures.excluding(self._tried))
             if chosen is None:
                 break
             self._processor, session = chosen
@@ -183,20 +180,26 @@ class ProcessorStream:
             try:
                 msg = await anext(call, None)
             except CallError as exc:
-                if not self._failed(exc):
-                    raise from_grpc(exc) from None
+                if not self._moves(exc, started=False):
+                    raise answered(exc) from None
                 last = exc
-                self._failures.add(self._processor)
                 log.warning("request %s: processor %s failed before answering (%s); trying another",
-                            request.request_id, self._processor, exc.code.name)
+                            request.request_id, self._processor, exc.outcome_name)
                 continue
             if msg is None or msg.WhichOneof("kind") != "route":
                 raise ApiError(503, "the processor closed the stream before routing", code="unavailable")
             return msg.route
         if last is not None:
-            raise ApiError(503, f"no processor could take the request: {last.message or last.code.name}",
+            raise ApiError(503, f"no processor could take the request: {last.message or last.outcome_name}",
                            code="unavailable")
         raise ApiError(503, f"no processor serves {request.model[:200]!r} right now", code="unavailable")
 
-    def _failed(self, exc: CallError) -> bool:
-        return not self._cancelled and exc.code in PROCESSOR_FAILED and not exc.final
+    def _moves(self, exc: CallError, started: bool) -> bool:
+        """Whether the stream goes on at another processor (the outcome table); the processor
+        is set aside where the table says so."""
+        if self._cancelled:
+            return False
+        judged = verdict(Hop.PROCESSOR, exc.outcome, started)
+        if judged.set_aside:
+            self._failures.add(self._processor)
+        return judged.action is not Action.ANSWER

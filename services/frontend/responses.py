@@ -9,6 +9,17 @@ import msgspec
 
 from gen.kvmesh.v1 import common_pb2, processor_pb2
 
+# A choice's finish reason as OpenAI's APIs name it (None: still running).
+FINISH_NAMES: dict[int, str | None] = {common_pb2.FINISH_REASON_UNSPECIFIED: None,
+                                       common_pb2.FINISH_REASON_STOP: "stop",
+                                       common_pb2.FINISH_REASON_LENGTH: "length",
+                                       common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls"}
+
+
+def finish_name(reason: common_pb2.FinishReason) -> str | None:
+    # A reason this gateway does not know yet (a newer processor's) still ends the choice.
+    return FINISH_NAMES.get(reason, "stop")
+
 
 @dataclass
 class ChoiceAccumulator:

@@ -16,7 +16,7 @@ from typing import Any
 
 from gen.kvmesh.v1 import processor_pb2
 from services.frontend.errors import ApiError
-from services.frontend.responses import SSE_DONE, sse
+from services.frontend.responses import SSE_DONE, finish_name, sse
 
 # Responses fields that need state or features the mesh does not have.
 _REFUSED = {
@@ -148,7 +148,7 @@ class ResponseBuilder:
                                                    "arguments": ""})
             call["arguments"] += c.arguments
         if d.finish_reason:
-            self.finish = d.finish_reason
+            self.finish = finish_name(d.finish_reason) or ""
 
     def output(self) -> list[dict]:
         out: list[dict] = []

@@ -29,7 +29,7 @@ from services.frontend.agent_schemas import (
     valid_unicode,
 )
 from services.frontend.errors import ApiError
-from services.mesh.request_limits import INT64_MAX, MAX_LOGPROBS, MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, UINT32_MAX
+from services.contract.request_limits import INT64_MAX, MAX_LOGPROBS, MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, UINT32_MAX
 
 INT32_MAX = 2**31 - 1
 INT64_MIN = -(2**63)

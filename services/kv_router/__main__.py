@@ -8,12 +8,15 @@ import sys
 
 from prometheus_client import CollectorRegistry
 
-from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
-from services.kv_router.flags import add_router_flags, admission_config, router_config
+from gen.kvmesh.v1 import router_pb2, router_pb2_grpc
+from services.contract.worker_roles import RoleName
 from services.routing.admission.admission_metrics import AdmissionMetrics
 from services.routing.admission.gate import Admission
 from services.routing.admission.tenant_policy import PolicyFile
-from services.routing.servicer import RouterMetrics, RouterServicer
+from services.routing.flags import add_router_flags, admission_config, router_config
+from services.routing.router import Router
+from services.routing.router_metrics import RouterMetrics
+from services.routing.servicer import RouterServicer
 from services.routing.worker_pool import SYNC_TIMEOUT_S, WorkerPool
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, ROUTER, InstanceInfo, new_instance_id
 from services.mesh.flags import (
@@ -32,7 +35,7 @@ from services.mesh.tracing import start_tracing
 
 log = logging.getLogger("kv_router")
 
-POOLS: dict[int, str] = {common_pb2.WORKER_ROLE_DECODE: DECODE_WORKER, common_pb2.WORKER_ROLE_PREFILL: PREFILL_WORKER}
+POOLS: dict[RoleName, str] = {RoleName.DECODE: DECODE_WORKER, RoleName.PREFILL: PREFILL_WORKER}
 
 
 def parser() -> FlagParser:
@@ -46,7 +49,7 @@ def parser() -> FlagParser:
     return p
 
 
-async def _sync_indexes(pools: dict[int, WorkerPool], timeout_s: float) -> None:
+async def _sync_indexes(pools: dict[RoleName, WorkerPool], timeout_s: float) -> None:
     """A router joins the mesh only once its index holds the workers' caches (resumed or from a
     snapshot): a fresh or restarted router that answered at once would route blind, sending
     prefix-sharing requests anywhere until the KV events caught up."""
@@ -75,17 +78,17 @@ def main() -> None:
     async def assemble(runner: ServiceRunner) -> None:
         tracing = start_tracing(runner)  # first: torn down last, after the drain's last spans
         await runner.connect_store()
-        pools: dict[int, WorkerPool] = {}
+        pools: dict[RoleName, WorkerPool] = {}
         for role, component in POOLS.items():
             pool = pools[role] = WorkerPool(await runner.watch_component(component), runner.channels)
             runner.on_teardown(f"stop {component} subscriptions", pool.stop)
         await _sync_indexes(pools, args.sync_timeout)
         registry = CollectorRegistry()
         routers = await runner.watch_component(ROUTER)
-        gate = Admission(pools[common_pb2.WORKER_ROLE_DECODE], admission, AdmissionMetrics(registry), policies,
+        gate = Admission(pools[RoleName.DECODE], admission, AdmissionMetrics(registry), policies,
                          routers=lambda: max(1, len(routers.instances)))
         runner.watch(asyncio.create_task(gate.follow_policies(), name="tenant policies"), "tenant policies")
-        servicer = RouterServicer(pools, config, RouterMetrics(registry), tracing, gate)
+        servicer = RouterServicer(Router(pools, config, RouterMetrics(registry), gate), tracing)
         binding = ServiceBinding(router_pb2_grpc.add_RouterServicer_to_server, servicer,
                                  router_pb2.DESCRIPTOR.services_by_name["Router"].full_name)
         port, _ = await runner.serve_grpc([binding], args.port)

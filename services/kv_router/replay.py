@@ -29,7 +29,7 @@ import msgspec
 
 from services.mesh.flags import FlagParser
 from services.kv_protocol.hashing import SequenceHash, local_block_hashes
-from services.mesh.stats import percentile
+from services.profiles.stats import percentile
 from services.routing.kv_index import EventError, KvIndex, StoredBlock
 from services.routing.radix_tree import RadixTree
 from services.routing.reference_index import ReferenceIndex

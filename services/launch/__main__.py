@@ -19,7 +19,7 @@ from services.launch.children import Child
 from services.launch.config import LaunchConfig, load
 from services.launch.console import Console
 from services.launch.etcd_child import EtcdChild
-from services.mesh.worker_roles import RoleName
+from services.contract.worker_roles import RoleName
 from services.launch.plan import plan_children, worker_factory
 from services.launch.readiness import wait_ready
 from services.launch.run_dir import create_run_dir

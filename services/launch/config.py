@@ -28,7 +28,7 @@ import yaml
 
 from services.decode_worker.flags import add_disagg_flags
 from services.frontend.flags import add_frontend_flags
-from services.kv_router.flags import add_router_flags
+from services.routing.flags import add_router_flags
 from services.mesh.flags import (
     DEFAULT_ETCD,
     ConfigError,

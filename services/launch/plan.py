@@ -11,7 +11,7 @@ from services.launch.config import LaunchConfig
 from services.launch.console import Console
 from services.launch.readiness import ready_pattern
 from services.launch.run_dir import log_names
-from services.mesh.worker_roles import RoleName
+from services.contract.worker_roles import RoleName
 
 
 def plan_children(cfg: LaunchConfig, etcd: str, model: str, console: Console | None = None,

@@ -19,7 +19,7 @@ from gen.kvmesh.v1 import launcher_pb2, launcher_pb2_grpc
 from services.launch.children import Child
 from services.launch.supervision import CHILD_EXIT_MARGIN_S, keep_running
 from services.mesh.tasks import cancel_and_wait
-from services.mesh.worker_roles import RoleName, requested_role
+from services.contract.worker_roles import RoleName, requested_role
 
 log = logging.getLogger(__name__)
 

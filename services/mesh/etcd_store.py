@@ -39,6 +39,12 @@ class StoreUnavailable(Exception):
     """etcd cannot be reached or answered with an error."""
 
 
+class WatchNotConfirmed(StoreUnavailable):
+    """etcd did not confirm a new watch in time. Routine on a busy machine (a vLLM engine loading
+    starves the event loop for seconds): the connection is not taken for broken, and the caller
+    sets the watch up again from a fresh listing."""
+
+
 @dataclass(frozen=True, slots=True)
 class KeyValue:
     key: str
@@ -184,7 +190,12 @@ class EtcdStore:
 
     async def watch_prefix(self, prefix: str, start_revision: int) -> AsyncIterator[WatchEvent]:
         client = await self._ready()
-        watch = await self._on(client, lambda c: c.watch_prefix(prefix.encode(), start_revision=start_revision))
+        try:
+            watch = await client.watch_prefix(prefix.encode(), start_revision=start_revision)
+        except aetcd.exceptions.WatchTimeoutError:
+            raise WatchNotConfirmed(f"etcd did not confirm the watch on {prefix} in time") from None
+        except (asyncio.CancelledError, Exception) as exc:  # see _on
+            raise self._failed(exc, client) from exc
         try:
             async for event in watch:
                 yield WatchEvent(event.kv.key.decode(), event.kv.value, event.kind == "DELETE")

@@ -10,13 +10,12 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
-from services.mesh.config_error import ConfigError
+from services.mesh.config_error import ConfigError, die
 from services.mesh.tls import TlsConfig, tls_config, tls_flag_defaults
 
 DEFAULT_ETCD = "http://127.0.0.1:2379"
@@ -26,9 +25,6 @@ DEFAULT_LOG_LEVEL = "INFO"
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("text", "json")
-# Exit status for bad flags (argparse's own), and for a mesh that cannot be reached at start-up.
-EXIT_BAD_FLAGS = 2
-EXIT_UNREACHABLE = 3
 
 T = TypeVar("T")
 
@@ -206,12 +202,6 @@ def forward_flags(args: argparse.Namespace, actions: Iterable[argparse.Action], 
         else:
             argv += [flag, str(value)]
     return argv
-
-
-def die(reason: str, code: int = EXIT_BAD_FLAGS) -> NoReturn:
-    """Exits with a single-line reason: `error: <reason>` on stderr."""
-    print(f"error: {reason}", file=sys.stderr, flush=True)
-    raise SystemExit(code)
 
 
 def positive_int(text: str) -> int:

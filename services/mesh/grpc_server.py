@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gen.kvmesh.v1 import common_pb2
 from services.mesh.session_kind import CallError
 from services.mesh.tls import TlsConfig
 
@@ -67,34 +68,41 @@ async def start_server(
     return server, bound, health_servicer
 
 
-# Trailing metadata on an error a service chose to return ("this request is bad", "no worker
-# can take it"), as opposed to one from a process that died or a connection that broke: a
-# caller must not try the same request on another instance.
-FINAL_ERROR_KEY = "kvmesh-final-error"
+# A per-request RPC's end carries its outcome (common.proto's Outcome, by name) in this trailer,
+# beside the gRPC status below that means the most to a plain gRPC client (grpcurl).
+OUTCOME_KEY = "kvmesh-outcome"
 # A refused request's field at fault (CallError.param) on a per-request RPC.
 PARAM_KEY = "kvmesh-param"
 # A request refused under overload: when a retry may fit, in milliseconds (CallError.retry_after_ms).
 RETRY_AFTER_KEY = "retry-after-ms"
 
-
-async def abort_final(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
-    """Ends the call with an error the caller must take as the answer (see FINAL_ERROR_KEY)."""
-    await context.abort(code, details, trailing_metadata=((FINAL_ERROR_KEY, "1"),))
-    raise AssertionError("abort raises")
-
-
-def is_final(exc: grpc.aio.AioRpcError) -> bool:
-    return any(key == FINAL_ERROR_KEY for key, _ in (exc.trailing_metadata() or ()))
+STATUS_OF: dict[common_pb2.Outcome, grpc.StatusCode] = {
+    common_pb2.OUTCOME_PEER_GONE: grpc.StatusCode.UNAVAILABLE,
+    common_pb2.OUTCOME_PEER_DRAINING: grpc.StatusCode.UNAVAILABLE,
+    common_pb2.OUTCOME_PEER_FAILED: grpc.StatusCode.INTERNAL,
+    common_pb2.OUTCOME_OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    common_pb2.OUTCOME_NO_CAPACITY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    common_pb2.OUTCOME_BAD_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
+    common_pb2.OUTCOME_CONTEXT_TOO_LONG: grpc.StatusCode.OUT_OF_RANGE,
+    common_pb2.OUTCOME_NO_WORKER: grpc.StatusCode.NOT_FOUND,
+    common_pb2.OUTCOME_MODEL_NOT_SERVED: grpc.StatusCode.NOT_FOUND,
+    common_pb2.OUTCOME_DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
+    common_pb2.OUTCOME_READ_TOO_SLOWLY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    common_pb2.OUTCOME_CANCELLED: grpc.StatusCode.CANCELLED,
+    common_pb2.OUTCOME_UNSUPPORTED: grpc.StatusCode.FAILED_PRECONDITION,
+    common_pb2.OUTCOME_SESSION_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: CallError) -> NoReturn:
-    """Ends a per-request RPC with a `CallError`'s status (final ones marked with FINAL_ERROR_KEY)."""
-    trailers: tuple[tuple[str, str], ...] = ((FINAL_ERROR_KEY, "1"),) if exc.final else ()
+    """Ends a per-request RPC with a `CallError`: its outcome's status, the outcome itself (and
+    the field at fault, and when to retry) in the trailers."""
+    trailers: tuple[tuple[str, str], ...] = ((OUTCOME_KEY, f"OUTCOME_{exc.outcome_name}"),)
     if exc.param:
         trailers += ((PARAM_KEY, exc.param),)
     if exc.retry_after_ms:
         trailers += ((RETRY_AFTER_KEY, str(exc.retry_after_ms)),)
-    await context.abort(exc.code, exc.message, trailing_metadata=trailers)
+    await context.abort(STATUS_OF.get(exc.outcome, grpc.StatusCode.UNKNOWN), exc.message, trailing_metadata=trailers)
     raise AssertionError("abort raises")
 
 

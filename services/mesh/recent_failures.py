@@ -11,6 +11,7 @@ decode workers, the gateway one for processors.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 
 # Longer than the lease TTL (10 s), so the entry outlives a dead instance's registration.
 HOLD_S = 15.0
@@ -18,13 +19,16 @@ MAX_ENTRIES = 1024
 
 
 class RecentFailures:
-    def __init__(self, hold_s: float = HOLD_S, max_entries: int = MAX_ENTRIES) -> None:
+    def __init__(self, hold_s: float = HOLD_S, max_entries: int = MAX_ENTRIES,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: seconds from any fixed point; a test passes its own to expire entries at once."""
         self._hold_s = hold_s
         self._max_entries = max_entries
+        self._clock = clock
         self._until: dict[str, float] = {}
 
     def add(self, instance_id: str) -> None:
-        now = time.monotonic()
+        now = self._clock()
         self._prune(now)
         if len(self._until) >= self._max_entries:
             self._until.pop(next(iter(self._until)))
@@ -34,11 +38,16 @@ class RecentFailures:
         """The instance answered again: no longer kept out."""
         self._until.pop(instance_id, None)
 
+    def excluding(self, tried: Sequence[str]) -> list[str]:
+        """What a request's next choice must avoid: the instances it tried, then those failing
+        lately, each once."""
+        return list(tried) + [i for i in self.current() if i not in tried]
+
     def current(self) -> list[str]:
         """The instances to keep out of choices right now."""
         if not self._until:
             return []
-        self._prune(time.monotonic())
+        self._prune(self._clock())
         return list(self._until)
 
     def _prune(self, now: float) -> None:

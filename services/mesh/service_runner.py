@@ -9,9 +9,10 @@ never keep a lease alive or an engine process running.
 
 SIGTERM drains, by the same reverse order: the lease goes first (peers stop choosing this
 instance), then a short propagation delay (requests already routed here still arrive and are
-served), then servers stop taking new calls (gRPC answers UNAVAILABLE, which callers retry
-elsewhere) and give those in flight up to `--drain-timeout` to finish; what is still running
-then is cancelled (a decode worker's callers move it to another worker).
+served), then servers stop taking new calls (gRPC answers UNAVAILABLE, and sessions refuse
+new calls with OUTCOME_PEER_DRAINING, which callers retry elsewhere) and give those in flight up
+to `--drain-timeout` to finish; what is still running then is cancelled (a decode worker's
+callers move it to another worker).
 
 Exit status: 0 after a stop signal, the `SystemExit` code of a deliberate exit (bad flags 2,
 etcd unreachable 3), 1 after a crash or a watched task that ended.
@@ -36,7 +37,8 @@ from services.mesh.channels import ChannelPool
 from services.mesh.discovery import ComponentView, InstanceInfo, instance_key
 from services.mesh.etcd_lease import LeasedRegistration
 from services.mesh.etcd_store import EtcdStore, KeyValueStore, StoreUnavailable
-from services.mesh.flags import EXIT_UNREACHABLE, MeshConfig, die
+from services.mesh.config_error import EXIT_UNREACHABLE, die
+from services.mesh.flags import MeshConfig
 from services.mesh.gc_pauses import GcPauses
 from services.mesh.grpc_server import ServiceBinding, start_server
 from services.mesh.metrics_http import serve_metrics

@@ -10,13 +10,13 @@ frame; one reader task hands each reply to its call's buffer. The reader never w
 consumer, so a slow consumer (an HTTP client that reads slowly) never holds up the other calls
 of its session. Bounds, and what happens at them:
 - a call's unread responses: `max_buffered_per_call`; past it that call alone fails with
-  RESOURCE_EXHAUSTED (its consumer reads too slowly) and is cancelled at the peer;
+  OUTCOME_READ_TOO_SLOWLY and is cancelled at the peer;
 - a session's unread responses: `max_buffered_per_session`; past it the call with the most
   unread responses fails the same way.
-A call has one deadline: sent to the peer (which ends it DEADLINE_EXCEEDED) and kept here too, so
+A call has one deadline: sent to the peer (which ends it OUTCOME_DEADLINE) and kept here too, so
 a peer that never answers still cannot hold a caller past it. A session that breaks (the peer
 died, the connection dropped, the peer drained and closed it) fails every call open on it with
-UNAVAILABLE; the next `get` opens a new session.
+OUTCOME_PEER_GONE; the next `get` opens a new session.
 """
 
 from __future__ import annotations
@@ -33,10 +33,14 @@ import grpc
 
 from services.mesh.channels import ChannelPool
 from services.mesh.hop_latency import FrameClock
+from gen.kvmesh.v1 import common_pb2
 from services.mesh.session_kind import OK, CallError, SessionKind
 from services.mesh.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
+
+PEER_GONE = common_pb2.OUTCOME_PEER_GONE
+PEER_FAILED = common_pb2.OUTCOME_PEER_FAILED
 
 # Requests per frame down: a frame of long prompts stays far below the gRPC message limit.
 MAX_DOWN_FRAME_BYTES = 8 * 1024 * 1024
@@ -106,12 +110,12 @@ class SessionStream:
         """The response of a call that has one."""
         async for response in self:
             return response
-        raise CallError(grpc.StatusCode.INTERNAL, f"{self._session.kind.name}: the call ended without a response")
+        raise CallError(PEER_FAILED, f"{self._session.kind.name}: the call ended without a response")
 
     def cancel(self) -> None:
         """Gives the call up: the peer stops it; a stream that already ended is left as it is."""
         if not self._ended:
-            self._finish(CallError(grpc.StatusCode.CANCELLED, "the call was cancelled"))
+            self._finish(CallError(common_pb2.OUTCOME_CANCELLED, "the call was cancelled"))
             self._session._cancel(self.stream_id)
 
     # -- from the session --------------------------------------------------------------------
@@ -197,11 +201,11 @@ class Session:
 
     def open(self, request: Any, timeout_s: float | None = None,
              metadata: Iterable[tuple[str, str]] | None = None) -> SessionStream:
-        """Starts a call; a session already broken gives a stream that fails with UNAVAILABLE."""
+        """Starts a call; a session already broken gives a stream that fails with OUTCOME_PEER_GONE."""
         sid = next(self._ids)
         stream = SessionStream(sid, self)
         if self.closed:
-            stream._finish(CallError(grpc.StatusCode.UNAVAILABLE, f"the session to {self.address} is closed"))
+            stream._finish(CallError(PEER_GONE, f"the session to {self.address} is closed"))
             return stream
         self.streams[sid] = stream
         timeout_ms = 0
@@ -221,7 +225,7 @@ class Session:
             stream.cancel()
 
     async def close(self) -> None:
-        self._break(grpc.StatusCode.UNAVAILABLE, f"the session to {self.address} was closed")
+        self._break(f"the session to {self.address} was closed")
         await cancel_and_wait(self._reader, self._writer)
 
     # -- calls ending ------------------------------------------------------------------------
@@ -239,24 +243,25 @@ class Session:
 
     def _expire(self, stream: SessionStream, timeout_s: float) -> None:
         if not stream._ended:
-            self._fail(stream, CallError(grpc.StatusCode.DEADLINE_EXCEEDED,
+            self._fail(stream, CallError(common_pb2.OUTCOME_DEADLINE,
                                          f"no answer from {self.address} within the call's {timeout_s:.1f}s deadline"))
 
     def _overflow(self, stream: SessionStream) -> None:
         unread = len(stream._items)
         log.warning("%s session to %s: call %d failed, %d responses unread", self.kind.name, self.address,
                     stream.stream_id, unread)
-        self._fail(stream, CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                     f"the response is read too slowly ({unread} messages waited unread)", final=True))
+        self._fail(stream, CallError(common_pb2.OUTCOME_READ_TOO_SLOWLY,
+                                     f"the response is read too slowly ({unread} messages waited unread)"))
 
-    def _break(self, code: grpc.StatusCode, message: str) -> None:
-        """The session is over: every call still open fails (never final: the caller may retry)."""
+    def _break(self, message: str) -> None:
+        """The session is over: every call still open fails with OUTCOME_PEER_GONE (the caller
+        may try another peer)."""
         if self.closed:
             return
         self.closed = True
         streams, self.streams = self.streams, {}
         for stream in streams.values():
-            stream._finish(CallError(code, message))
+            stream._finish(CallError(PEER_GONE, message))
         self._call.cancel()
         self._wake.set()
 
@@ -268,7 +273,7 @@ class Session:
             while True:
                 frame = await self._call.read()
                 if frame is grpc.aio.EOF:
-                    self._break(grpc.StatusCode.UNAVAILABLE, f"{self.address} closed the {self.kind.name} session")
+                    self._break(f"{self.address} closed the {self.kind.name} session")
                     return
                 self.frames_received += 1
                 clock.reading_ns = frame.sent_unix_ns
@@ -279,8 +284,7 @@ class Session:
                 finally:
                     clock.reading_ns = 0  # replies made from here on are not made of this frame
         except grpc.aio.AioRpcError as exc:
-            self._break(grpc.StatusCode.UNAVAILABLE,
-                        f"the {self.kind.name} session to {self.address} broke: {exc.code().name} {exc.details()}")
+            self._break(f"the {self.kind.name} session to {self.address} broke: {exc.code().name} {exc.details()}")
 
     async def _hand_out_rows(self, frame: Any) -> None:
         """A frame's rows to their calls, before its replies and ends (session_kind.py), letting
@@ -311,7 +315,7 @@ class Session:
         for end in frame.ends:
             stream = streams.pop(end.stream_id, None)
             if stream is not None:
-                stream._finish(None if end.code == OK else CallError.from_end(end))
+                stream._finish(None if end.outcome == OK else CallError.from_end(end))
 
     async def _write(self) -> None:
         call_type, down_type = self.kind.call, self.kind.down
@@ -348,7 +352,7 @@ class Session:
                     announce = False
                 await self._call.write(frame)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
-            self._break(grpc.StatusCode.UNAVAILABLE, f"the {self.kind.name} session to {self.address} broke: {exc}")
+            self._break(f"the {self.kind.name} session to {self.address} broke: {exc}")
 
 
 class SessionPool:

@@ -1,10 +1,11 @@
 """What both ends of a multiplexed session agree on: the frame types, and how a call fails.
 
 A session is one long-lived bidirectional gRPC stream between two processes that carries the
-calls of many requests (the hot path: gateway -> processor, processor -> router, processor ->
-decode worker). Frames down open calls (`calls`: stream id, deadline, trace metadata, request)
-and cancel them (`cancel`); frames up carry replies (`replies`: stream id, response) and ends
-(`ends`: StreamEnd). Each service's protos define its three frame messages with these field
+calls of many requests (every hop of a request: gateway -> processor, processor -> router,
+processor -> decode worker, decode worker -> router and -> prefill worker). Frames down open
+calls (`calls`: stream id, deadline, trace metadata, request) and cancel them (`cancel`); frames
+up carry replies (`replies`: stream id, response) and ends (`ends`: StreamEnd with the call's
+outcome). Each service's protos define its three frame messages with these field
 names; `SessionKind` names them for the generic client and server. A kind may also carry rows
 (`ReplyRows`): replies with nothing but tokens, packed as columns in `up.rows` for a caller that
 set `down.accepts_rows` on its first frame (the worker session: `TokenRows`; the processor
@@ -13,23 +14,22 @@ session: `TextRows`).
 Rules both ends keep:
 - a call's replies arrive in order, and all of them before its end;
 - an end is sent once per call, except for a call the caller cancelled (it expects nothing);
-- a session that breaks fails every call still open on it with UNAVAILABLE, never final, so
-  callers retry or migrate each call as they would after a broken unary call.
+- a session that breaks fails every call still open on it with OUTCOME_PEER_GONE, so callers
+  retry or migrate each call as they would after a broken unary call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 
 from gen.kvmesh.v1 import common_pb2, processor_pb2, router_pb2, worker_pb2
 
-# Status codes by value, for StreamEnd.code.
-CODES = {code.value[0]: code for code in grpc.StatusCode}
-OK = grpc.StatusCode.OK.value[0]
+Outcome: TypeAlias = common_pb2.Outcome
+OK = common_pb2.OUTCOME_OK
 
 
 TokenRow = list[int]
@@ -128,36 +128,48 @@ class SessionKind:
 
 
 class CallError(Exception):
-    """A call on a session (or the per-request RPC served by the same code) ended with a status.
+    """A call on a session (or the per-request RPC served by the same code) ended otherwise than
+    OK, and how: its `outcome` (common.proto's Outcome). What a caller does about each outcome is
+    decided in services/contract/outcomes.py, nowhere else.
 
-    `final`: the service chose this answer, so the caller must not try the request elsewhere.
     `param`: for a refused request, the request field at fault (the HTTP error's `param`).
     `retry_after_ms` and `overload`: for a request refused under overload, when a retry may fit
     and why it was refused (the HTTP Retry-After and error code)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, final: bool = False, param: str = "",
-                 retry_after_ms: int = 0, overload: common_pb2.Overload = common_pb2.OVERLOAD_UNSPECIFIED) -> None:
+    def __init__(self, outcome: Outcome, message: str, param: str = "", retry_after_ms: int = 0,
+                 overload: common_pb2.Overload = common_pb2.OVERLOAD_UNSPECIFIED) -> None:
         super().__init__(message)
-        self.code = code
+        self.outcome = outcome
         self.message = message
-        self.final = final
         self.param = param
         self.retry_after_ms = retry_after_ms
         self.overload = overload
 
+    @property
+    def outcome_name(self) -> str:
+        """"PEER_GONE", "BAD_REQUEST", ...: for log lines (a newer peer's outcome by number)."""
+        return outcome_name(self.outcome)
+
     def to_end(self, stream_id: int) -> common_pb2.StreamEnd:
-        return common_pb2.StreamEnd(stream_id=stream_id, code=self.code.value[0], message=self.message,
-                                    final=self.final, param=self.param, retry_after_ms=self.retry_after_ms,
-                                    overload=self.overload)
+        return common_pb2.StreamEnd(stream_id=stream_id, outcome=self.outcome, message=self.message,
+                                    param=self.param, retry_after_ms=self.retry_after_ms, overload=self.overload)
 
     @staticmethod
     def from_end(end: common_pb2.StreamEnd) -> CallError:
-        return CallError(CODES.get(end.code, grpc.StatusCode.UNKNOWN), end.message, end.final, end.param,
-                         end.retry_after_ms, end.overload)
+        return CallError(end.outcome, end.message, end.param, end.retry_after_ms, end.overload)
 
 
-def final_error(code: grpc.StatusCode, message: str, param: str = "") -> CallError:
-    return CallError(code, message, final=True, param=param)
+def outcome_name(outcome: int) -> str:
+    """An outcome's name without its prefix; one this process does not know (a newer peer's) by number."""
+    try:
+        return common_pb2.Outcome.Name(outcome).removeprefix("OUTCOME_")  # type: ignore[arg-type]
+    except ValueError:
+        return str(outcome)
+
+
+def bad_request(message: str, param: str = "") -> CallError:
+    """The request is wrong (`param`: the field at fault): the caller answers with it."""
+    return CallError(common_pb2.OUTCOME_BAD_REQUEST, message, param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,3 +195,5 @@ PROCESSOR_SESSION = SessionKind("/kvmesh.v1.Processor/Session", processor_pb2.Pr
                                 processor_pb2.ProcessorSessionUp, processor_pb2.ProcessorCall, TEXT_ROWS)
 ROUTER_SESSION = SessionKind("/kvmesh.v1.Router/Session", router_pb2.RouterSessionDown, router_pb2.RouterSessionUp,
                              router_pb2.RouterCall)
+PREFILL_SESSION = SessionKind("/kvmesh.v1.Prefiller/Session", worker_pb2.PrefillSessionDown,
+                              worker_pb2.PrefillSessionUp, worker_pb2.PrefillCall)

@@ -8,11 +8,11 @@ out together in the next frame, so a frame is flushed once per event-loop turn a
 requests on the same pair share frames without waiting for each other.
 
 Bounds and what happens at them:
-- calls open on one session: `max_calls`; a call past it ends RESOURCE_EXHAUSTED at once;
+- calls open on one session: `max_calls`; a call past it ends OUTCOME_SESSION_FULL at once;
 - the outbox: `max_outbox` entries; a peer that reads none of them for that long is treated as
   gone: the session ends, its calls are cancelled (the caller migrates them).
 A caller that leaves (its session breaks or it half-closes) cancels every call it had open.
-A drain (`drain()`) refuses new calls with UNAVAILABLE, which callers retry elsewhere, lets those
+A drain (`drain()`) refuses new calls with OUTCOME_PEER_DRAINING, which callers retry elsewhere, lets those
 in flight finish, then ends each session once it has nothing open (a handler that would wait for
 ever waits on `drained` instead).
 """
@@ -30,7 +30,7 @@ import grpc
 
 from gen.kvmesh.v1 import common_pb2
 from services.mesh.hop_latency import HopLatency
-from services.mesh.session_kind import OK, CallError, CallInfo, SessionKind, final_error
+from services.mesh.session_kind import OK, CallError, CallInfo, SessionKind
 
 log = logging.getLogger(__name__)
 
@@ -132,13 +132,13 @@ class _ServerSession:
     def _open(self, call: Any) -> None:
         sid = call.stream_id
         if self.hub.draining:
-            self._end(CallError(grpc.StatusCode.UNAVAILABLE, "the server is draining").to_end(sid))
+            self._end(CallError(common_pb2.OUTCOME_PEER_DRAINING, "the server is draining").to_end(sid))
             self.maybe_close()
         elif len(self.calls) >= self.hub._max_calls:
-            self._end(CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            self._end(CallError(common_pb2.OUTCOME_SESSION_FULL,
                                 f"{len(self.calls)} calls already open on this session").to_end(sid))
         elif sid in self.calls:
-            self._end(final_error(grpc.StatusCode.INVALID_ARGUMENT, f"stream id {sid} is already open").to_end(sid))
+            self._end(CallError(common_pb2.OUTCOME_BAD_REQUEST, f"stream id {sid} is already open").to_end(sid))
         else:
             self.calls[sid] = asyncio.create_task(self._serve_call(sid, call.request, dict(call.metadata)))
             if call.timeout_ms:
@@ -157,19 +157,19 @@ class _ServerSession:
         task = self._forget(sid)
         if task is not None:
             task.cancel()
-            self._end(CallError(grpc.StatusCode.DEADLINE_EXCEEDED,
+            self._end(CallError(common_pb2.OUTCOME_DEADLINE,
                                 f"the call took longer than its {timeout_ms / 1000:.1f}s deadline").to_end(sid))
 
     async def _serve_call(self, sid: int, request: Any, metadata: dict[str, str]) -> None:
         try:
             async for response in self.hub._handler(request, CallInfo(metadata, partial(self._reply_open, sid))):
                 self._reply(sid, response)
-            end = common_pb2.StreamEnd(stream_id=sid, code=OK)
+            end = common_pb2.StreamEnd(stream_id=sid, outcome=OK)
         except CallError as exc:
             end = exc.to_end(sid)
         except Exception as exc:  # noqa: BLE001 - a bug in one call must not end the others
             log.exception("%s session: call %d failed", self.hub.kind.name, sid)
-            end = CallError(grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}").to_end(sid)
+            end = CallError(common_pb2.OUTCOME_PEER_FAILED, f"{type(exc).__name__}: {exc}").to_end(sid)
         finally:
             # Cancelled (by the caller, the session's end, or the deadline, which ends the call
             # itself): no end from here.

@@ -30,17 +30,17 @@ import asyncio
 import logging
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import INVALID_SPAN, NoOpTracer, Span, SpanKind, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from services.mesh.flags import ConfigError, die
+from services.mesh.config_error import ConfigError, die
 from services.mesh.session_kind import CallInfo
 
 if TYPE_CHECKING:
@@ -48,9 +48,15 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
 
-    from services.mesh.service_runner import ServiceRunner
-
 log = logging.getLogger(__name__)
+
+
+class TeardownOwner(Protocol):
+    """What starts tracing: a process's runner (service_runner.ServiceRunner), which shuts it down."""
+
+    component: str
+
+    def on_teardown(self, label: str, action: Callable[[], Awaitable[None]], timeout_s: float = ...) -> None: ...
 
 # The only metadata keys trace context travels in (W3C Trace Context, lower case as gRPC requires).
 TRACE_KEYS = ("traceparent", "tracestate")
@@ -216,7 +222,7 @@ def _exporter(name: str, protocol: str) -> SpanExporter:
     return OTLPSpanExporter()
 
 
-def start_tracing(runner: ServiceRunner) -> Tracing:
+def start_tracing(runner: TeardownOwner) -> Tracing:
     """The process's tracing, shut down by the runner after everything acquired later: call it
     first in `assemble`. A bad OTEL_* setting exits like a bad flag."""
     try:

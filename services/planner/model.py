@@ -40,7 +40,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.mesh.worker_roles import RoleName
+from services.contract.worker_roles import RoleName
 from services.profiles.cost_model import CostModel
 
 # The scales a bisection may find: a profile 20x off is another system, not a calibration.

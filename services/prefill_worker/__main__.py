@@ -13,7 +13,7 @@ from services.engines.base import Engine
 from services.mesh.discovery import PREFILL_WORKER
 from services.mesh.grpc_server import ServiceBinding
 from services.mesh.tracing import TRACING_OFF, Tracing
-from services.mesh.worker_roles import RoleName
+from services.contract.worker_roles import RoleName
 from services.worker.prefill_servicer import PREFILLER_SERVICE, PrefillServicer
 from services.worker.kv_event_log import KvEventLog
 from services.worker.runtime import Role, ServicesFactory, WorkerContext, WorkerServices, main

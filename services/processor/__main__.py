@@ -8,12 +8,14 @@ import logging
 
 from prometheus_client import CollectorRegistry
 
-from gen.kvmesh.v1 import common_pb2, processor_pb2, processor_pb2_grpc
-from services.kv_router.flags import add_router_flags, admission_config, router_config
+from gen.kvmesh.v1 import processor_pb2, processor_pb2_grpc
+from services.contract.worker_roles import RoleName
 from services.routing.admission.admission_metrics import AdmissionMetrics
 from services.routing.admission.gate import Admission
 from services.routing.admission.tenant_policy import PolicyFile
-from services.routing.servicer import RouterMetrics, RouterServicer
+from services.routing.flags import add_router_flags, admission_config, router_config
+from services.routing.router import Router
+from services.routing.router_metrics import RouterMetrics
 from services.routing.worker_pool import SYNC_TIMEOUT_S, WorkerPool
 from services.mesh.discovery import DECODE_WORKER, PROCESSOR, ROUTER, InstanceInfo, new_instance_id
 from services.mesh.flags import (
@@ -28,7 +30,7 @@ from services.mesh.flags import (
 )
 from services.mesh.grpc_server import ServiceBinding
 from services.mesh.logs import setup_logging
-from services.mesh.router_client import RouterClient, Routes
+from services.routing.router_client import RouterClient, Routes
 from services.mesh.service_runner import ServiceRunner, run_service
 from services.mesh.tracing import Tracing, start_tracing
 from services.processor.flags import add_processor_flags
@@ -68,9 +70,8 @@ async def _routing(runner: ServiceRunner, args: argparse.Namespace, registry: Co
                      validated(lambda: PolicyFile(args.tenant_policies)),
                      routers=lambda: max(1, len(processors.instances)))
     runner.watch(asyncio.create_task(gate.follow_policies(), name="tenant policies"), "tenant policies")
-    servicer = RouterServicer({common_pb2.WORKER_ROLE_DECODE: pool}, router_config(args), RouterMetrics(registry),
-                              tracing, gate)
-    return LocalRouter(servicer, tracing)
+    router = Router({RoleName.DECODE: pool}, router_config(args), RouterMetrics(registry), gate)
+    return LocalRouter(router, tracing)
 
 
 def main() -> None:

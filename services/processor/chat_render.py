@@ -18,8 +18,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from gen.kvmesh.v1 import common_pb2, processor_pb2
-from services.processor.tokenizer import PromptError
+from gen.kvmesh.v1 import common_pb2, json_value_pb2, processor_pb2
+from services.contract.json_value import from_json_value
+from services.processor.prompt_errors import PromptError
 
 Mode = processor_pb2.ToolChoice.Mode
 # Keyword arguments the renderer sets itself: a request may not override them.
@@ -37,18 +38,18 @@ class ChatPrompt:
 
 
 def chat_prompt(chat: processor_pb2.ChatInput) -> ChatPrompt:
-    tools = _json(chat.tools_json, "tools") if chat.tools_json else None
-    kwargs = _json(chat.template_kwargs_json, "chat_template_kwargs") if chat.template_kwargs_json else {}
+    tools = openai_tools(chat) or None
+    kwargs = _json(chat.template_kwargs, "chat_template_kwargs") if chat.HasField("template_kwargs") else {}
     if not isinstance(kwargs, dict):
         raise PromptError("chat_template_kwargs must be a JSON object", param="chat_template_kwargs")
     clash = RESERVED_KWARGS.intersection(kwargs)
     if clash:
         raise PromptError(f"chat_template_kwargs may not set {sorted(clash)}", param="chat_template_kwargs")
-    return ChatPrompt([_message(m, i) for i, m in enumerate(chat.messages)], tools, kwargs,
+    return ChatPrompt([_message(m) for m in chat.messages], tools, kwargs,
                       chat.add_generation_prompt, chat.continue_final_message)
 
 
-def _message(m: processor_pb2.ChatMessage, index: int) -> dict[str, Any]:
+def _message(m: processor_pb2.ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": m.role, "content": None if m.no_content else m.content}
     if m.name:
         out["name"] = m.name
@@ -56,33 +57,50 @@ def _message(m: processor_pb2.ChatMessage, index: int) -> dict[str, Any]:
         out["tool_call_id"] = m.tool_call_id
     if m.reasoning:
         out["reasoning_content"] = m.reasoning
-    if m.tool_calls_json:
-        calls = _json(m.tool_calls_json, f"messages.{index}.tool_calls")
-        for call in calls:
-            function = call.get("function", {})
-            # Templates render arguments as an object (`arguments | tojson`); a string that is
-            # not JSON stays as sent.
-            try:
-                function["arguments"] = json.loads(function.get("arguments", ""))
-            except ValueError:
-                pass
-        out["tool_calls"] = calls
+    if m.tool_calls:
+        out["tool_calls"] = [_tool_call(c) for c in m.tool_calls]
     return out
 
 
-def _json(text: str, param: str) -> Any:
+def _tool_call(call: processor_pb2.ToolCall) -> dict[str, Any]:
+    # Templates render arguments as an object (`arguments | tojson`); a string that is not JSON
+    # stays as sent.
+    arguments: Any = call.arguments
     try:
-        return json.loads(text)
+        arguments = json.loads(call.arguments)
+    except ValueError:
+        pass
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
+
+
+def openai_tools(chat: processor_pb2.ChatInput) -> list[dict[str, Any]]:
+    """The request's `tools` as OpenAI's list, each with the fields the client gave, in its order."""
+    out = []
+    for i, tool in enumerate(chat.tools):
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.HasField("description"):
+            function["description"] = tool.description
+        if tool.HasField("parameters"):
+            function["parameters"] = _json(tool.parameters, f"tools.{i}.function.parameters")
+        if tool.HasField("strict"):
+            function["strict"] = tool.strict
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _json(value: json_value_pb2.JsonValue, param: str) -> Any:
+    try:
+        return from_json_value(value)
     except ValueError as exc:
-        raise PromptError(f"{param} is not valid JSON: {exc}", param=param) from None
+        raise PromptError(f"{param} is not a JSON value: {exc}", param=param) from None
 
 
 def forced_tool_output(chat: processor_pb2.ChatInput) -> common_pb2.StructuredOutput | None:
     """The structured output that enforces a required or named tool_choice; None otherwise."""
     choice = chat.tool_choice
-    if not chat.tools_json or choice.mode not in (Mode.MODE_REQUIRED, Mode.MODE_NAMED):
+    if not chat.tools or choice.mode not in (Mode.MODE_REQUIRED, Mode.MODE_NAMED):
         return None
-    functions = {t["function"]["name"]: t["function"].get("parameters") for t in _json(chat.tools_json, "tools")}
+    functions = {t["function"]["name"]: t["function"].get("parameters") for t in openai_tools(chat)}
     if choice.mode == Mode.MODE_NAMED:
         if choice.function not in functions:
             raise PromptError(f"tool_choice names {choice.function!r}, which is not in tools", param="tool_choice")

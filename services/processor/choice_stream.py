@@ -12,9 +12,12 @@ any one worker call, so when its worker fails it can move:
   is a function of the context. The client sees one stream, no token twice, none missing, and
   usage counts each token once.
 
-At most `max_attempts` workers are tried before the first token (a choice resumed from another
-processor counts as before its first token here) and `migration_limit` migrations are made
-after it; each failed worker is reported to `on_worker_failed` so routing avoids it at once.
+Which worker failures move the choice and which are its answer is the outcome table's
+(services/contract/outcomes.py, hop WORKER). At most `max_attempts` workers are tried before the
+first token (a choice resumed from another processor counts as before its first token here) and
+`migration_limit` migrations are made after it; past them the choice fails with NO_WORKER (never
+an outcome the gateway would move to another processor). Each worker the table sets aside is
+reported to `on_worker_failed` so routing avoids it at once.
 """
 
 from __future__ import annotations
@@ -25,10 +28,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
-import grpc
-
 from gen.kvmesh.v1 import common_pb2, processor_pb2, worker_pb2
-from services.mesh.router_client import RouteChoice
+from services.contract.outcomes import Action, Hop, verdict
+from services.routing.router_client import RouteChoice
 from services.mesh.session_client import SessionPool
 from services.mesh.session_kind import WORKER_SESSION, CallError, TextRow
 from services.mesh.tracing import outgoing_metadata
@@ -38,23 +40,21 @@ from services.processor.tokenizer import ModelTokenizer
 
 log = logging.getLogger(__name__)
 
-# Worker failures that say "this worker cannot go on", not "this request is wrong".
-WORKER_FAILED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
-                           grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED})
+NO_WORKER = common_pb2.OUTCOME_NO_WORKER
+FinishReason: TypeAlias = common_pb2.FinishReason
+UNFINISHED, STOP, LENGTH = common_pb2.FINISH_REASON_UNSPECIFIED, common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
 
 
-class ChoiceFailure(Exception):
-    """The choice cannot be completed; carries the status the processor answers with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, param: str = "") -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.param = param
+class ChoiceFailure(CallError):
+    """The choice cannot be completed: the outcome the processor answers its caller with."""
 
 
 class _WorkerLost(Exception):
-    """The worker stopped serving this choice (failed call or an aborted request)."""
+    """The worker stopped serving this choice with an outcome the table moves it on from."""
+
+    def __init__(self, message: str, set_aside: bool = True) -> None:
+        super().__init__(message)
+        self.set_aside = set_aside
 
 
 @dataclass(slots=True)
@@ -91,7 +91,8 @@ class ChoiceLimits:
     migration_limit: int
 
 
-Router = Callable[[str, list[int], list[str]], Awaitable[RouteChoice]]
+# Routes a choice: (request id, tokens, workers tried) to a worker.
+RouteFn = Callable[[str, list[int], list[str]], Awaitable[RouteChoice]]
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ class ChoiceContext:
     tokenizer: ModelTokenizer
     sessions: SessionPool
     limits: ChoiceLimits
-    route: Router
+    route: RouteFn
     on_worker_failed: Callable[[str], None]
     on_migration: Callable[[], None]
     # Reads the text as content, reasoning and tool calls; None: it is all content.
@@ -153,7 +154,7 @@ class ChoiceStream:
         self._parser = ctx.parsers(spec.rid, spec.index) if ctx.parsers is not None else None
         if resumed:
             if spec.sampling.HasField("structured") and len(resumed) < spec.sampling.max_tokens:
-                raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE, "a structured-output choice cannot be taken over "
+                raise ChoiceFailure(NO_WORKER, "a structured-output choice cannot be taken over "
                                     "mid-stream: its grammar cannot be resumed after the tokens already sent")
             self.generated = list(resumed)
             seen, _ = stopper.push(detok.push(list(resumed)))
@@ -165,9 +166,9 @@ class ChoiceStream:
                 tail, _ = stopper.push(detok.flush())
                 response = processor_pb2.GenerateResponse(delta=processor_pb2.ChoiceDelta(index=spec.index))
                 if self._parser is None:
-                    response.delta.text, response.delta.finish_reason = tail + stopper.flush(), "length"
+                    response.delta.text, response.delta.finish_reason = tail + stopper.flush(), LENGTH
                 else:
-                    self._fill(response.delta, tail + stopper.flush(), [], "length")
+                    self._fill(response.delta, tail + stopper.flush(), [], LENGTH)
                 yield Delta(response)
                 yield Finished(len(self.generated), 0)
                 return
@@ -188,11 +189,12 @@ class ChoiceStream:
                 yield Finished(len(self.generated), self.cached_tokens)
                 return
             except _WorkerLost as exc:
-                ctx.on_worker_failed(route.worker_id)
+                if exc.set_aside:
+                    ctx.on_worker_failed(route.worker_id)
                 if not announced:
                     retries += 1
                     if retries >= ctx.limits.max_attempts:
-                        raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE,
+                        raise ChoiceFailure(NO_WORKER,
                                             f"no worker could serve the request after {retries} attempts: {exc}") from exc
                     log.warning("request %s: worker %s failed before its first token (%s); trying another",
                                 spec.rid, route.worker_id, exc)
@@ -201,12 +203,12 @@ class ChoiceStream:
                     if spec.sampling.HasField("structured"):
                         # The next worker's grammar would start at the beginning of the output,
                         # not after the tokens the client has: an error, never invalid output.
-                        raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE,
+                        raise ChoiceFailure(NO_WORKER,
                                             f"worker {route.worker_id} failed mid-stream ({exc}); a structured-output "
                                             f"choice cannot continue on another worker (its grammar cannot be "
                                             f"resumed there)") from exc
                     if migrations > ctx.limits.migration_limit:
-                        raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE,
+                        raise ChoiceFailure(NO_WORKER,
                                             f"worker {route.worker_id} failed mid-stream ({exc}) and the request "
                                             f"was already moved {migrations - 1} times") from exc
                     ctx.on_migration()
@@ -232,8 +234,7 @@ class ChoiceStream:
                            stopper: StopStrings) -> AsyncIterator[ChoiceEvent]:
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
-            raise ChoiceFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"the request took longer than {self.ctx.limits.request_timeout_s:.0f}s")
+            raise self._timed_out()
         # The worker's span joins the request's trace (the processor's span is current here).
         stream = self.ctx.sessions.get(WORKER_SESSION, route.address).open(self._request(route), remaining,
                                                                        outgoing_metadata())
@@ -249,10 +250,8 @@ class ChoiceStream:
             async for msg in stream:
                 if type(msg) is list:
                     # A token row: output tokens and nothing else, never a call's first or last.
-                    response = self._delta(msg, "", (), detok, stopper, want_logprobs)
+                    response = self._delta(msg, UNFINISHED, (), detok, stopper, want_logprobs)
                 else:
-                    if msg.finish_reason == "abort":
-                        raise _WorkerLost(f"worker {route.worker_id} aborted the request")
                     if first:
                         first = False
                         if not self.generated:
@@ -268,18 +267,19 @@ class ChoiceStream:
                         return
             raise _WorkerLost(f"worker {route.worker_id} ended the stream before the choice finished")
         except CallError as exc:
-            if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise ChoiceFailure(grpc.StatusCode.INVALID_ARGUMENT, exc.message or "invalid request",
-                                    exc.param) from exc
-            if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise ChoiceFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    f"the request took longer than {self.ctx.limits.request_timeout_s:.0f}s") from exc
-            if exc.code not in WORKER_FAILED:
-                raise ChoiceFailure(grpc.StatusCode.UNAVAILABLE,
-                                    f"worker {route.worker_id} failed: {exc.code.name} {exc.message}") from exc
-            raise _WorkerLost(f"{exc.code.name} {exc.message}") from exc
+            # Whether the choice had started does not change which outcomes move it (only how).
+            judged = verdict(Hop.WORKER, exc.outcome)
+            if judged.action is not Action.ANSWER:
+                raise _WorkerLost(f"{exc.outcome_name} {exc.message}", judged.set_aside) from exc
+            if exc.outcome == common_pb2.OUTCOME_DEADLINE:
+                raise self._timed_out() from exc
+            raise ChoiceFailure(exc.outcome, exc.message, exc.param, exc.retry_after_ms, exc.overload) from exc
         finally:
             stream.cancel()
+
+    def _timed_out(self) -> ChoiceFailure:
+        return ChoiceFailure(common_pb2.OUTCOME_DEADLINE,
+                             f"the request took longer than {self.ctx.limits.request_timeout_s:.0f}s")
 
     def _row_sink(self, detok: Detokenizer) -> Callable[[list[int]], bool]:
         """Takes a worker's token row while `_from_worker` waits with every delta before it
@@ -296,7 +296,7 @@ class ChoiceStream:
 
         return sink
 
-    def _delta(self, ids: list[int], finish_reason: str, logprobs: Sequence[common_pb2.TokenLogprob],
+    def _delta(self, ids: list[int], finish_reason: FinishReason, logprobs: Sequence[common_pb2.TokenLogprob],
                detok: Detokenizer, stopper: StopStrings, want_logprobs: bool) -> processor_pb2.GenerateResponse | None:
         """The delta of one worker reply (its tokens, finish reason and logprobs), as the response
         that carries it (built in place: a copy per token into a wrapper costs on every stream);
@@ -308,7 +308,7 @@ class ChoiceStream:
         if finish_reason:
             text += detok.flush()
         out, stopped = stopper.push(text)
-        finish = "stop" if stopped else ""
+        finish = STOP if stopped else UNFINISHED
         if finish_reason and not stopped:
             out += stopper.flush()
             finish = finish_reason
@@ -332,9 +332,9 @@ class ChoiceStream:
             delta.token_texts.extend(tokenizer.token_text(t) for t in ids)
         return response
 
-    def _fill(self, delta: processor_pb2.ChoiceDelta, text: str, ids: list[int], finish: str) -> None:
+    def _fill(self, delta: processor_pb2.ChoiceDelta, text: str, ids: list[int], finish: FinishReason) -> None:
         """The delta's content, reasoning and tool calls as the choice's parser reads `text`;
-        on the last delta, what the parser still held, and "tool_calls" for a choice that
+        on the last delta, what the parser still held, and TOOL_CALLS for a choice that
         called tools and stopped by itself."""
         parser = self._parser
         assert parser is not None
@@ -344,8 +344,8 @@ class ChoiceStream:
             parsed.content += rest.content
             parsed.reasoning += rest.reasoning
             parsed.calls += rest.calls
-            if finish == "stop" and parser.called:
-                finish = "tool_calls"
+            if finish == STOP and parser.called:
+                finish = common_pb2.FINISH_REASON_TOOL_CALLS
         delta.text = parsed.content
         delta.reasoning = parsed.reasoning
         delta.tool_calls.extend(parsed.calls)

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from gen.kvmesh.v1 import processor_pb2
 from services.mesh.config_error import ConfigError
+from services.processor.chat_render import openai_tools
 
 Mode = processor_pb2.ToolChoice.Mode
 
@@ -175,7 +176,7 @@ class OutputParsers:
     def for_request(self, request: processor_pb2.GenerateRequest) -> ParserFactory | None:
         """A parser per choice of the request; None when its text is just content."""
         chat = request.chat if request.WhichOneof("input") == "chat" else None
-        mode = chat.tool_choice.mode if chat is not None and chat.tools_json else Mode.MODE_NONE
+        mode = chat.tool_choice.mode if chat is not None and chat.tools else Mode.MODE_NONE
         if mode == Mode.MODE_NAMED:
             function = chat.tool_choice.function  # type: ignore[union-attr]
             return lambda rid, choice: NamedCall(rid, choice, function)
@@ -184,7 +185,7 @@ class OutputParsers:
         tools = self._tool_cls is not None and mode == Mode.MODE_AUTO
         if not tools and self._reasoning_cls is None or chat is None:
             return None
-        vllm_request = _vllm_request(chat.tools_json if tools else "")  # type: ignore[union-attr]
+        vllm_request = _vllm_request(openai_tools(chat) if tools else None)
 
         def parser(rid: str, choice: int) -> OutputParser:
             reasoning = self._reasoning_cls(self._hf) if self._reasoning_cls is not None else None
@@ -210,9 +211,8 @@ def _try(build: Callable[[], object], flag: str, name: str | None) -> None:
         raise ConfigError(f"{flag} {name!r} cannot read this model's output: {' '.join(str(exc).split())[:200]}") from None
 
 
-def _vllm_request(tools_json: str) -> Any:
+def _vllm_request(tools: list[dict[str, Any]] | None) -> Any:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    tools = json.loads(tools_json) if tools_json else None
     return ChatCompletionRequest.model_validate({"model": "-", "messages": [], "tools": tools,
                                                  "tool_choice": "auto" if tools else "none"})

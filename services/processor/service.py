@@ -29,10 +29,10 @@ from services.mesh.flags import ConfigError
 from services.mesh.grpc_server import as_rpc
 from services.mesh.hop_latency import HopLatency, hop_latency_histogram
 from services.mesh.session_client import SessionPool
-from services.mesh.session_kind import PROCESSOR_SESSION, CallInfo, call_info, final_error
+from services.mesh.session_kind import PROCESSOR_SESSION, CallError, CallInfo, call_info
 from services.mesh.session_server import SessionHub
 from services.mesh.recent_failures import RecentFailures
-from services.mesh.router_client import Admit, Held, NoWorkerError, Overloaded, RouteChoice, Routes, RoutingError
+from services.routing.router_client import Admit, Held, NoWorkerError, Overloaded, RouteChoice, Routes, RoutingError
 from services.mesh.streams import merge
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
@@ -44,12 +44,13 @@ from services.processor.choice_stream import (
     ChoiceStream,
     Delta,
     Finished,
-    Router,
+    RouteFn,
     Started,
 )
 from services.processor.chat_render import chat_prompt, forced_tool_output
 from services.processor.output_parsers import OutputParsers
-from services.processor.tokenizer import LARGE_TEXT_CHARS, ContextLengthError, ModelTokenizer, PromptError
+from services.processor.prompt_errors import ContextLengthError, PromptError
+from services.processor.tokenizer import LARGE_TEXT_CHARS, ModelTokenizer
 from services.processor.validation import check_request, context_error
 
 log = logging.getLogger(__name__)
@@ -132,9 +133,9 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         """Checks, tokenizes and streams one prompt's choices (for `Generate` and a call on a
         session alike).
 
-        Bad input is INVALID_ARGUMENT (a prompt that cannot fit the context: OUT_OF_RANGE) with a
-        one-line message, another model NOT_FOUND, too much work RESOURCE_EXHAUSTED; the
-        gateway maps them to 400, 404 and 429. Errors this processor chooses are final."""
+        Bad input ends the call BAD_REQUEST (a prompt that cannot fit the context:
+        CONTEXT_TOO_LONG) with a one-line message, another model MODEL_NOT_SERVED, too much work
+        OVERLOADED: outcomes the gateway answers with (services/contract/outcomes.py)."""
         REQUEST_ID.set(request.request_id)  # this call's task: its log lines carry the id
         with self._tracing.server_span("generate", call, GENERATE_RPC) as span:
             async for msg in self._serve(request, span, call):
@@ -151,11 +152,11 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
                 # Resumed ids go to an engine as they are: the same checks as a prompt's.
                 self._tok.check_ids(list(resumed.token_ids))
         except PromptError as exc:
-            raise final_error(_status_of(exc), _one_line(exc), exc.param) from None
+            raise _refused(exc) from None
         if request.model != self._config.served_model_name:
-            raise final_error(grpc.StatusCode.NOT_FOUND, f"model {request.model[:200]!r} is not served here")
+            raise CallError(common_pb2.OUTCOME_MODEL_NOT_SERVED, f"model {request.model[:200]!r} is not served here")
         if self.inflight >= self._config.max_inflight:
-            raise final_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "processor overloaded")
+            raise CallError(common_pb2.OUTCOME_OVERLOADED, "processor overloaded")
         # Counted from here: a large prompt's tokenizing (in a thread) is work in flight too.
         self.inflight += 1
         try:
@@ -167,12 +168,12 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
                                                    "kvmesh.prompt_kind": request.WhichOneof("input") or ""})
                 sampling = self._checked_sampling(request, len(tokens))
             except PromptError as exc:
-                raise final_error(_status_of(exc), _one_line(exc), exc.param) from None
+                raise _refused(exc) from None
             async for msg in self._generate(rid, request, tokens, sampling, span, call):
                 yield msg
         except ChoiceFailure as exc:
-            log.warning("request %s failed: %s", rid, exc.message)
-            raise final_error(exc.code, exc.message, exc.param) from None
+            log.warning("request %s failed (%s): %s", rid, exc.outcome_name, exc.message)
+            raise
         finally:
             self.inflight -= 1
 
@@ -235,7 +236,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
 
     async def _route(self, rid: str, tokens: list[int], tried: list[str], explain: bool = False) -> RouteChoice:
         """A decode worker for the tokens, avoiding the ones tried and the ones seen failing."""
-        exclude = tried + [w for w in self._failed.current() if w not in tried]
+        exclude = self._failed.excluding(tried)
         try:
             return await self._routers.route(rid, self._config.served_model_name, tokens,
                                              common_pb2.WORKER_ROLE_DECODE, exclude, explain=explain)
@@ -285,7 +286,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
 
     async def _choices(self, rid: str, request: processor_pb2.GenerateRequest, tokens: list[int],
                        sampling: common_pb2.SamplingParams, span: Span, call: CallInfo, route: RouteChoice,
-                       route_fn: Router, running: list[int],
+                       route_fn: RouteFn, running: list[int],
                        resumed: dict[int, list[int]]) -> AsyncIterator[processor_pb2.GenerateResponse]:
         n = max(request.n, 1)
         # One choice's deltas reach the call's outbox in order by themselves (nothing between
@@ -326,8 +327,8 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
 
 def _routing_failure(exc: RoutingError) -> ChoiceFailure:
     if isinstance(exc, NoWorkerError):
-        return ChoiceFailure(grpc.StatusCode.UNAVAILABLE, f"no decode worker can take the request: {exc}")
-    return ChoiceFailure(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return ChoiceFailure(common_pb2.OUTCOME_NO_WORKER, f"no decode worker can take the request: {exc}")
+    return ChoiceFailure(common_pb2.OUTCOME_NO_WORKER, str(exc))
 
 
 def _is_large(request: processor_pb2.GenerateRequest) -> bool:
@@ -340,8 +341,9 @@ def _is_large(request: processor_pb2.GenerateRequest) -> bool:
     return False
 
 
-def _status_of(exc: PromptError) -> grpc.StatusCode:
-    return grpc.StatusCode.OUT_OF_RANGE if isinstance(exc, ContextLengthError) else grpc.StatusCode.INVALID_ARGUMENT
+def _refused(exc: PromptError) -> CallError:
+    outcome = common_pb2.OUTCOME_CONTEXT_TOO_LONG if isinstance(exc, ContextLengthError) else common_pb2.OUTCOME_BAD_REQUEST
+    return CallError(outcome, _one_line(exc), exc.param)
 
 
 def _one_line(exc: Exception) -> str:

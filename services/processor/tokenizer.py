@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.processor.byte_table import build_byte_table
 from services.processor.detokenizer import ByteTableDetokenizer, Detokenizer, StreamDetokenizer
+from services.processor.prompt_errors import PromptError
 
 if TYPE_CHECKING:
     from services.processor.chat_render import ChatPrompt
@@ -16,19 +17,6 @@ if TYPE_CHECKING:
 # Texts longer than this are encoded with the Rust tokenizer's batch call, which releases the
 # GIL (its single-text `encode` holds it: 0.5M characters stall every other thread ~170 ms).
 LARGE_TEXT_CHARS = 16_384
-
-
-class PromptError(ValueError):
-    """The prompt cannot be turned into tokens (bad template input, ids out of the vocabulary);
-    `param` names the request field at fault, when one is."""
-
-    def __init__(self, message: str, param: str = "") -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class ContextLengthError(PromptError):
-    """The prompt, or the prompt plus the tokens asked for, cannot fit the model's context."""
 
 
 class ModelTokenizer:

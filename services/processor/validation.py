@@ -1,9 +1,9 @@
 """What a GenerateRequest may carry, checked before any tokenizing so a bad call costs nothing.
 
 The gateway checks the same limits on the HTTP side (both take them from
-`services/mesh/request_limits.py`); these checks are for every other caller of the internal RPC.
-A violation is a `PromptError` (the processor answers INVALID_ARGUMENT) or, for a prompt that can
-never fit the model, a `ContextLengthError` (OUT_OF_RANGE); the message is one line.
+`services/contract/request_limits.py`); these checks are for every other caller of the internal RPC.
+A violation is a `PromptError` (the processor answers OUTCOME_BAD_REQUEST) or, for a prompt that
+can never fit the model, a `ContextLengthError` (OUTCOME_CONTEXT_TOO_LONG); the message is one line.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 
 from gen.kvmesh.v1 import common_pb2, processor_pb2
-from services.mesh.request_limits import INT64_MAX, MAX_LOGPROBS, MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, UINT32_MAX
-from services.processor.tokenizer import ContextLengthError, PromptError
+from services.contract.request_limits import INT64_MAX, MAX_LOGPROBS, MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, UINT32_MAX
+from services.processor.prompt_errors import ContextLengthError, PromptError
 
 # No token of a real vocabulary spans more characters than this in practice: a text longer than
 # this many times the context can never fit it, so it is refused before the tokenizer runs.
@@ -76,7 +76,7 @@ def check_sampling(sampling: common_pb2.SamplingParams, n: int) -> None:
 
 
 def check_prompt_size(request: processor_pb2.GenerateRequest, context: int) -> None:
-    """A prompt that can never fit the context is refused before tokenizing (OUT_OF_RANGE)."""
+    """A prompt that can never fit the context is refused before tokenizing (CONTEXT_TOO_LONG)."""
     kind = request.WhichOneof("input")
     limit = CHARS_PER_TOKEN_BOUND * context
     if kind == "tokens" and len(request.tokens.ids) >= context:

@@ -64,14 +64,6 @@ class Candidate:
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
-    worker_id: str
-    overlap_blocks: int
-    prefix_hit_rate: float
-    logit: float
-
-
-@dataclass(frozen=True, slots=True)
 class Terms:
     """One candidate's terms in the rule, as the decision saw them: what `explain` reports."""
 
@@ -116,17 +108,15 @@ def ranked(all_terms: Sequence[Terms], chosen_id: str) -> list[Terms]:
 
 
 def choose(candidates: Sequence[Candidate], block_size: int, num_tokens: int, w: CostWeights,
-           rng: random.Random) -> Decision:
+           rng: random.Random) -> Candidate:
+    """The candidate the rule picks. What the caller reports of the choice (its overlap, the prefix
+    hit rate) it works out from the chosen worker itself, whichever mode picked it."""
     scores = logits(candidates, block_size, num_tokens, w)
     if w.temperature > 0:
         top = max(scores)
         weights = [math.exp((s - top) / w.temperature) for s in scores]
-        index = rng.choices(range(len(candidates)), weights=weights)[0]
-    else:
-        best = max(scores)
-        tied = [i for i, s in enumerate(scores) if s == best]
-        fewest = min(candidates[i].indexed_blocks for i in tied)
-        index = rng.choice([i for i in tied if candidates[i].indexed_blocks == fewest])
-    chosen = candidates[index]
-    return Decision(chosen.worker_id, chosen.overlap_blocks, overlap_ratio(chosen.cached_blocks(), block_size, num_tokens),
-                    scores[index])
+        return candidates[rng.choices(range(len(candidates)), weights=weights)[0]]
+    best = max(scores)
+    tied = [i for i, s in enumerate(scores) if s == best]
+    fewest = min(candidates[i].indexed_blocks for i in tied)
+    return candidates[rng.choice([i for i in tied if candidates[i].indexed_blocks == fewest])]

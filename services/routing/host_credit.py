@@ -19,8 +19,11 @@ tier; 0.75 is NVIDIA Dynamo's fixed weight).
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterable, Mapping
+
 from gen.kvmesh.v1 import worker_pb2
 from services.kv_protocol.tier import prefill_seconds
+from services.routing.worker_pool import WorkerState
 
 # A host hit when the worker cannot say what recomputing costs: NVIDIA Dynamo's fixed weight.
 FALLBACK_CREDIT = 0.75
@@ -42,3 +45,17 @@ def host_credit(load: worker_pb2.LoadMetrics, device_blocks: int, host_blocks: i
         return 0.0
     load_s = (end - start) * load.host_tier.kv_bytes_per_token / (load.host_tier.load_gbps * 1e9)
     return max(0.0, (saved_s - load_s) / saved_s)
+
+
+def host_credits(workers: Iterable[WorkerState], device: Mapping[Hashable, int], host: Mapping[Hashable, int],
+                 block_size: int, fixed_weight: float | None = None) -> dict[str, float]:
+    """Per worker holding some of the prompt's blocks in host memory only, the credit of each: the
+    one place a decision works it out (its pick, explanation and prefix hit rate read this)."""
+    out: dict[str, float] = {}
+    if not host:
+        return out  # no host tier anywhere (the common case): nothing to weigh
+    for worker in workers:
+        wid = worker.info.instance_id
+        if held := host.get(wid, 0):
+            out[wid] = host_credit(worker.load, device.get(wid, 0), held, block_size, fixed_weight)
+    return out

@@ -70,7 +70,7 @@ def _vllm(config: EngineConfig) -> Engine:
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs or VLLM_MAX_NUM_SEQS,
             cpu_kv_cache_gib=int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")),
-            kv_transfer=nixl_transfer_config(config.advertise_host, port_for_later())
+            kv_connector=nixl_transfer_config(config.advertise_host, port_for_later())
             if config.kv_transfer == "nixl" else None,
             host_kv_blocks=config.host_kv_blocks,
             kv_events_port=port_for_later(),

@@ -40,7 +40,7 @@ def merged(outputs: deque[EngineOutput]) -> EngineOutput:
             logprobs.extend(out.logprobs)
     last = outputs[-1]
     return EngineOutput(tokens, last.finish_reason, max(o.cached_tokens for o in outputs), logprobs,
-                        next((o.kv_transfer for o in reversed(outputs) if o.kv_transfer is not None), None))
+                        next((o.kv_pull for o in reversed(outputs) if o.kv_pull is not None), None))
 
 
 async def paced(outputs: AsyncIterator[EngineOutput], interval_s: float,

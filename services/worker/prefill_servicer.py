@@ -1,24 +1,33 @@
 """The prefill worker's `Prefiller` service: run a prompt, hold its KV for a decode worker.
 
-`Prefill` computes the prompt's KV and keeps it until the decode worker that pulls it over NIXL
-is done, or until `ReleaseKv` says the decode side gave up (a hold also expires on its own).
-Each call is a span (`prefill`, `release kv`) in the trace of the decode worker that asked.
+A prefill is a call on a session (`Prefiller.Session`, one stream per decode worker, as on every
+hop of a request: the same frames, deadlines, cancellation and outcomes), or a unary `Prefill`
+served by the same handler. It computes the prompt's KV and keeps it until the decode worker
+that pulls it over NIXL is done, or until `ReleaseKv` says the decode side gave up (a hold also
+expires on its own). Each call is a span (`prefill`, `release kv`) in the trace of the decode
+worker that asked.
+
+How a prefill ends, as the decode worker reads it (services/contract/outcomes.py, hop PREFILL):
+an engine that cannot prefill for others is UNSUPPORTED, one holding all the KV it may is
+NO_CAPACITY, a request it refuses BAD_REQUEST, a worker that left the prefill role PEER_DRAINING.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+from collections.abc import AsyncIterator
 
 import grpc
 
-from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.contract.worker_roles import RoleName
 from services.engines.base import Engine, EngineBusy, EngineRequest
-from services.mesh.grpc_server import abort_with
-from services.mesh.tracing import TRACING_OFF, Tracing
+from services.mesh.grpc_server import as_unary_rpc
 from services.mesh.logs import REQUEST_ID
-from services.mesh.session_kind import CallError
-from services.mesh.worker_roles import RoleName
+from services.mesh.session_kind import PREFILL_SESSION, CallError, CallInfo, call_info
+from services.mesh.session_server import SessionHub
+from services.mesh.tracing import TRACING_OFF, Tracing
+from services.worker.kv_pull import kv_pull_to_proto
 from services.worker.role_switch import Admit, always
 from services.worker.servicer import refused, sampling_from_proto
 
@@ -37,41 +46,42 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
         self.engine = engine
         self.tracing = tracing
         self.admit = admit
+        # Decode workers' sessions: every prefill they ask for, served by `prefill`.
+        self.sessions = SessionHub(PREFILL_SESSION, self.prefill)
+
+    async def Session(self, frames: AsyncIterator[worker_pb2.PrefillSessionDown],  # noqa: N802
+                      context: grpc.aio.ServicerContext) -> None:
+        await self.sessions.serve(frames, context)
 
     async def Prefill(self, request: worker_pb2.PrefillRequest,  # noqa: N802
                       context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
+        return await as_unary_rpc(context, self.prefill(request, call_info(context)))
+
+    async def prefill(self, request: worker_pb2.PrefillRequest, call: CallInfo) -> AsyncIterator[worker_pb2.PrefillResponse]:
+        """One prefill, for a call on a session and for `Prefill` alike: one response."""
         REQUEST_ID.set(request.request_id)  # this call's task: its log lines carry the id
-        try:
-            async with self.admit(RoleName.PREFILL):
-                return await self._traced_prefill(request, context)
-        except CallError as exc:
-            await abort_with(context, exc)
+        async with self.admit(RoleName.PREFILL):
+            with self.tracing.server_span("prefill", call, PREFILL_RPC) as span:
+                reply = await self._prefill(request)
+                if span.is_recording():
+                    span.set_attributes({"kvmesh.request_id": request.request_id,
+                                         "kvmesh.prompt_tokens": len(request.token_ids),
+                                         "kvmesh.cached_tokens": reply.cached_tokens})
+        yield reply
 
-    async def _traced_prefill(self, request: worker_pb2.PrefillRequest,
-                              context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
-        with self.tracing.server_span("prefill", context, PREFILL_RPC) as span:
-            reply = await self._prefill(request, context)
-            if span.is_recording():
-                span.set_attributes({"kvmesh.request_id": request.request_id,
-                                     "kvmesh.prompt_tokens": len(request.token_ids),
-                                     "kvmesh.cached_tokens": reply.cached_tokens})
-            return reply
-
-    async def _prefill(self, request: worker_pb2.PrefillRequest,
-                       context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
+    async def _prefill(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
         engine_request = EngineRequest(request.request_id, list(request.token_ids), sampling_from_proto(request.sampling))
         try:
             result = await self.engine.prefill(engine_request)
         except NotImplementedError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            raise CallError(common_pb2.OUTCOME_UNSUPPORTED, str(exc)) from None
         except EngineBusy as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            raise CallError(common_pb2.OUTCOME_NO_CAPACITY, str(exc)) from None
         except ValueError as exc:
-            await abort_with(context, refused(exc))
+            raise refused(exc) from None
         log.info("request %s: prefilled %d tokens (%d cached) for remote decode", request.request_id,
                  len(request.token_ids), result.cached_tokens)
-        return worker_pb2.PrefillResponse(kv_transfer_json=json.dumps(result.kv_transfer),
-                                          cached_tokens=result.cached_tokens)
+        return worker_pb2.PrefillResponse(kv_pull=kv_pull_to_proto(result.kv_pull), cached_tokens=result.cached_tokens)
 
     async def ReleaseKv(self, request: worker_pb2.ReleaseKvRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseKvResponse:

@@ -1,14 +1,14 @@
 """Live role switching: one engine, serving the prefill pool or the decode pool, moved by an RPC.
 
 A switchable worker mounts both roles' services; a gate admits each call only in its role (a
-call of the other role gets UNAVAILABLE, which callers retry on another worker). `SwitchRole`:
+call of the other role ends OUTCOME_PEER_DRAINING, which callers retry on another worker). `SwitchRole`:
 1. closes the gate to the old role: new work of that role is refused from here on;
 2. moves its etcd record to the other component under the same lease, marked "leaving" first,
    so routers drop it from the old pool at once and add it to the new one (routers, processors
    and decode workers see it within one watch round-trip);
 3. opens the gate to the new role;
 4. lets work of the old role in flight finish until the deadline, then ends what is left with
-   UNAVAILABLE, which the processor treats as a failed worker and migrates (the engine's
+   OUTCOME_PEER_DRAINING, which the processor migrates from as from a failed worker (the engine's
    output is deterministic, so the stream continues exactly where it stopped).
 The engine and its prefix cache stay: nothing is reloaded, nothing restarted.
 """
@@ -24,11 +24,11 @@ from dataclasses import replace
 
 import grpc
 
-from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, InstanceInfo, instance_key
 from services.mesh.etcd_lease import LeasedRegistration
 from services.mesh.logs import LogComponent
-from services.mesh.worker_roles import ROLE_OF, RoleName, requested_role
+from services.contract.worker_roles import ROLE_OF, RoleName, requested_role
 from services.mesh.session_kind import CallError
 from services.mesh.tasks import cancel_and_wait
 
@@ -90,7 +90,7 @@ class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
         """Admits one call of `role`, or refuses it (a retryable CallError); tracked so a switch
         can wait for it."""
         if self.role != role:
-            raise CallError(grpc.StatusCode.UNAVAILABLE,
+            raise CallError(common_pb2.OUTCOME_PEER_DRAINING,
                             f"this worker serves the {self.role or 'no'} role now, not {role}; retry elsewhere")
         task = asyncio.current_task()
         assert task is not None
@@ -99,7 +99,7 @@ class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
             yield
         except asyncio.CancelledError:
             if task in self._ending:  # ended by a switch, not by the caller: make it retryable
-                raise CallError(grpc.StatusCode.UNAVAILABLE, f"this worker left the {role} role") from None
+                raise CallError(common_pb2.OUTCOME_PEER_DRAINING, f"this worker left the {role} role") from None
             raise
         finally:
             self._inflight[role].discard(task)

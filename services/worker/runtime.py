@@ -41,7 +41,7 @@ from services.mesh.grpc_server import ServiceBinding
 from services.mesh.logs import LogComponent, setup_logging
 from services.mesh.service_runner import ServiceRunner, run_service
 from services.mesh.tracing import TRACING_OFF, Tracing, start_tracing
-from services.mesh.worker_roles import RoleName
+from services.contract.worker_roles import RoleName
 from services.worker.engine_factory import build_engine
 from services.worker.engine_health import watch_engine
 from services.worker.engine_flags import EngineConfig, add_engine_flags, add_kv_transfer_flag, engine_config

@@ -25,8 +25,8 @@ from services.mesh.session_kind import (
     CallError,
     CallInfo,
     TokenRow,
+    bad_request,
     call_info,
-    final_error,
     token_row_message,
 )
 from services.mesh.session_server import SessionHub
@@ -34,8 +34,16 @@ from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
 from services.worker.pacing import DEFAULT_INTERVAL_S, paced
 from services.worker.kv_event_log import KvEventLog, NumberedEvent
-from services.engines.base import Engine, EngineOutput, EngineRequest, LoadSnapshot, Sampling, Structured
-from services.engines.output_channel import RowTap
+from services.engines.base import (
+    Engine,
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+    LoadSnapshot,
+    RowTap,
+    Sampling,
+    Structured,
+)
 from services.kv_protocol.events import KvCleared, KvRemoved, KvStored
 
 log = logging.getLogger(__name__)
@@ -81,13 +89,24 @@ def structured_from_proto(p: common_pb2.StructuredOutput) -> Structured:
 
 
 def refused(exc: ValueError) -> CallError:
-    """An engine's refusal of a request, as the final INVALID_ARGUMENT that names its field."""
-    return final_error(grpc.StatusCode.INVALID_ARGUMENT, str(exc), getattr(exc, "param", ""))
+    """An engine's refusal of a request, as OUTCOME_BAD_REQUEST naming its field."""
+    return bad_request(str(exc), getattr(exc, "param", ""))
+
+
+# The engine's reasons as the wire has them; ABORT is not one: it ends the call (output_to_proto).
+UNFINISHED = common_pb2.FINISH_REASON_UNSPECIFIED
+FINISH_REASONS = {FinishReason.STOP: common_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH}
 
 
 def output_to_proto(out: EngineOutput) -> worker_pb2.WorkerGenerateResponse:
+    """One engine output as a reply; an output that says the engine dropped the request ends the
+    call instead (OUTCOME_PEER_FAILED: the caller moves the request to another worker)."""
+    reason = out.finish_reason
+    if reason is FinishReason.ABORT:
+        raise CallError(common_pb2.OUTCOME_PEER_FAILED, "the engine aborted the request")
     msg = worker_pb2.WorkerGenerateResponse(
-        token_ids=out.token_ids, finish_reason=out.finish_reason or "", cached_tokens=out.cached_tokens
+        token_ids=out.token_ids, finish_reason=FINISH_REASONS[reason] if reason is not None else UNFINISHED,
+        cached_tokens=out.cached_tokens
     )
     if out.logprobs:
         for lp in out.logprobs:
@@ -136,18 +155,16 @@ def load_to_proto(load: LoadSnapshot) -> worker_pb2.LoadMetrics:
 
 
 def request_from_proto(request: worker_pb2.WorkerGenerateRequest) -> EngineRequest:
-    """The engine's request; a final INVALID_ARGUMENT for one no engine could serve."""
+    """The engine's request; OUTCOME_BAD_REQUEST for one no engine could serve."""
     if not request.token_ids:
-        raise final_error(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+        raise bad_request("the prompt is empty")
     if request.sampling.max_tokens < 1:
-        raise final_error(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be at least 1")
+        raise bad_request("max_tokens must be at least 1")
     if request.sampling.min_tokens > request.sampling.max_tokens:
-        raise final_error(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"min_tokens ({request.sampling.min_tokens}) exceeds max_tokens "
+        raise bad_request(f"min_tokens ({request.sampling.min_tokens}) exceeds max_tokens "
                           f"({request.sampling.max_tokens})")
     if request.resumed_tokens >= len(request.token_ids):
-        raise final_error(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"resumed_tokens ({request.resumed_tokens}) must be fewer than the tokens sent "
+        raise bad_request(f"resumed_tokens ({request.resumed_tokens}) must be fewer than the tokens sent "
                           f"({len(request.token_ids)})")
     return EngineRequest(request.request_id, list(request.token_ids), sampling_from_proto(request.sampling),
                          resumed_tokens=request.resumed_tokens)

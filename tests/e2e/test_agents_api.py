@@ -12,8 +12,9 @@ import openai
 import pytest
 
 from gen.kvmesh.v1 import common_pb2, processor_pb2
+from services.contract.json_value import to_json_value
 from services.mesh.channels import ChannelPool
-from services.mesh.router_client import RouteChoice
+from services.routing.router_client import RouteChoice
 from services.mesh.session_client import SessionPool
 from services.processor.choice_stream import ChoiceContext, ChoiceFailure, ChoiceLimits, ChoiceSpec, ChoiceStream
 from services.processor.output_parsers import OutputParsers, Parsed, call_id
@@ -121,7 +122,9 @@ RECORDED = 'Let me look. <tool_call>{"name": "get_weather", "arguments": {"city"
 
 def _chat_request(mode: int, function: str = "") -> processor_pb2.GenerateRequest:
     request = processor_pb2.GenerateRequest(request_id="r1")
-    request.chat.tools_json = json.dumps([WEATHER])
+    weather = WEATHER["function"]
+    request.chat.tools.add(name=weather["name"], description=weather["description"],
+                           parameters=to_json_value(weather["parameters"]))
     request.chat.tool_choice.mode = mode
     request.chat.tool_choice.function = function
     return request

@@ -122,6 +122,10 @@ NASTY = [
           param="messages.0.content.0.text"),
     Nasty("lone surrogate in a stop string", "/completions", completion(stop=["ok", "\ud83d"]), param="stop.1"),
     Nasty("lone surrogate in the model", "/completions", json.dumps({"model": "m\ud800", "prompt": "x"}), param="model"),
+    Nasty("lone surrogate in a tool's parameters", "/chat/completions",
+          chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"d": "\ud800"}}}]), param="tools"),
+    Nasty("lone surrogate in chat_template_kwargs", "/chat/completions", chat(chat_template_kwargs={"\udfff": 1}),
+          param="chat_template_kwargs", says="surrogate"),
     Nasty("empty model", "/completions", json.dumps({"model": "", "prompt": "x"}), param="model"),
     Nasty("a 1 MB unknown model", "/completions", json.dumps({"model": "m" * 1_000_000, "prompt": "x"}), status=404),
     # Stop strings: at most 16, each at most 256 characters.

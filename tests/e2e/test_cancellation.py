@@ -19,11 +19,10 @@ def gauge(text: str, name: str) -> float:
 
 @pytest.fixture
 def slow_mesh(etcd: Etcd) -> Iterator[ServiceMesh]:
-    mesh = ServiceMesh(etcd.endpoint)
-    mesh.worker("--speedup", "0.25")  # 48 ms a token: a 500-token answer would run 24 s
-    assert wait_until(lambda: mesh.complete("warm", 1).status_code == 200, 30)
-    yield mesh
-    mesh.stop()
+    with ServiceMesh(etcd.endpoint) as mesh:
+        mesh.worker("--speedup", "0.25")  # 48 ms a token: a 500-token answer would run 24 s
+        assert wait_until(lambda: mesh.complete("warm", 1).status_code == 200, 30)
+        yield mesh
 
 
 @pytest.mark.parametrize("streaming", [True, False])

@@ -159,7 +159,7 @@ def test_compose_defines_the_mesh_on_etcd_with_gpus_for_the_workers() -> None:
 def test_the_compose_commands_mean_what_the_deployment_intends() -> None:
     from services.decode_worker.flags import disagg_config
     from services.frontend.flags import frontend_config
-    from services.kv_router.flags import router_config
+    from services.routing.flags import router_config
 
     parsed = {c.service: parse(c) for c in compose_containers()}
     for name, args in parsed.items():
@@ -172,7 +172,7 @@ def test_the_compose_commands_mean_what_the_deployment_intends() -> None:
     assert {parsed[n].served_model_name for n in ("processor", *WORKERS)} == {"kvmesh-model"}
     assert compose_services({"SERVED_MODEL_NAME": "m"})["processor"]["command"].count("m") == 1
     decode = parsed["decode-worker"]
-    disagg = disagg_config(decode, kv_transfer=decode.kv_transfer == "nixl")
+    disagg = disagg_config(decode, can_receive_kv=decode.kv_transfer == "nixl")
     assert disagg.remote_prefill and disagg.conditional_disagg
     assert (disagg.max_local_prefill_length, disagg.max_prefill_queue_size) == (512, 2)
 

@@ -228,7 +228,7 @@ async def test_a_prefill_worker_whose_kv_memory_is_full_says_busy_until_some_is_
     prefill = NixlKvEndpoint("test-full", bytes_per_token=1024, arena_bytes=400 * 1024)
     try:
         await prefill.hold("r1", tokens(11, 300))
-        # EngineBusy becomes RESOURCE_EXHAUSTED on the wire: the decode worker prefills locally.
+        # EngineBusy ends the prefill NO_CAPACITY: the decode worker prefills locally.
         with pytest.raises(EngineBusy, match="no room to hold 307200 KV bytes"):
             await prefill.hold("r2", tokens(12, 300))
         prefill.release("r1")

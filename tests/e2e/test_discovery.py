@@ -17,7 +17,7 @@ import pytest
 from services.mesh.discovery import DECODE_WORKER, ComponentView, InstanceInfo, instance_key
 from services.mesh.etcd_lease import LeaseConfig, LeasedRegistration
 from services.mesh.etcd_store import EtcdStore
-from services.mesh.flags import EXIT_BAD_FLAGS, EXIT_UNREACHABLE
+from services.mesh.config_error import EXIT_BAD_FLAGS, EXIT_UNREACHABLE
 from tests.procs import ROOT, Etcd, ServiceMesh, free_port, registered, wait_until
 
 MODEL = "kvmesh-demo"

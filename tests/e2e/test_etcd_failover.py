@@ -4,32 +4,54 @@ and an https:// endpoint is refused rather than spoken to in plaintext."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from services.mesh.etcd_lease import LeaseConfig, LeasedRegistration
 from services.mesh.etcd_store import EtcdStore, StoreUnavailable
-from tests.procs import Etcd, EtcdCluster
+from tests.procs import Etcd, EtcdCluster, eventually
+
+
+class RefreshCounting(EtcdStore):
+    """The store, counting the lease refreshes etcd answered with the lease still alive."""
+
+    refreshed = 0
+
+    async def keepalive(self, lease_id: int) -> int:
+        ttl = await super().keepalive(lease_id)
+        if ttl > 0:
+            self.refreshed += 1
+        return ttl
+
+
+async def _get_after_failover(store: EtcdStore, key: str, timeout_s: float = 5) -> bytes | None:
+    """One call may fail on the dead member; the next one goes to another member."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await store.get(key)
+        except StoreUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
 
 
 async def test_a_dead_member_fails_over_to_the_next_endpoint_and_the_lease_lives_on() -> None:
     cluster = await asyncio.to_thread(EtcdCluster.start)
-    store = EtcdStore(tuple(cluster.endpoints))
-    registration = LeasedRegistration(store, LeaseConfig(ttl_s=3, retry_backoff_s=0.2))
+    store = RefreshCounting(tuple(cluster.endpoints))
+    config = LeaseConfig(ttl_s=3, retry_backoff_s=0.2)
+    registration = LeasedRegistration(store, config)
     try:
         await store.connect()
         lease = await registration.start({"/failover/me": b"alive"})
         # The member the store talks to first is the first endpoint: stop it.
         await asyncio.to_thread(cluster.members[0].stop)
-        for _ in range(50):  # one call may fail; the next one goes to another member
-            try:
-                value = await store.get("/failover/me")
-                break
-            except StoreUnavailable:
-                await asyncio.sleep(0.1)
-        assert value == b"alive"
-        # Two more TTLs: the keep-alive kept the same lease through the other members.
-        await asyncio.sleep(6)
+        assert await _get_after_failover(store, "/failover/me") == b"alive"
+        # Refreshes through the other members, more than fit in one TTL (they are a period
+        # apart): the lease outlived the TTL it had when the member stopped only by them.
+        wanted = store.refreshed + config.refreshes_per_ttl + 1
+        assert await eventually(lambda: store.refreshed >= wanted, 3 * config.ttl_s), store.refreshed
         assert await store.get("/failover/me") == b"alive"
         assert registration.lease_id == lease and registration.registrations == 1
     finally:
@@ -52,13 +74,17 @@ async def test_a_watch_on_the_connection_a_failover_left_ends_as_unavailable_not
     store = EtcdStore((f"http://127.0.0.1:{port}", f"http://localhost:{port}"))
     await store.connect()
 
+    watching = asyncio.Event()
+
     async def watch() -> None:
         async for _ in store.watch_prefix("/failover-watch/", 1):
-            pass
+            watching.set()
 
     task = asyncio.create_task(watch())
     try:
-        await asyncio.sleep(0.5)
+        # The watch runs on the first connection once it delivers an event put there.
+        await store.put("/failover-watch/started", b"")
+        await asyncio.wait_for(watching.wait(), 10)
         store.mark_broken()
         await store.put("/failover-watch/k", b"v")  # goes to the next endpoint; the old one is closed
         with pytest.raises(StoreUnavailable, match="ended with its connection"):

@@ -22,11 +22,10 @@ def prefix(seed: int, blocks: int = 16) -> list[int]:
 
 @pytest.fixture(scope="module")
 def four_workers(etcd: Etcd) -> Iterator[tuple[ServiceMesh, list[str]]]:
-    mesh = ServiceMesh(etcd.endpoint, router_mode="kv")
-    _, ids = mesh.worker("--num-workers", "4")
-    assert wait_until(lambda: mesh.complete().status_code == 200, 20)
-    yield mesh, ids
-    mesh.stop()
+    with ServiceMesh(etcd.endpoint, router_mode="kv") as mesh:
+        _, ids = mesh.worker("--num-workers", "4")
+        assert wait_until(lambda: mesh.complete().status_code == 200, 20)
+        yield mesh, ids
 
 
 def test_requests_sharing_a_prefix_stick_to_the_worker_that_caches_it(four_workers) -> None:  # noqa: ANN001

@@ -11,6 +11,9 @@ import pytest
 from services.mesh.discovery import DECODE_WORKER, PROCESSOR, ROUTER
 from tests.procs import Etcd, ServiceMesh, registered, wait_until
 from tests.e2e.test_kv_routing import BLOCK, prefix
+from tests.e2e.test_route_explanation import parse_route
+
+EXPLAIN = {"x-kvmesh-explain": "1"}
 
 
 def routed(metrics: str) -> float:
@@ -19,13 +22,23 @@ def routed(metrics: str) -> float:
         r'^kvmesh_router_routed_requests_total\{[^}]*role="decode-worker"[^}]*\} (\S+)$', metrics, re.M))
 
 
+def overlap_seen(mesh: ServiceMesh, prompt: list[int], worker: str) -> int | None:
+    """The blocks of `prompt` the processor's own index says `worker` caches, from its explanation
+    of routing `prompt` (None when the worker is neither the chosen one nor the runner-up)."""
+    r = mesh.complete(prompt, max_tokens=1, headers=EXPLAIN)
+    assert r.status_code == 200, r.text
+    terms = parse_route(r.headers["x-kvmesh-route"])
+    return next((int(t["overlap"]) for t in terms.values() if worker in (t.get("chosen"), t.get("runner-up"))), None)
+
+
 @pytest.fixture(scope="module")
 def local_mesh(etcd: Etcd) -> Iterator[tuple[ServiceMesh, list[str]]]:
-    mesh = ServiceMesh(etcd.endpoint, router_mode="kv", processor_flags=("--routing", "local"))
-    _, ids = mesh.worker("--num-workers", "4")
-    assert wait_until(lambda: mesh.complete().status_code == 200, 20)
-    yield mesh, ids
-    mesh.stop()
+    # --allow-explain: the x-kvmesh-route header shows what the processor's own index holds.
+    with ServiceMesh(etcd.endpoint, router_mode="kv", processor_flags=("--routing", "local"),
+                     frontend_flags=("--allow-explain",)) as mesh:
+        _, ids = mesh.worker("--num-workers", "4")
+        assert wait_until(lambda: mesh.complete().status_code == 200, 20)
+        yield mesh, ids
 
 
 def test_a_processor_routing_locally_keeps_prefixes_on_the_worker_that_caches_them(local_mesh) -> None:  # noqa: ANN001
@@ -35,12 +48,16 @@ def test_a_processor_routing_locally_keeps_prefixes_on_the_worker_that_caches_th
         shared = prefix(700 + p)
         home = mesh.complete(shared + [1, 2, 3]).headers["x-kvmesh-worker"]
         assert home in ids
-        # The processor's own index learns the worker's blocks from its KV event stream.
-        assert wait_until(lambda shared=shared, home=home: mesh.find_matches(shared).get(home) == 16, 5)
+        # The processor's own index learns the worker's blocks from its KV event stream. Asked
+        # about the first block alone: a probe routed before the index learned it leaves one
+        # block elsewhere, which cannot outweigh the sixteen the home worker holds.
+        assert wait_until(lambda shared=shared, home=home: overlap_seen(mesh, shared[:BLOCK], home) == 1, 5)
         for suffix in range(4):
-            r = mesh.complete(shared + [60 + suffix, 9])
+            r = mesh.complete(shared + [60 + suffix, 9], headers=EXPLAIN)
             assert r.status_code == 200
             assert r.headers["x-kvmesh-worker"] == home
+            route = parse_route(r.headers["x-kvmesh-route"])["chosen"]
+            assert (route["chosen"], route["overlap"]) == (home, "16"), r.headers["x-kvmesh-route"]
             assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * BLOCK
 
 

@@ -65,10 +65,8 @@ def counter(text: str, name: str) -> float:
 
 @pytest.fixture
 def mesh(etcd: Etcd, request: pytest.FixtureRequest) -> Iterator[ServiceMesh]:
-    flags = getattr(request, "param", ())
-    m = ServiceMesh(etcd.endpoint, processor_flags=flags)
-    yield m
-    m.stop()
+    with ServiceMesh(etcd.endpoint, processor_flags=getattr(request, "param", ())) as m:
+        yield m
 
 
 def two_workers(mesh: ServiceMesh, *extra: str) -> dict[str, Proc]:

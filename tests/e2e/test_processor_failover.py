@@ -15,12 +15,11 @@ from tests.e2e.test_migration import MAX_TOKENS, SLOW, act_after, stream
 
 @pytest.fixture
 def two_processors(etcd: Etcd) -> Iterator[ServiceMesh]:
-    mesh = ServiceMesh(etcd.endpoint, processors=2)
-    mesh.worker(*SLOW)
-    assert wait_until(lambda: len(registered(etcd.endpoint, mesh.namespace, "processor")) == 2, 30)
-    assert wait_until(lambda: mesh.complete("warm up", 1).status_code == 200, 30)
-    yield mesh
-    mesh.stop()
+    with ServiceMesh(etcd.endpoint, processors=2) as mesh:
+        mesh.worker(*SLOW)
+        assert wait_until(lambda: len(registered(etcd.endpoint, mesh.namespace, "processor")) == 2, 30)
+        assert wait_until(lambda: mesh.complete("warm up", 1).status_code == 200, 30)
+        yield mesh
 
 
 def test_a_sigkilled_processor_turns_no_request_away(two_processors: ServiceMesh) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, ROUTER
-from services.mesh.worker_roles import ROLE_OF
+from services.contract.worker_roles import ROLE_OF
 from tests.procs import MODEL, Etcd, ServiceMesh, registered, wait_until
 
 # A real decode step (12 ms), so streams are still running when the switch comes.
@@ -64,9 +64,8 @@ def stream(mesh: ServiceMesh, i: int) -> tuple[int, int, str]:
 
 @pytest.fixture
 def mesh(etcd: Etcd):
-    m = ServiceMesh(etcd.endpoint)
-    yield m
-    m.stop()
+    with ServiceMesh(etcd.endpoint) as m:
+        yield m
 
 
 def test_a_worker_switches_roles_under_load_and_loses_no_request(mesh: ServiceMesh) -> None:

@@ -11,11 +11,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gen.kvmesh.v1 import common_pb2, router_pb2, worker_pb2
+from services.contract.worker_roles import RoleName
 from services.mesh.discovery import DECODE_WORKER, InstanceInfo
 from services.mesh.session_kind import CallError
 from services.routing.admission.admission_metrics import AdmissionMetrics
 from services.routing.admission.gate import Admission, AdmissionConfig, Queued, Ticket
 from services.routing.admission.tenant_policy import DEFAULT_TENANT, PolicyFile, TenantPolicies, TenantPolicy
+from services.routing.route_query import Qos, RouteQuery
 from services.routing.worker_pool import WorkerPool
 from tests.unit.test_router_route import FakeView
 
@@ -35,9 +37,10 @@ def gate_with(workers: int = 1, config: AdmissionConfig | None = None, policies:
     return Admission(pool, config, AdmissionMetrics(CollectorRegistry()), policies), pool
 
 
-def request(tenant: str = "", priority: int = 0, objective_ms: int = 0, tokens: int = 8) -> router_pb2.RouteRequest:
-    return router_pb2.RouteRequest(model=MODEL, token_ids=list(range(tokens)), hold=True, streams=1,
-                                   qos=common_pb2.Qos(tenant=tenant, priority=priority, ttft_objective_ms=objective_ms))
+def request(tenant: str = "", priority: int = 0, objective_ms: int = 0, tokens: int = 8, streams: int = 1,
+            max_tokens: int = 0) -> RouteQuery:
+    return RouteQuery("r", MODEL, list(range(tokens)), streams=streams, max_tokens=max_tokens,
+                      qos=Qos(tenant=tenant, priority=priority, ttft_objective_ms=objective_ms))
 
 
 def place(gate: Admission, ticket: Ticket, worker: str = "w0") -> Ticket:
@@ -45,8 +48,8 @@ def place(gate: Admission, ticket: Ticket, worker: str = "w0") -> Ticket:
     return ticket
 
 
-def refusal(exc: pytest.ExceptionInfo[CallError]) -> tuple[grpc.StatusCode, common_pb2.Overload]:
-    return exc.value.code, exc.value.overload
+def refusal(exc: pytest.ExceptionInfo[CallError]) -> tuple[common_pb2.Outcome, common_pb2.Overload]:
+    return exc.value.outcome, exc.value.overload
 
 
 async def test_a_worker_with_room_takes_the_request_at_once_and_the_place_comes_back() -> None:
@@ -93,8 +96,8 @@ async def test_a_request_that_would_miss_its_objective_is_refused_at_once_with_w
     gate.forecaster.hold.observe(3.0)  # a request holds a slot 3 s: one slot frees every 1.5 s
     with pytest.raises(CallError) as exc:
         gate.begin(request())
-    assert refusal(exc) == (grpc.StatusCode.RESOURCE_EXHAUSTED, common_pb2.OVERLOAD_PREDICTED_LATENCY)
-    assert exc.value.final and exc.value.retry_after_ms >= 1
+    assert refusal(exc) == (common_pb2.OUTCOME_OVERLOADED, common_pb2.OVERLOAD_PREDICTED_LATENCY)
+    assert exc.value.retry_after_ms >= 1
     # Its own, looser objective admits it; a tighter one than the deployment's refuses sooner.
     assert isinstance(gate.begin(request(objective_ms=5000)), Queued)
     assert gate.usage.in_flight(DEFAULT_TENANT) == SLOTS + 1
@@ -109,7 +112,7 @@ async def test_a_waiter_that_cannot_start_in_time_is_refused_and_leaves_no_trace
     assert isinstance(queued, Queued)
     with pytest.raises(CallError) as exc:
         await gate.wait(queued)
-    assert refusal(exc) == (grpc.StatusCode.RESOURCE_EXHAUSTED, common_pb2.OVERLOAD_QUEUE_EXPIRED)
+    assert refusal(exc) == (common_pb2.OUTCOME_OVERLOADED, common_pb2.OVERLOAD_QUEUE_EXPIRED)
     assert gate.queued() == 0 and gate.usage.in_flight(DEFAULT_TENANT) == SLOTS
 
 
@@ -181,8 +184,7 @@ async def test_a_tenants_top_priority_bounds_the_band_its_requests_take(tmp_path
 async def test_tokens_per_minute_charge_every_choice() -> None:
     gate, _ = gate_with(workers=2)
     gate.policies.policies = TenantPolicies(tenants={"t": TenantPolicy(tokens_per_minute=100)})
-    many = request("t", tokens=10)
-    many.max_tokens, many.streams = 20, 4  # 10 + 20 x 4 = 90
+    many = request("t", tokens=10, max_tokens=20, streams=4)  # 10 + 20 x 4 = 90
     place(gate, gate.begin(many))  # type: ignore[arg-type]
     with pytest.raises(CallError) as exc:
         gate.begin(request("t", tokens=11))
@@ -199,7 +201,7 @@ async def test_at_a_drain_the_waiters_are_sent_to_another_router_and_nothing_is_
     gate.drain()
     with pytest.raises(CallError) as exc:
         await waiting
-    assert exc.value.code == grpc.StatusCode.UNAVAILABLE and not exc.value.final
+    assert exc.value.outcome == common_pb2.OUTCOME_PEER_DRAINING  # asked of another router
     for ticket in held:
         ticket.release()
     assert gate.forecaster.hold.mean_s is None and gate.queued() == 0 and not gate.own
@@ -217,15 +219,18 @@ async def test_a_waiter_abandoned_before_it_waited_leaves_the_queue() -> None:
 
 
 async def test_a_unary_route_cannot_hold_a_place() -> None:
-    from services.routing.servicer import RouterConfig, RouterMetrics, RouterServicer
+    from services.routing.config import RouterConfig
+    from services.routing.router import Router
+    from services.routing.router_metrics import RouterMetrics
+    from services.routing.servicer import RouterServicer
     from tests.unit.test_router_route import Aborted, AbortingContext
 
     gate, pool = gate_with()
-    servicer = RouterServicer({common_pb2.WORKER_ROLE_DECODE: pool}, RouterConfig(), RouterMetrics(CollectorRegistry()),
-                              admission=gate)
+    router = Router({RoleName.DECODE: pool}, RouterConfig(), RouterMetrics(CollectorRegistry()), gate)
+    servicer = RouterServicer(router)
+    held = router_pb2.RouteRequest(model=MODEL, token_ids=list(range(8)), hold=True, streams=1)
     with pytest.raises(Aborted) as exc:
-        await servicer.Route(request(), AbortingContext())  # type: ignore[arg-type]
+        await servicer.Route(held, AbortingContext())  # type: ignore[arg-type]
     assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT and not gate.own and not gate.queued()
-    plain = request()
-    plain.hold = False
-    assert (await servicer.Route(plain, AbortingContext())).worker_id == "w0"  # type: ignore[arg-type]
+    held.hold = False
+    assert (await servicer.Route(held, AbortingContext())).worker_id == "w0"  # type: ignore[arg-type]

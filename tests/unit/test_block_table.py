@@ -14,6 +14,7 @@ from services.routing.block_table import GONE, BlockTable
 from services.routing.kv_index import EventError
 from services.routing.radix_tree import RadixTree
 from services.routing.reference_index import ReferenceIndex
+from tests.unit.budget import examples
 
 
 def crowded_hash(k: int) -> int:
@@ -35,7 +36,7 @@ def test_crowded_hashes_churned_through_growths_and_layouts_score_as_the_referen
     workers = [0, 1, 2]
     chains = [[1000 + c * 10 + i for i in range(rng.randint(1, 12))] for c in range(300)]
     stored: dict[int, set[int]] = {w: set() for w in workers}
-    for step in range(6000):
+    for step in range(examples(6000)):
         worker = rng.choice(workers)
         c = rng.randrange(len(chains))
         chain = chains[c]

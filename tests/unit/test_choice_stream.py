@@ -8,7 +8,7 @@ import pytest
 from gen.kvmesh.v1 import common_pb2, processor_pb2
 from services.mesh.channels import ChannelPool
 from services.mesh.session_client import SessionPool
-from services.mesh.router_client import RouteChoice
+from services.routing.router_client import RouteChoice
 from services.processor.choice_stream import (
     ChoiceContext,
     ChoiceLimits,
@@ -20,7 +20,7 @@ from services.processor.choice_stream import (
 )
 from services.processor.tokenizer import ModelTokenizer
 from services.processor.validation import check_resume
-from services.processor.tokenizer import PromptError
+from services.processor.prompt_errors import PromptError
 from services.tools.make_demo_model import ensure_demo_model
 
 ROUTE = RouteChoice("w1", "127.0.0.1:1", 0, 0.0, 0)
@@ -42,7 +42,7 @@ async def test_a_choice_resumed_with_all_its_tokens_finishes_without_a_worker() 
     await channels.close()
     assert isinstance(items[0], Started)
     (delta,) = [i.response.delta for i in items if isinstance(i, Delta)]
-    assert delta.finish_reason == "length" and list(delta.token_ids) == []
+    assert delta.finish_reason == common_pb2.FINISH_REASON_LENGTH and list(delta.token_ids) == []
     # Only text held back when the processor failed (a split character) may come now, never
     # text of the resumed tokens the client already has.
     assert len(delta.text) <= 1

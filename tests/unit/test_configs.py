@@ -10,7 +10,7 @@ import pytest
 from services.decode_worker.disagg_decision import DisaggConfig
 from services.frontend.app import FrontendConfig
 from services.routing.cost_function import CostWeights
-from services.routing.servicer import RouterConfig
+from services.routing.config import RouterConfig
 from services.mesh.flags import ConfigError, MeshConfig, ModelRef, forward_flags
 from services.processor.service import ProcessorConfig
 from services.tools.make_demo_model import ensure_demo_model
@@ -32,7 +32,7 @@ BAD: list[tuple[str, Callable[[], object], str]] = [
     ("zero block size", lambda: EngineConfig("mocker", demo(), 0), "--block-size"),
     ("unknown timing preset", lambda: EngineConfig("mocker", demo(), 16, timing="tpu"), "--timing"),
     ("zero speedup", lambda: EngineConfig("mocker", demo(), 16, speedup=0.0), "--speedup"),
-    ("remote prefill without NIXL", lambda: DisaggConfig(remote_prefill=True, kv_transfer=False), "--remote-prefill"),
+    ("remote prefill without NIXL", lambda: DisaggConfig(remote_prefill=True, can_receive_kv=False), "--remote-prefill"),
     ("negative prefill length", lambda: DisaggConfig(max_local_prefill_length=-1), "--max-local-prefill-length"),
     ("zero prefill timeout", lambda: DisaggConfig(prefill_timeout_s=0), "--prefill-timeout"),
     ("unknown router mode", lambda: RouterConfig(mode="least-loaded"), "--router-mode"),

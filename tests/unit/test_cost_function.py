@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from services.routing.cost_function import Candidate, CostWeights, choose, logits
+from services.routing.cost_function import Candidate, CostWeights, choose, logits, overlap_ratio
 
 W = CostWeights()
 
@@ -24,9 +24,7 @@ def test_logit_is_twice_the_overlap_ratio_minus_usage_minus_normalized_waiting()
 
 def test_the_worker_caching_the_prefix_wins_when_loads_are_alike() -> None:
     cs = [cand("a", overlap=0), cand("b", overlap=6), cand("c", overlap=2)]
-    d = choose(cs, 16, 128, W, random.Random(0))
-    assert (d.worker_id, d.overlap_blocks) == ("b", 6)
-    assert d.prefix_hit_rate == pytest.approx(6 * 16 / 128)
+    assert choose(cs, 16, 128, W, random.Random(0)) is cs[1]
 
 
 def test_a_full_cache_and_the_longest_queue_outweigh_a_small_overlap() -> None:
@@ -62,6 +60,7 @@ def test_temperature_samples_in_proportion_to_softmax_of_the_logits() -> None:
     assert 0.84 < picks["a"] / 2000 < 0.92
 
 
-def test_a_prompt_shorter_than_a_block_has_no_overlap_ratio() -> None:
-    d = choose([cand("a")], 16, 0, W, random.Random(0))
-    assert d.prefix_hit_rate == 0.0
+def test_the_overlap_ratio_is_the_cached_share_of_the_prompt_and_none_of_an_empty_one() -> None:
+    assert overlap_ratio(6, 16, 128) == pytest.approx(6 * 16 / 128)
+    assert overlap_ratio(9, 16, 128) == 1.0  # a partial last block cached whole: never above all of it
+    assert overlap_ratio(3, 16, 0) == 0.0

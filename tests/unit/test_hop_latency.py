@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry
 
-from gen.kvmesh.v1 import processor_pb2, processor_pb2_grpc
+from gen.kvmesh.v1 import common_pb2, processor_pb2, processor_pb2_grpc
 from services.mesh.channels import ChannelPool
 from services.mesh.hop_latency import FrameClock, HopLatency, hop_latency_histogram
 from services.mesh.session_client import SessionPool
@@ -63,7 +63,8 @@ class Stepper(processor_pb2_grpc.ProcessorServicer):
             call.reply((0, f"row {k}", [k]))
             self.upstream.reading_ns = 0
             await asyncio.sleep(0.01)
-        yield processor_pb2.GenerateResponse(delta=processor_pb2.ChoiceDelta(text=".", finish_reason="stop"))
+        yield processor_pb2.GenerateResponse(
+            delta=processor_pb2.ChoiceDelta(text=".", finish_reason=common_pb2.FINISH_REASON_STOP))
 
 
 async def test_frames_carry_their_write_time_and_the_serving_end_records_what_it_added() -> None:

@@ -41,8 +41,71 @@ def offending(folder: str, forbidden: tuple[str, ...], allowed: tuple[str, ...] 
 
 
 def test_the_mesh_package_imports_no_engine_worker_or_service() -> None:
-    forbidden = ("services.engines", "services.worker", *(f"services.{p}" for p in SERVICE_PACKAGES))
+    # Plumbing only: sessions, etcd, discovery, servers, logs. What a request means (routing,
+    # outcomes, limits, roles) lives elsewhere.
+    forbidden = ("services.engines", "services.worker", "services.routing", "services.contract",
+                 *(f"services.{p}" for p in SERVICE_PACKAGES))
     assert offending("services/mesh", forbidden) == []
+
+
+def test_the_contract_is_a_leaf() -> None:
+    assert offending("services/contract", ("services.",), ("services.contract",)) == []
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(folder: str) -> dict[str, set[str]]:
+    """Each module's imports of other modules of the tree (`from a.b import c` counts as a.b.c
+    where c is a module), late and TYPE_CHECKING imports included."""
+    modules = {module_name(p): p for p in modules_under(folder)}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules}
+                found |= {node.module} & modules.keys()
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names} & modules.keys()
+        graph[name] = found - {name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of `graph`: one path around each, found by depth-first search."""
+    found: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(name: str) -> None:
+        state[name] = 1
+        path.append(name)
+        for dep in sorted(graph.get(name, ())):
+            if state.get(dep) == 1:
+                found.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep)
+        path.pop()
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
+    return found
+
+
+def test_no_import_circle_anywhere_in_services() -> None:
+    # Late and TYPE_CHECKING imports count: a circle hidden behind one is still a circle to read.
+    assert circles(import_graph("services")) == []
+
+
+def test_the_circle_check_finds_a_circle() -> None:
+    # Guards the guard.
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert len(import_graph("services")) > 100
 
 
 def test_engines_import_nothing_of_the_mesh_but_the_kv_protocol() -> None:
@@ -69,12 +132,11 @@ def test_no_engine_reaches_into_the_mocker() -> None:
             if name.startswith("services.engines.mocker")] == []
 
 
-# What one service may take from another: the launcher reads each service's flags to start it,
-# and a processor with `--routing local` offers the router's flags (the router's core itself is
-# the services.routing library, which both embed).
+# What one service may take from another: the launcher reads each service's flags to start it.
+# Nothing else: what two services share is a library (the router's core, its config and flags
+# are services.routing, which the kv-router and a processor with `--routing local` both embed).
 SERVICE_MAY_USE = {
     "launch": tuple(f"services.{p}.flags" for p in SERVICE_PACKAGES),
-    "processor": ("services.kv_router.flags",),
 }
 
 

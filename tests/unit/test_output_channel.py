@@ -10,7 +10,8 @@ from collections.abc import AsyncGenerator
 import pytest
 
 from services.engines.base import EngineOutput, FinishReason, TokenLogprobs
-from services.engines.output_channel import OutputChannel, RowTap
+from services.engines.base import RowTap
+from services.engines.output_channel import OutputChannel
 from services.worker.pacing import paced
 
 

@@ -76,7 +76,8 @@ class _Handler(BaseHTTPRequestHandler):
 @pytest.fixture
 def api() -> Iterator[FakeApiServer]:
     server = FakeApiServer()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    # A short poll: shutdown() waits up to one poll interval (0.5 s by default) per test.
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
     yield server
     server.shutdown()

@@ -8,10 +8,13 @@ xxh3 chaining, never from Python's per-process salted `hash()`.
 
 from __future__ import annotations
 
+import inspect
 from functools import cache
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from tests.unit.budget import examples
 
 from services.routing.kv_index import KvIndex
 from services.routing.radix_tree import EventError, RadixTree
@@ -77,7 +80,7 @@ def apply(tree, event) -> None:  # noqa: ANN001
         tree.remove_worker(worker)
 
 
-@settings(max_examples=1500, deadline=None, derandomize=True, database=None)
+@settings(max_examples=examples(1500), deadline=None, derandomize=True, database=None)
 @given(st.lists(events(), max_size=60), st.lists(PATHS, min_size=1, max_size=12))
 def test_scores_equal_the_reference_model_after_any_event_stream(stream, queries) -> None:  # noqa: ANN001
     assert_same_after(stream, queries)
@@ -97,7 +100,7 @@ def assert_same_after(stream, queries) -> None:  # noqa: ANN001
     assert fast.block_count() == ref.block_count()
 
 
-@settings(max_examples=800, deadline=None, derandomize=True, database=None)
+@settings(max_examples=examples(800), deadline=None, derandomize=True, database=None)
 @given(st.lists(tiered_events(), max_size=60), st.lists(PATHS, min_size=1, max_size=12))
 def test_scores_per_tier_equal_the_reference_model_after_any_event_stream(stream, queries) -> None:  # noqa: ANN001
     assert_same_after(stream, queries)
@@ -121,7 +124,17 @@ def test_a_block_moved_to_host_memory_scores_apart_and_keeps_what_hangs_below_it
 
 
 def test_both_indexes_implement_the_whole_kv_index_protocol() -> None:
-    assert isinstance(RadixTree(), KvIndex) and isinstance(ReferenceIndex(), KvIndex)
+    # Both subclass KvIndex, so `isinstance` holds whatever they define: a method one of them
+    # forgot would be the protocol's `...` stub, answering None. Each must define its own, with
+    # the protocol's parameters.
+    methods = {name: f for name, f in vars(KvIndex).items() if inspect.isfunction(f) and not name.startswith("_")}
+    assert "find_matches" in methods and "store" in methods
+    for cls in (RadixTree, ReferenceIndex):
+        for name, stub in methods.items():
+            own = getattr(cls, name)
+            assert own is not stub, f"{cls.__name__}.{name} is the protocol's stub"
+            assert list(inspect.signature(own).parameters) == list(inspect.signature(stub).parameters), \
+                f"{cls.__name__}.{name}"
 
 
 def test_the_reference_refuses_a_store_under_an_unknown_parent_as_the_tree_does() -> None:
@@ -205,7 +218,7 @@ def test_a_stale_mark_of_a_removed_worker_never_counts_for_a_newcomer() -> None:
     assert fast.find_matches([3]) == ref.find_matches([3]) == {"c": 1}
 
 
-@settings(max_examples=500, deadline=None, derandomize=True, database=None)
+@settings(max_examples=examples(500), deadline=None, derandomize=True, database=None)
 @given(st.lists(events(odd_hashes=False), max_size=60))
 def test_nodes_are_freed_once_no_worker_or_parent_references_them(stream) -> None:  # noqa: ANN001
     # With engine hashes that name one block each (as real engines' do). A hash reused for other

@@ -1,15 +1,15 @@
 """The decode worker's remote-prefill plan (services/decode_worker/remote_prefill.py), branch by branch.
 
 The router client is a stand-in with an async `route(...)` (our own interface), scripted to answer
-or to raise; the prefill worker is a real in-process `grpc.aio` server implementing `Prefiller`,
-scripted per case; channels come from a real `ChannelPool`. Counters are read back from the fresh
+or to raise; the prefill worker is a real in-process `grpc.aio` server implementing `Prefiller`
+(its `Session` through a real SessionHub, as the prefill worker serves it), scripted per case;
+sessions and channels come from a real `SessionPool` and `ChannelPool`. Counters are read back from the fresh
 Prometheus registry each test hands to `DisaggMetrics`. No etcd, no child process.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -23,37 +23,48 @@ from services.decode_worker.disagg_decision import DisaggConfig
 from services.decode_worker.remote_prefill import DisaggMetrics, RemotePrefill, RemotePrefiller
 from services.mesh.channels import ChannelPool
 from services.mesh.net import free_port
-from services.mesh.router_client import NoWorkerError, RouteChoice, RoutingUnavailable
+from services.mesh.session_client import SessionPool
+from services.mesh.session_kind import PREFILL_SESSION, CallError, CallInfo
+from services.mesh.session_server import SessionHub
+from services.worker.kv_pull import kv_pull_to_proto
+from services.routing.router_client import NoWorkerError, RouteChoice, RoutingUnavailable
 
 MODEL = "kvmesh-demo"
 PREFILL_ID = "prefill-7"
-KV_TRANSFER = {"engine_id": "prefill-7", "blocks": [3, 4, 5], "checksum": 1234567}
+# Integers (block ids, ports) must come back as integers.
+KV_PULL = {"engine_id": "prefill-7", "blocks": [3, 4, 5], "checksum": 1234567, "ratio": 0.5, "remote": True,
+           "nested": {"port": 5600}}
 LONG, SHORT = 1000, 100  # prompt lengths either side of max_local_prefill_length (512)
 SAMPLING = common_pb2.SamplingParams(max_tokens=8, seed=42)
 # Long enough for an answering prefill worker on a loaded machine, short for one that never answers.
-DEADLINE_TIMEOUT_S = 1.0
+DEADLINE_TIMEOUT_S = 0.5
 # Every reason the decode worker counts a fallback under ("transfer" is the decode side's own, after a pull).
 FALLBACK_REASONS = ("no_prefill_worker", "no_router", "error", "deadline", "busy", "transfer")
 
 
 class ScriptedPrefiller(worker_pb2_grpc.PrefillerServicer):
-    """Prefill answers with KV_TRANSFER, aborts with a status, or never answers; ReleaseKv likewise."""
+    """A prefill answers with KV_PULL, ends with an outcome, or never answers; ReleaseKv likewise."""
 
     def __init__(self, prefill: str = "ok", release: str = "ok") -> None:
         self.prefill, self.release = prefill, release
         self.prefills: list[worker_pb2.PrefillRequest] = []
         self.releases: list[str] = []
+        self.sessions = SessionHub(PREFILL_SESSION, self.prefill_call)
 
-    async def Prefill(self, request: worker_pb2.PrefillRequest,  # noqa: N802
-                      context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
+    async def Session(self, frames: AsyncIterator[worker_pb2.PrefillSessionDown],  # noqa: N802
+                      context: grpc.aio.ServicerContext) -> None:
+        await self.sessions.serve(frames, context)
+
+    async def prefill_call(self, request: worker_pb2.PrefillRequest,
+                           call: CallInfo) -> AsyncIterator[worker_pb2.PrefillResponse]:
         self.prefills.append(request)
         if self.prefill == "error":
-            await context.abort(grpc.StatusCode.INTERNAL, "scripted engine failure")
+            raise CallError(common_pb2.OUTCOME_PEER_FAILED, "scripted engine failure")
         if self.prefill == "busy":
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "scripted: no room to hold more KV")
+            raise CallError(common_pb2.OUTCOME_NO_CAPACITY, "scripted: no room to hold more KV")
         if self.prefill == "hangs":
             await asyncio.Event().wait()  # cancelled at the client's deadline or when the server stops
-        return worker_pb2.PrefillResponse(kv_transfer_json=json.dumps(KV_TRANSFER), cached_tokens=32)
+        yield worker_pb2.PrefillResponse(kv_pull=kv_pull_to_proto(KV_PULL), cached_tokens=32)
 
     async def ReleaseKv(self, request: worker_pb2.ReleaseKvRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseKvResponse:
@@ -111,12 +122,15 @@ async def remote_prefill(config: DisaggConfig | None = None, worker: ScriptedPre
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     channels = ChannelPool()
+    sessions = SessionPool(channels)
     registry = CollectorRegistry()
     routers = StandInRouters(f"127.0.0.1:{port}", pool_waiting, router_raises)
-    prefiller = RemotePrefiller(config or DisaggConfig(), MODEL, routers, channels, DisaggMetrics(registry))  # type: ignore[arg-type]
+    prefiller = RemotePrefiller(config or DisaggConfig(), MODEL, routers, sessions, channels,  # type: ignore[arg-type]
+                                DisaggMetrics(registry))
     try:
         yield Setup(prefiller, routers, worker, registry)
     finally:
+        await sessions.close()
         await channels.close()
         await server.stop(None)
 
@@ -150,7 +164,7 @@ async def test_a_long_uncached_prompt_is_prefilled_remotely_and_its_kv_params_re
     tokens = prompt(LONG)
     async with remote_prefill(pool_waiting=1) as s:
         plan = await s.prefiller.plan("r-remote", tokens, SAMPLING, 0.0)
-        assert plan == RemotePrefill(worker_id=PREFILL_ID, address=s.routers.address, kv_transfer=KV_TRANSFER)
+        assert plan == RemotePrefill(worker_id=PREFILL_ID, address=s.routers.address, kv_pull=KV_PULL)
         assert s.counts() == counts(remote=1)
         assert s.registry.get_sample_value("kvmesh_prefill_queue_size") == 1
         # The router was asked for the prefill pool, and the prefill worker got the prompt as sent.
@@ -192,7 +206,7 @@ async def test_a_routing_failure_falls_back_to_local_with_its_reason(router_rais
         assert s.counts() == counts(local=1, **{reason: 1})
 
 
-async def test_a_failed_prefill_rpc_falls_back_to_local_as_error() -> None:
+async def test_a_failed_prefill_falls_back_to_local_as_error() -> None:
     async with remote_prefill(worker=ScriptedPrefiller(prefill="error")) as s:
         assert await s.prefiller.plan("r-err", prompt(LONG), SAMPLING, 0.0) is None
         assert len(s.worker.prefills) == 1
@@ -224,16 +238,16 @@ async def test_a_prefill_past_its_deadline_falls_back_to_local_as_deadline() -> 
 
 async def test_release_asks_the_prefill_worker_to_free_the_requests_kv() -> None:
     async with remote_prefill() as s:
-        await s.prefiller.release("r-abandoned", RemotePrefill(PREFILL_ID, s.routers.address, KV_TRANSFER))
+        await s.prefiller.release("r-abandoned", RemotePrefill(PREFILL_ID, s.routers.address, KV_PULL))
         assert s.worker.releases == ["r-abandoned"]
 
 
 async def test_release_swallows_an_rpc_error() -> None:
     async with remote_prefill(worker=ScriptedPrefiller(release="error")) as s:
-        await s.prefiller.release("r-abandoned", RemotePrefill(PREFILL_ID, s.routers.address, KV_TRANSFER))
+        await s.prefiller.release("r-abandoned", RemotePrefill(PREFILL_ID, s.routers.address, KV_PULL))
         assert s.worker.releases == ["r-abandoned"]
         # Nothing listening at all is swallowed too: the KV expires on the prefill worker.
-        await s.prefiller.release("r-orphan", RemotePrefill(PREFILL_ID, f"127.0.0.1:{free_port()}", KV_TRANSFER))
+        await s.prefiller.release("r-orphan", RemotePrefill(PREFILL_ID, f"127.0.0.1:{free_port()}", KV_PULL))
         assert s.worker.releases == ["r-abandoned"]
         assert s.counts() == counts()
 
@@ -251,7 +265,7 @@ async def test_a_prefill_worker_that_failed_is_kept_out_of_the_next_routes(failu
 
 
 async def test_a_worker_that_refused_one_request_is_not_set_aside() -> None:
-    # INTERNAL: the worker answered (its engine failed this prefill); it is not gone.
+    # PEER_FAILED: the worker answered (its engine failed this prefill); it is not gone.
     async with remote_prefill(worker=ScriptedPrefiller(prefill="error")) as s:
         await s.prefiller.plan("r-1", prompt(LONG), SAMPLING, 0.0)
         await s.prefiller.plan("r-2", prompt(LONG), SAMPLING, 0.0)

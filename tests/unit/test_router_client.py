@@ -1,4 +1,4 @@
-"""The router client's contract (services/mesh/router_client.py), against real in-process gRPC routers.
+"""The router client's contract (services/routing/router_client.py), against real in-process gRPC routers.
 
 Each router here is a real `grpc.aio` server on 127.0.0.1 serving sessions, whose routing follows
 a script: answer, fail with a status, or never answer. The client gets a real `ChannelPool` and, in place of a
@@ -9,7 +9,8 @@ of the view it reads). No etcd, no child process: the whole file runs in a few s
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -21,7 +22,7 @@ from services.mesh.channels import ChannelPool
 from services.mesh.discovery import ROUTER, InstanceInfo
 from services.mesh.net import free_port
 from services.mesh.recent_failures import HOLD_S
-from services.mesh.router_client import NoWorkerError, RouteChoice, RouterClient, RoutingUnavailable
+from services.routing.router_client import NoWorkerError, RouteChoice, RouterClient, RoutingUnavailable
 from services.mesh.session_client import SessionPool
 from services.mesh.session_kind import ROUTER_SESSION, CallError, CallInfo
 from services.mesh.session_server import SessionHub
@@ -30,16 +31,17 @@ MODEL = "kvmesh-demo"
 TOKENS = [101, 102, 103, 104, 105]
 DECODE, PREFILL = common_pb2.WORKER_ROLE_DECODE, common_pb2.WORKER_ROLE_PREFILL
 # Long enough for an answering router on a loaded 2-core machine, short for one that never answers.
-SHORT_TIMEOUT_S = 1.0
+SHORT_TIMEOUT_S = 0.5
 
 # What each scripted behaviour makes `Route` do.
 OK = "ok"
 ABORTS = {
-    "unavailable": grpc.StatusCode.UNAVAILABLE,
-    "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
-    "not_found": grpc.StatusCode.NOT_FOUND,
-    "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
-    "internal": grpc.StatusCode.INTERNAL,
+    "unavailable": common_pb2.OUTCOME_PEER_GONE,
+    "draining": common_pb2.OUTCOME_PEER_DRAINING,
+    "deadline": common_pb2.OUTCOME_DEADLINE,
+    "not_found": common_pb2.OUTCOME_NO_WORKER,
+    "invalid_argument": common_pb2.OUTCOME_BAD_REQUEST,
+    "internal": common_pb2.OUTCOME_PEER_FAILED,
 }
 HANGS = "hangs"  # never answers: the client's own deadline ends the call
 DEAD = "dead"  # nothing listens at its address
@@ -92,7 +94,8 @@ class Routers:
 
 
 @asynccontextmanager
-async def routers(*behaviours: str, timeout_s: float = 2.0, avoid_s: float = HOLD_S) -> AsyncIterator[Routers]:
+async def routers(*behaviours: str, timeout_s: float = 2.0, avoid_s: float = HOLD_S,
+                  clock: Callable[[], float] = time.monotonic) -> AsyncIterator[Routers]:
     """Routers r0, r1, ... (the client tries them in id order from its turn) with these behaviours."""
     scripted, servers = [], []
     pool = ChannelPool()
@@ -111,7 +114,7 @@ async def routers(*behaviours: str, timeout_s: float = 2.0, avoid_s: float = HOL
             scripted.append(router)
         members = Members({r.instance_id: InstanceInfo(component=ROUTER, instance_id=r.instance_id, address=r.address)
                            for r in scripted})
-        yield Routers(RouterClient(members, sessions, timeout_s=timeout_s, avoid_s=avoid_s), scripted)
+        yield Routers(RouterClient(members, sessions, timeout_s=timeout_s, avoid_s=avoid_s, clock=clock), scripted)
     finally:
         await sessions.close()
         await pool.close()
@@ -148,7 +151,7 @@ async def test_calls_rotate_over_the_routers() -> None:
     assert answered_by == [f"worker-via-r{i % 3}" for i in range(6)]
 
 
-@pytest.mark.parametrize("failure", ["unavailable", "deadline", HANGS, DEAD])
+@pytest.mark.parametrize("failure", ["unavailable", "draining", "internal", "deadline", HANGS, DEAD])
 async def test_a_router_that_cannot_answer_costs_one_retry_on_the_next(failure: str) -> None:
     # The first call's turn starts at r0, so the failing router is asked first.
     async with routers(failure, OK, timeout_s=SHORT_TIMEOUT_S) as mesh:
@@ -166,10 +169,19 @@ async def test_a_router_that_could_not_answer_is_asked_last_for_a_while() -> Non
     assert answered_by == ["worker-via-r1", "worker-via-r1", "worker-via-r2", "worker-via-r1"]
 
 
+@dataclass
+class FakeClock:
+    now: float = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 async def test_a_router_avoided_for_a_while_is_asked_again_after_it() -> None:
-    async with routers("unavailable", OK, avoid_s=0.2) as mesh:
+    clock = FakeClock()
+    async with routers("unavailable", OK, avoid_s=0.2, clock=clock) as mesh:
         await route(mesh.client, "req-0")  # r0 fails, r1 answers
-        await asyncio.sleep(0.3)
+        clock.now += 0.3
         await route(mesh.client, "req-1")  # r1's turn
         await route(mesh.client, "req-2")  # r0's turn, and its time out of turn is over
         assert mesh.called() == {"r0": 2, "r1": 3}
@@ -191,9 +203,9 @@ async def test_every_router_failing_is_routing_unavailable_naming_each_router() 
         with pytest.raises(RoutingUnavailable) as failed:
             await route(mesh.client)
     message = str(failed.value)
-    assert "router r0: UNAVAILABLE" in message
-    assert "router r1: DEADLINE_EXCEEDED" in message
-    assert "router r2: UNAVAILABLE" in message
+    assert "router r0: PEER_GONE" in message
+    assert "router r1: DEADLINE" in message
+    assert "router r2: PEER_GONE" in message
 
 
 async def test_not_found_is_no_worker_at_once_without_asking_another_router() -> None:
@@ -209,8 +221,8 @@ def test_no_worker_is_not_routing_unavailable() -> None:
     assert not issubclass(RoutingUnavailable, NoWorkerError)
 
 
-@pytest.mark.parametrize("failure, code", [("invalid_argument", "INVALID_ARGUMENT"), ("internal", "INTERNAL")])
-async def test_a_non_retryable_status_stops_without_trying_other_routers(failure: str, code: str) -> None:
+@pytest.mark.parametrize("failure, code", [("invalid_argument", "BAD_REQUEST")])
+async def test_an_outcome_that_is_the_answer_stops_without_trying_other_routers(failure: str, code: str) -> None:
     async with routers(failure, OK) as mesh:
         with pytest.raises(RoutingUnavailable, match=f"router r0: {code}"):
             await route(mesh.client)

@@ -1,4 +1,5 @@
-"""The router's Route and FindMatches decisions, driven in-process on hand-built pools.
+"""The router's Route and FindMatches decisions, driven in-process on hand-built pools, through
+its gRPC servicer (the wire: roles by number, refusals as statuses).
 
 The pools are real `WorkerPool`s over a stand-in for our discovery view (its component name and
 listener registration are all a pool uses); workers enter through `WorkerPool.admit`, which
@@ -18,9 +19,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gen.kvmesh.v1 import common_pb2, router_pb2, worker_pb2
+from services.contract.worker_roles import RoleName
+from services.routing.config import RouterConfig
 from services.routing.cost_function import CostWeights
-from services.routing.pickers import PICKERS, make_picker
-from services.routing.servicer import ROUTER_MODES, RouterConfig, RouterMetrics, RouterServicer
+from services.routing.pickers import PICKERS, ROUTER_MODES, make_picker
+from services.routing.router import Router
+from services.routing.router_metrics import RouterMetrics
+from services.routing.servicer import RouterServicer
 from services.routing.worker_pool import WorkerPool
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, InstanceInfo, Listener
 from services.kv_protocol.hashing import chained_block_hashes, local_block_hashes
@@ -92,7 +97,7 @@ def set_load(pool: WorkerPool, worker_id: str, **fields: int) -> None:
 
 
 @dataclass
-class Router:
+class Served:
     servicer: RouterServicer
     registry: CollectorRegistry
 
@@ -110,11 +115,12 @@ class Router:
         return self.registry.get_sample_value("kvmesh_router_no_worker_total") or 0.0
 
 
-def router(decode: WorkerPool, prefill: WorkerPool | None = None, mode: str = "kv", seed: int | None = 0) -> Router:
-    pools = {DECODE: decode, PREFILL: prefill if prefill is not None else make_pool(component=PREFILL_WORKER)}
+def router(decode: WorkerPool, prefill: WorkerPool | None = None, mode: str = "kv", seed: int | None = 0) -> Served:
+    pools = {RoleName.DECODE: decode,
+             RoleName.PREFILL: prefill if prefill is not None else make_pool(component=PREFILL_WORKER)}
     registry = CollectorRegistry()
-    servicer = RouterServicer(pools, RouterConfig(mode=mode, seed=seed), RouterMetrics(registry))
-    return Router(servicer, registry)
+    return Served(RouterServicer(Router(pools, RouterConfig(mode=mode, seed=seed), RouterMetrics(registry))),
+                  registry)
 
 
 # -- pools per role ---------------------------------------------------------------------------
@@ -131,7 +137,7 @@ async def test_the_role_selects_the_pool(role: int, expected: str) -> None:
     assert (response.worker_id, response.address) == (expected, f"{expected}.test:1")
 
 
-@pytest.mark.parametrize("call", [Router.route, Router.find_matches])
+@pytest.mark.parametrize("call", [Served.route, Served.find_matches])
 async def test_an_unknown_role_is_an_invalid_argument(call: Callable) -> None:
     with pytest.raises(Aborted) as aborted:
         await call(router(make_pool(info("d1"))), role=7)

@@ -8,6 +8,7 @@ client is a real `SessionPool`. The handler follows the request: `request_id` na
 from __future__ import annotations
 
 import asyncio
+from collections import defaultdict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -15,16 +16,19 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from gen.kvmesh.v1 import router_pb2, router_pb2_grpc
+from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.mesh.channels import ChannelPool
 from services.mesh.session_client import SessionLimits, SessionPool
-from services.mesh.session_kind import ROUTER_SESSION, CallError, CallInfo, final_error
+from services.mesh.session_kind import ROUTER_SESSION, CallError, CallInfo, bad_request
 from services.mesh.session_server import SessionHub
+from tests.procs import eventually
 
 
 @dataclass
 class Scripted(router_pb2_grpc.RouterServicer):
-    # Set once the handler of a call (by request id) stopped being run: ended, failed or cancelled.
+    # Set once the handler of a call (by request id) runs, and once it stopped being run: ended,
+    # failed or cancelled.
+    started: defaultdict[str, asyncio.Event] = field(default_factory=lambda: defaultdict(asyncio.Event))
     stopped: dict[str, asyncio.Event] = field(default_factory=dict)
     # Released to let "gated" calls finish.
     gate: asyncio.Event = field(default_factory=asyncio.Event)
@@ -41,6 +45,7 @@ class Scripted(router_pb2_grpc.RouterServicer):
         rid, behaviour = request.request_id, request.model
         self.metadata[rid] = dict(call.metadata)
         stopped = self.stopped.setdefault(rid, asyncio.Event())
+        self.started[rid].set()
         try:
             count = request.token_ids[0] if request.token_ids else 1
             if behaviour == "hang":
@@ -54,9 +59,9 @@ class Scripted(router_pb2_grpc.RouterServicer):
                 elif behaviour == "paced":
                     await asyncio.sleep(0.002)
             if behaviour == "bad":
-                raise final_error(grpc.StatusCode.INVALID_ARGUMENT, "scripted bad request")
+                raise bad_request("scripted bad request", "prompt")
             if behaviour == "busy":
-                raise CallError(grpc.StatusCode.UNAVAILABLE, "scripted retry elsewhere")
+                raise CallError(common_pb2.OUTCOME_PEER_DRAINING, "scripted retry elsewhere")
         finally:
             stopped.set()
 
@@ -72,6 +77,10 @@ class Bed:
              metadata: tuple[tuple[str, str], ...] | None = None):
         request = router_pb2.RouteRequest(request_id=rid, model=behaviour, token_ids=[count])
         return self.sessions.get(ROUTER_SESSION, self.address).open(request, timeout_s, metadata)
+
+    async def running(self, *rids: str) -> None:
+        """Returns once the server runs the handler of each of these calls."""
+        await asyncio.wait_for(asyncio.gather(*(self.servicer.started[rid].wait() for rid in rids)), 5)
 
 
 @asynccontextmanager
@@ -115,7 +124,7 @@ async def test_a_call_carries_its_own_trace_metadata() -> None:
     assert b.servicer.metadata["untraced"] == {}
 
 
-async def test_errors_keep_their_code_and_whether_they_are_final() -> None:
+async def test_errors_keep_their_outcome_and_field() -> None:
     async with bed() as b:
         with pytest.raises(CallError) as bad:
             await replies(b.open("bad", "bad", 2))
@@ -123,8 +132,9 @@ async def test_errors_keep_their_code_and_whether_they_are_final() -> None:
             await replies(b.open("busy", "busy", 0))
         # The session survives its calls' failures.
         assert await replies(b.open("after")) == ["after:0"]
-    assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT and bad.value.final
-    assert busy.value.code == grpc.StatusCode.UNAVAILABLE and not busy.value.final
+    assert (bad.value.outcome, bad.value.message, bad.value.param) == (
+        common_pb2.OUTCOME_BAD_REQUEST, "scripted bad request", "prompt")
+    assert busy.value.outcome == common_pb2.OUTCOME_PEER_DRAINING
 
 
 async def test_replies_before_a_failure_are_delivered_before_it() -> None:
@@ -141,14 +151,14 @@ async def test_a_cancelled_call_stops_at_the_server_and_the_others_go_on() -> No
     async with bed() as b:
         hung = b.open("hung", "hang")
         other = b.open("other", "gated", 3)
-        await asyncio.sleep(0.2)
+        await b.running("hung", "other")
         hung.cancel()
         await asyncio.wait_for(b.servicer.stopped["hung"].wait(), 5)
         b.servicer.gate.set()
         assert await replies(other) == ["other:0", "other:1", "other:2"]
         with pytest.raises(CallError) as cancelled:
             await replies(hung)
-    assert cancelled.value.code == grpc.StatusCode.CANCELLED
+    assert cancelled.value.outcome == common_pb2.OUTCOME_CANCELLED
 
 
 async def test_a_deadline_ends_the_call_here_and_at_the_server() -> None:
@@ -156,19 +166,19 @@ async def test_a_deadline_ends_the_call_here_and_at_the_server() -> None:
         with pytest.raises(CallError) as late:
             await replies(b.open("late", "hang", timeout_s=0.3))
         await asyncio.wait_for(b.servicer.stopped["late"].wait(), 5)
-    assert late.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and not late.value.final
+    assert late.value.outcome == common_pb2.OUTCOME_DEADLINE
 
 
 async def test_a_broken_session_fails_every_open_call_retryably_and_the_next_call_gets_a_new_one() -> None:
     async with bed() as b:
         open_calls = [b.open(f"h{i}", "hang") for i in range(5)]
-        await asyncio.sleep(0.2)
+        await b.running(*(f"h{i}" for i in range(5)))
         first = b.sessions.get(ROUTER_SESSION, b.address)
         await b.server.stop(None)  # the peer goes away with five calls open
         for stream in open_calls:
             with pytest.raises(CallError) as broken:
                 await asyncio.wait_for(replies(stream), 5)
-            assert broken.value.code == grpc.StatusCode.UNAVAILABLE and not broken.value.final
+            assert broken.value.outcome == common_pb2.OUTCOME_PEER_GONE
         assert first.closed
         assert b.sessions.get(ROUTER_SESSION, b.address) is not first
 
@@ -180,22 +190,19 @@ async def test_a_consumer_that_reads_nothing_fails_its_own_call_only() -> None:
         assert len(await replies(read)) == 300, "a slow consumer never stalls the other calls of its session"
         with pytest.raises(CallError) as overflow:
             await replies(unread)
-    assert overflow.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert overflow.value.outcome == common_pb2.OUTCOME_READ_TOO_SLOWLY
 
 
 async def test_a_drain_refuses_new_calls_finishes_open_ones_then_ends_the_session() -> None:
     async with bed() as b:
         running = b.open("running", "gated", 2)
-        await asyncio.sleep(0.2)
+        await b.running("running")
         session = b.sessions.get(ROUTER_SESSION, b.address)
         b.servicer.sessions.drain()
         with pytest.raises(CallError) as refused:
             await replies(b.open("late-comer"))
         b.servicer.gate.set()
         assert await replies(running) == ["running:0", "running:1"]
-        for _ in range(50):
-            if session.closed:
-                break
-            await asyncio.sleep(0.1)
-    assert refused.value.code == grpc.StatusCode.UNAVAILABLE and not refused.value.final
-    assert session.closed, "a drained session ends once its calls have"
+        # Checked inside the block: leaving it closes every session anyway.
+        assert await eventually(lambda: session.closed, 5), "a drained session ends once its calls have"
+    assert refused.value.outcome == common_pb2.OUTCOME_PEER_DRAINING

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from gen.kvmesh.v1 import processor_pb2
+from gen.kvmesh.v1 import common_pb2, processor_pb2
 from services.frontend.answer import Answer
 from services.frontend.endpoints import CHAT, COMPLETION, Kind
 from services.frontend.inflight import InflightLimit
@@ -22,7 +22,8 @@ from services.mesh.session_client import SessionStream
 from tests.unit.stand_ins import StandInSession
 
 
-def delta(text: str, ids: list[int], finish: str = "") -> processor_pb2.GenerateResponse:
+def delta(text: str, ids: list[int],
+          finish: common_pb2.FinishReason = common_pb2.FINISH_REASON_UNSPECIFIED) -> processor_pb2.GenerateResponse:
     return processor_pb2.GenerateResponse(delta=processor_pb2.ChoiceDelta(text=text, token_ids=ids,
                                                                           finish_reason=finish))
 
@@ -58,7 +59,7 @@ async def sent_events(kind: Kind, behind: bool) -> tuple[list[bytes], list[int]]
             if row[1]:
                 writes.append(await reading)
                 reading = asyncio.ensure_future(anext(events))
-    call._push(delta("", [7], finish="length"))
+    call._push(delta("", [7], finish=common_pb2.FINISH_REASON_LENGTH))
     call._push(processor_pb2.GenerateResponse(usage=processor_pb2.Usage(prompt_tokens=1, completion_tokens=7)))
     call._finish(None)
     if not behind:

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from gen.kvmesh.v1 import processor_pb2
+from gen.kvmesh.v1 import common_pb2, processor_pb2
 from services.frontend.answer import Answer
 from services.frontend.endpoints import CHAT, COMPLETION, Kind
 from services.frontend.inflight import InflightLimit
 from services.frontend.metrics import FrontendMetrics
-from services.frontend.responses import TextEvents, sse
+from services.frontend.responses import TextEvents, finish_name, sse
 
 TEXTS = ["", "plain", 'quotes " and \\ backslash', "tab\tnewline\ncontrol\x01\x00", "café 你好 🙂", "\ufffd", "</s>"]
 
@@ -57,8 +57,8 @@ async def test_text_events_are_the_chunks_byte_for_byte(kind: Kind, include_usag
     texts = TEXTS + ["".join(chr(rng.choice([rng.randrange(32, 127), rng.randrange(0x80, 0x3000)]))
                              for _ in range(rng.randint(0, 12))) for _ in range(50)]
     deltas = [processor_pb2.ChoiceDelta(index=i % 2, text=t) for i, t in enumerate(texts)]
-    deltas += [processor_pb2.ChoiceDelta(index=0, text="end", finish_reason="stop"),
-               processor_pb2.ChoiceDelta(index=1, text="", finish_reason="length")]
+    deltas += [processor_pb2.ChoiceDelta(index=0, text="end", finish_reason=common_pb2.FINISH_REASON_STOP),
+               processor_pb2.ChoiceDelta(index=1, text="", finish_reason=common_pb2.FINISH_REASON_LENGTH)]
     events = await streamed(kind, include_usage, deltas)
     shown = [d for d in deltas if d.text or d.finish_reason]  # an empty delta is a character still forming
     opened: set[int] = set()
@@ -69,9 +69,9 @@ async def test_text_events_are_the_chunks_byte_for_byte(kind: Kind, include_usag
             if d.index not in opened:
                 opened.add(d.index)
                 delta["role"] = "assistant"
-            choice = {"index": d.index, "delta": delta, "logprobs": None, "finish_reason": d.finish_reason or None}
+            choice = {"index": d.index, "delta": delta, "logprobs": None, "finish_reason": finish_name(d.finish_reason)}
         else:
-            choice = {"index": d.index, "text": d.text, "finish_reason": d.finish_reason or None, "logprobs": None}
+            choice = {"index": d.index, "text": d.text, "finish_reason": finish_name(d.finish_reason), "logprobs": None}
         expected.append(expected_chunk(kind, include_usage, choice))
     assert len(events) == len(shown) + include_usage + 1
     for event, body in zip(events, expected):

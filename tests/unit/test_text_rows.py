@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from gen.kvmesh.v1 import processor_pb2, processor_pb2_grpc
+from gen.kvmesh.v1 import common_pb2, processor_pb2, processor_pb2_grpc
 from services.mesh.channels import ChannelPool
 from services.mesh.session_client import SessionPool, SessionStream
 from services.mesh.session_kind import PROCESSOR_SESSION, TEXT_ROWS, CallInfo, TextRow, text_row_message
@@ -38,7 +38,8 @@ def test_text_rows_round_trip_through_their_columns() -> None:
     assert list(TEXT_ROWS.unpack(frame)) == list(zip([1, 1, 2, 7], ROWS))
     assert list(TEXT_ROWS.unpack(processor_pb2.ProcessorSessionUp())) == []
     delta = text_row_message(ROWS[3]).delta
-    assert (delta.index, delta.text, list(delta.token_ids), delta.finish_reason) == (3, "✓", [9, 10, 11], "")
+    assert (delta.index, delta.text, list(delta.token_ids), delta.finish_reason) == (
+        3, "✓", [9, 10, 11], common_pb2.FINISH_REASON_UNSPECIFIED)
 
 
 def first(i: int) -> processor_pb2.GenerateResponse:
@@ -46,7 +47,8 @@ def first(i: int) -> processor_pb2.GenerateResponse:
 
 
 def last(i: int) -> processor_pb2.GenerateResponse:
-    return processor_pb2.GenerateResponse(delta=processor_pb2.ChoiceDelta(index=0, text=".", finish_reason="stop"))
+    return processor_pb2.GenerateResponse(
+        delta=processor_pb2.ChoiceDelta(index=0, text=".", finish_reason=common_pb2.FINISH_REASON_STOP))
 
 
 def rows_of(i: int) -> list[TextRow]:

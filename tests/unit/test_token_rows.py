@@ -31,7 +31,7 @@ def script(call: int) -> list[Reply]:
         worker_pb2.WorkerGenerateResponse(token_ids=[base + 4], logprobs=[common_pb2.TokenLogprob(token_id=base + 4)]),
         [base + 5],
         [base + 6],
-        worker_pb2.WorkerGenerateResponse(token_ids=[base + 7], finish_reason="length"),
+        worker_pb2.WorkerGenerateResponse(token_ids=[base + 7], finish_reason=common_pb2.FINISH_REASON_LENGTH),
     ]
 
 
@@ -81,7 +81,7 @@ async def test_a_caller_that_reads_rows_gets_plain_replies_as_rows_in_order() ->
             # call's messages in one frame (the frame rule, tested exactly below).
             assert not isinstance(sent_reply, worker_pb2.WorkerGenerateResponse) or not isinstance(got_reply, list)
             rows += isinstance(got_reply, list)
-        assert replies[3].logprobs[0].token_id == 1000 * i + 4 and replies[-1].finish_reason == "length"
+        assert replies[3].logprobs[0].token_id == 1000 * i + 4 and replies[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert rows >= 40, f"plain replies travel as rows ({rows} of {40 * 4})"
     assert frames < 40 * 7 / 2, "the calls' replies share frames"
 
@@ -104,7 +104,7 @@ async def test_a_caller_that_does_not_announce_rows_gets_every_reply_as_a_messag
                 for reply in frame.replies:
                     replies[reply.stream_id].append(list(reply.response.token_ids))
                 for end in frame.ends:
-                    assert end.code == OK
+                    assert end.outcome == OK
                     ended.add(end.stream_id)
             await call.done_writing()
     for sid, got in replies.items():
@@ -121,7 +121,7 @@ def test_in_one_frame_a_calls_rows_after_one_of_its_messages_travel_as_messages(
     sent: list[tuple[int, Reply]] = []
     for i in range(3):
         sent += [(1, [10 + i]), (2, [20 + i])]
-    sent.insert(2, (1, worker_pb2.WorkerGenerateResponse(token_ids=[99], finish_reason="stop")))
+    sent.insert(2, (1, worker_pb2.WorkerGenerateResponse(token_ids=[99], finish_reason=common_pb2.FINISH_REASON_STOP)))
     frame = worker_pb2.WorkerSessionUp()
     session._fill(frame, sent)
     received: dict[int, list[tuple[str, list[int]]]] = {1: [], 2: []}

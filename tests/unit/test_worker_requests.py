@@ -1,8 +1,7 @@
-"""A decode worker refuses, with a final INVALID_ARGUMENT and one line, a request no engine could serve."""
+"""A decode worker refuses, with OUTCOME_BAD_REQUEST and one line, a request no engine could serve."""
 
 from __future__ import annotations
 
-import grpc
 import pytest
 
 from gen.kvmesh.v1 import common_pb2, worker_pb2
@@ -23,11 +22,11 @@ CASES = [
 
 
 @pytest.mark.parametrize(("case", "request_", "message"), CASES, ids=[c[0] for c in CASES])
-async def test_an_unservable_request_is_invalid_argument(case: str, request_: worker_pb2.WorkerGenerateRequest,
+async def test_an_unservable_request_is_a_bad_request(case: str, request_: worker_pb2.WorkerGenerateRequest,
                                                          message: str) -> None:
     with pytest.raises(CallError, match=message.replace("(", r"\(").replace(")", r"\)")) as refused:
         request_from_proto(request_)
-    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and refused.value.final
+    assert refused.value.outcome == common_pb2.OUTCOME_BAD_REQUEST
 
 
 async def test_a_resumed_request_keeps_its_resumed_tokens() -> None:

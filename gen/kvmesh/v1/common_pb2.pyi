@@ -13,6 +13,31 @@ class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
     WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
 
+class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTCOME_OK: _ClassVar[Outcome]
+    OUTCOME_PEER_GONE: _ClassVar[Outcome]
+    OUTCOME_PEER_DRAINING: _ClassVar[Outcome]
+    OUTCOME_PEER_FAILED: _ClassVar[Outcome]
+    OUTCOME_OVERLOADED: _ClassVar[Outcome]
+    OUTCOME_NO_CAPACITY: _ClassVar[Outcome]
+    OUTCOME_BAD_REQUEST: _ClassVar[Outcome]
+    OUTCOME_CONTEXT_TOO_LONG: _ClassVar[Outcome]
+    OUTCOME_NO_WORKER: _ClassVar[Outcome]
+    OUTCOME_MODEL_NOT_SERVED: _ClassVar[Outcome]
+    OUTCOME_DEADLINE: _ClassVar[Outcome]
+    OUTCOME_READ_TOO_SLOWLY: _ClassVar[Outcome]
+    OUTCOME_CANCELLED: _ClassVar[Outcome]
+    OUTCOME_UNSUPPORTED: _ClassVar[Outcome]
+    OUTCOME_SESSION_FULL: _ClassVar[Outcome]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_TOOL_CALLS: _ClassVar[FinishReason]
+
 class Overload(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     OVERLOAD_UNSPECIFIED: _ClassVar[Overload]
@@ -24,6 +49,25 @@ class Overload(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 WORKER_ROLE_UNSPECIFIED: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
 WORKER_ROLE_PREFILL: WorkerRole
+OUTCOME_OK: Outcome
+OUTCOME_PEER_GONE: Outcome
+OUTCOME_PEER_DRAINING: Outcome
+OUTCOME_PEER_FAILED: Outcome
+OUTCOME_OVERLOADED: Outcome
+OUTCOME_NO_CAPACITY: Outcome
+OUTCOME_BAD_REQUEST: Outcome
+OUTCOME_CONTEXT_TOO_LONG: Outcome
+OUTCOME_NO_WORKER: Outcome
+OUTCOME_MODEL_NOT_SERVED: Outcome
+OUTCOME_DEADLINE: Outcome
+OUTCOME_READ_TOO_SLOWLY: Outcome
+OUTCOME_CANCELLED: Outcome
+OUTCOME_UNSUPPORTED: Outcome
+OUTCOME_SESSION_FULL: Outcome
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_TOOL_CALLS: FinishReason
 OVERLOAD_UNSPECIFIED: Overload
 OVERLOAD_PREDICTED_LATENCY: Overload
 OVERLOAD_QUEUE_FULL: Overload
@@ -158,22 +202,20 @@ class RouteCandidate(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., cache_usage: _Optional[float] = ..., waiting: _Optional[int] = ..., logit: _Optional[float] = ..., host_overlap_blocks: _Optional[int] = ..., host_credit: _Optional[float] = ...) -> None: ...
 
 class StreamEnd(_message.Message):
-    __slots__ = ("stream_id", "code", "message", "final", "param", "retry_after_ms", "overload")
+    __slots__ = ("stream_id", "outcome", "message", "param", "retry_after_ms", "overload")
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
-    CODE_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    FINAL_FIELD_NUMBER: _ClassVar[int]
     PARAM_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
     OVERLOAD_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
-    code: int
+    outcome: Outcome
     message: str
-    final: bool
     param: str
     retry_after_ms: int
     overload: Overload
-    def __init__(self, stream_id: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., final: _Optional[bool] = ..., param: _Optional[str] = ..., retry_after_ms: _Optional[int] = ..., overload: _Optional[_Union[Overload, str]] = ...) -> None: ...
+    def __init__(self, stream_id: _Optional[int] = ..., outcome: _Optional[_Union[Outcome, str]] = ..., message: _Optional[str] = ..., param: _Optional[str] = ..., retry_after_ms: _Optional[int] = ..., overload: _Optional[_Union[Overload, str]] = ...) -> None: ...
 
 class Qos(_message.Message):
     __slots__ = ("priority", "tenant", "ttft_objective_ms", "outside_queue_ms")

@@ -23,9 +23,10 @@ _sym_db = _symbol_database.Default()
 
 
 from gen.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
+from gen.kvmesh.v1 import json_value_pb2 as kvmesh_dot_v1_dot_json__value__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/processor.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\x90\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x04 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x11\n\treasoning\x18\x06 \x01(\t\x12\x12\n\nno_content\x18\x07 \x01(\x08\"\xd2\x01\n\tChatInput\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12*\n\x0btool_choice\x18\x04 \x01(\x0b\x32\x15.kvmesh.v1.ToolChoice\x12\x1c\n\x14template_kwargs_json\x18\x05 \x01(\t\x12\x1e\n\x16\x63ontinue_final_message\x18\x06 \x01(\x08\"\xa3\x01\n\nToolChoice\x12(\n\x04mode\x18\x01 \x01(\x0e\x32\x1a.kvmesh.v1.ToolChoice.Mode\x12\x10\n\x08\x66unction\x18\x02 \x01(\t\x12\x10\n\x08parallel\x18\x03 \x01(\x08\"G\n\x04Mode\x12\r\n\tMODE_AUTO\x10\x00\x12\r\n\tMODE_NONE\x10\x01\x12\x11\n\rMODE_REQUIRED\x10\x02\x12\x0e\n\nMODE_NAMED\x10\x03\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xcf\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12$\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x14.kvmesh.v1.ChatInputH\x00\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12%\n\x06tokens\x18\x05 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\t\n\x01n\x18\x07 \x01(\r\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x15\n\rchoice_offset\x18\t \x01(\r\x12(\n\x06resume\x18\n \x03(\x0b\x32\x18.kvmesh.v1.ResumedChoice\x12\x0f\n\x07\x65xplain\x18\x0b \x01(\x08\x12\x1b\n\x03qos\x18\x0c \x01(\x0b\x32\x0e.kvmesh.v1.QosB\x07\n\x05input\"1\n\rResumedChoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\xb1\x01\n\tRouteInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12+\n\x07prefill\x18\x04 \x01(\x0b\x32\x1a.kvmesh.v1.PrefillLocation\x12\x30\n\x0b\x65xplanation\x18\x05 \x01(\x0b\x32\x1b.kvmesh.v1.RouteExplanation\x12\x15\n\rqueue_wait_ms\x18\x06 \x01(\rJ\x04\x08\x02\x10\x03\"\xd5\x01\n\x0b\x43hoiceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\x13\n\x0btoken_texts\x18\x06 \x03(\t\x12\x11\n\treasoning\x18\x07 \x01(\t\x12,\n\ntool_calls\x18\x08 \x03(\x0b\x32\x18.kvmesh.v1.ToolCallDelta\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x8d\x01\n\x10GenerateResponse\x12%\n\x05route\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.RouteInfoH\x00\x12\'\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.kvmesh.v1.ChoiceDeltaH\x00\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x10.kvmesh.v1.UsageH\x00\x42\x06\n\x04kind\"\xce\x01\n\rProcessorCall\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\x12\x38\n\x08metadata\x18\x03 \x03(\x0b\x32&.kvmesh.v1.ProcessorCall.MetadataEntry\x12+\n\x07request\x18\x04 \x01(\x0b\x32\x1a.kvmesh.v1.GenerateRequest\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"e\n\x14ProcessorSessionDown\x12\'\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x18.kvmesh.v1.ProcessorCall\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\x04\x12\x14\n\x0c\x61\x63\x63\x65pts_rows\x18\x03 \x01(\x08\"R\n\x0eProcessorReply\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12-\n\x08response\x18\x02 \x01(\x0b\x32\x1b.kvmesh.v1.GenerateResponse\"a\n\x08TextRows\x12\x12\n\nstream_ids\x18\x01 \x03(\x04\x12\x0f\n\x07indexes\x18\x02 \x03(\r\x12\r\n\x05texts\x18\x03 \x03(\t\x12\x0e\n\x06\x63ounts\x18\x04 \x03(\r\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\"\x9d\x01\n\x12ProcessorSessionUp\x12*\n\x07replies\x18\x01 \x03(\x0b\x32\x19.kvmesh.v1.ProcessorReply\x12\"\n\x04\x65nds\x18\x02 \x03(\x0b\x32\x14.kvmesh.v1.StreamEnd\x12!\n\x04rows\x18\x03 \x01(\x0b\x32\x13.kvmesh.v1.TextRows\x12\x14\n\x0csent_unix_ns\x18\x04 \x01(\x06\x32\xa1\x01\n\tProcessor\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12M\n\x07Session\x12\x1f.kvmesh.v1.ProcessorSessionDown\x1a\x1d.kvmesh.v1.ProcessorSessionUp(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/processor.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\x1a\x1akvmesh/v1/json_value.proto\"\xb7\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\'\n\ntool_calls\x18\x08 \x03(\x0b\x32\x13.kvmesh.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\x12\x11\n\treasoning\x18\x06 \x01(\t\x12\x12\n\nno_content\x18\x07 \x01(\x08J\x04\x08\x04\x10\x05R\x0ftool_calls_json\"\x9d\x02\n\tChatInput\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x1e\n\x05tools\x18\x07 \x03(\x0b\x32\x0f.kvmesh.v1.Tool\x12*\n\x0btool_choice\x18\x04 \x01(\x0b\x32\x15.kvmesh.v1.ToolChoice\x12-\n\x0ftemplate_kwargs\x18\x08 \x01(\x0b\x32\x14.kvmesh.v1.JsonValue\x12\x1e\n\x16\x63ontinue_final_message\x18\x06 \x01(\x08J\x04\x08\x03\x10\x04J\x04\x08\x05\x10\x06R\ntools_jsonR\x14template_kwargs_json\"\x88\x01\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x0b\x64\x65scription\x18\x02 \x01(\tH\x00\x88\x01\x01\x12(\n\nparameters\x18\x03 \x01(\x0b\x32\x14.kvmesh.v1.JsonValue\x12\x13\n\x06strict\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x0e\n\x0c_descriptionB\t\n\x07_strict\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xa3\x01\n\nToolChoice\x12(\n\x04mode\x18\x01 \x01(\x0e\x32\x1a.kvmesh.v1.ToolChoice.Mode\x12\x10\n\x08\x66unction\x18\x02 \x01(\t\x12\x10\n\x08parallel\x18\x03 \x01(\x08\"G\n\x04Mode\x12\r\n\tMODE_AUTO\x10\x00\x12\r\n\tMODE_NONE\x10\x01\x12\x11\n\rMODE_REQUIRED\x10\x02\x12\x0e\n\nMODE_NAMED\x10\x03\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xcf\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12$\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x14.kvmesh.v1.ChatInputH\x00\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12%\n\x06tokens\x18\x05 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\t\n\x01n\x18\x07 \x01(\r\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x15\n\rchoice_offset\x18\t \x01(\r\x12(\n\x06resume\x18\n \x03(\x0b\x32\x18.kvmesh.v1.ResumedChoice\x12\x0f\n\x07\x65xplain\x18\x0b \x01(\x08\x12\x1b\n\x03qos\x18\x0c \x01(\x0b\x32\x0e.kvmesh.v1.QosB\x07\n\x05input\"1\n\rResumedChoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\xb1\x01\n\tRouteInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12+\n\x07prefill\x18\x04 \x01(\x0b\x32\x1a.kvmesh.v1.PrefillLocation\x12\x30\n\x0b\x65xplanation\x18\x05 \x01(\x0b\x32\x1b.kvmesh.v1.RouteExplanation\x12\x15\n\rqueue_wait_ms\x18\x06 \x01(\rJ\x04\x08\x02\x10\x03\"\xf4\x01\n\x0b\x43hoiceDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\t \x01(\x0e\x32\x17.kvmesh.v1.FinishReason\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.kvmesh.v1.TokenLogprob\x12\x13\n\x0btoken_texts\x18\x06 \x03(\t\x12\x11\n\treasoning\x18\x07 \x01(\t\x12,\n\ntool_calls\x18\x08 \x03(\x0b\x32\x18.kvmesh.v1.ToolCallDeltaJ\x04\x08\x04\x10\x05\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x8d\x01\n\x10GenerateResponse\x12%\n\x05route\x18\x01 \x01(\x0b\x32\x14.kvmesh.v1.RouteInfoH\x00\x12\'\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.kvmesh.v1.ChoiceDeltaH\x00\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x10.kvmesh.v1.UsageH\x00\x42\x06\n\x04kind\"\xce\x01\n\rProcessorCall\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\x12\x38\n\x08metadata\x18\x03 \x03(\x0b\x32&.kvmesh.v1.ProcessorCall.MetadataEntry\x12+\n\x07request\x18\x04 \x01(\x0b\x32\x1a.kvmesh.v1.GenerateRequest\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"e\n\x14ProcessorSessionDown\x12\'\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x18.kvmesh.v1.ProcessorCall\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\x04\x12\x14\n\x0c\x61\x63\x63\x65pts_rows\x18\x03 \x01(\x08\"R\n\x0eProcessorReply\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12-\n\x08response\x18\x02 \x01(\x0b\x32\x1b.kvmesh.v1.GenerateResponse\"a\n\x08TextRows\x12\x12\n\nstream_ids\x18\x01 \x03(\x04\x12\x0f\n\x07indexes\x18\x02 \x03(\r\x12\r\n\x05texts\x18\x03 \x03(\t\x12\x0e\n\x06\x63ounts\x18\x04 \x03(\r\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\"\x9d\x01\n\x12ProcessorSessionUp\x12*\n\x07replies\x18\x01 \x03(\x0b\x32\x19.kvmesh.v1.ProcessorReply\x12\"\n\x04\x65nds\x18\x02 \x03(\x0b\x32\x14.kvmesh.v1.StreamEnd\x12!\n\x04rows\x18\x03 \x01(\x0b\x32\x13.kvmesh.v1.TextRows\x12\x14\n\x0csent_unix_ns\x18\x04 \x01(\x06\x32\xa1\x01\n\tProcessor\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12M\n\x07Session\x12\x1f.kvmesh.v1.ProcessorSessionDown\x1a\x1d.kvmesh.v1.ProcessorSessionUp(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,42 +35,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PROCESSORCALL_METADATAENTRY']._loaded_options = None
   _globals['_PROCESSORCALL_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_CHATMESSAGE']._serialized_start=65
-  _globals['_CHATMESSAGE']._serialized_end=209
-  _globals['_CHATINPUT']._serialized_start=212
-  _globals['_CHATINPUT']._serialized_end=422
-  _globals['_TOOLCHOICE']._serialized_start=425
-  _globals['_TOOLCHOICE']._serialized_end=588
-  _globals['_TOOLCHOICE_MODE']._serialized_start=517
-  _globals['_TOOLCHOICE_MODE']._serialized_end=588
-  _globals['_TOKENIDS']._serialized_start=590
-  _globals['_TOKENIDS']._serialized_end=613
-  _globals['_GENERATEREQUEST']._serialized_start=616
-  _globals['_GENERATEREQUEST']._serialized_end=951
-  _globals['_RESUMEDCHOICE']._serialized_start=953
-  _globals['_RESUMEDCHOICE']._serialized_end=1002
-  _globals['_ROUTEINFO']._serialized_start=1005
-  _globals['_ROUTEINFO']._serialized_end=1182
-  _globals['_CHOICEDELTA']._serialized_start=1185
-  _globals['_CHOICEDELTA']._serialized_end=1398
-  _globals['_TOOLCALLDELTA']._serialized_start=1400
-  _globals['_TOOLCALLDELTA']._serialized_end=1475
-  _globals['_USAGE']._serialized_start=1477
-  _globals['_USAGE']._serialized_end=1557
-  _globals['_GENERATERESPONSE']._serialized_start=1560
-  _globals['_GENERATERESPONSE']._serialized_end=1701
-  _globals['_PROCESSORCALL']._serialized_start=1704
-  _globals['_PROCESSORCALL']._serialized_end=1910
-  _globals['_PROCESSORCALL_METADATAENTRY']._serialized_start=1863
-  _globals['_PROCESSORCALL_METADATAENTRY']._serialized_end=1910
-  _globals['_PROCESSORSESSIONDOWN']._serialized_start=1912
-  _globals['_PROCESSORSESSIONDOWN']._serialized_end=2013
-  _globals['_PROCESSORREPLY']._serialized_start=2015
-  _globals['_PROCESSORREPLY']._serialized_end=2097
-  _globals['_TEXTROWS']._serialized_start=2099
-  _globals['_TEXTROWS']._serialized_end=2196
-  _globals['_PROCESSORSESSIONUP']._serialized_start=2199
-  _globals['_PROCESSORSESSIONUP']._serialized_end=2356
-  _globals['_PROCESSOR']._serialized_start=2359
-  _globals['_PROCESSOR']._serialized_end=2520
+  _globals['_CHATMESSAGE']._serialized_start=93
+  _globals['_CHATMESSAGE']._serialized_end=276
+  _globals['_CHATINPUT']._serialized_start=279
+  _globals['_CHATINPUT']._serialized_end=564
+  _globals['_TOOL']._serialized_start=567
+  _globals['_TOOL']._serialized_end=703
+  _globals['_TOOLCALL']._serialized_start=705
+  _globals['_TOOLCALL']._serialized_end=760
+  _globals['_TOOLCHOICE']._serialized_start=763
+  _globals['_TOOLCHOICE']._serialized_end=926
+  _globals['_TOOLCHOICE_MODE']._serialized_start=855
+  _globals['_TOOLCHOICE_MODE']._serialized_end=926
+  _globals['_TOKENIDS']._serialized_start=928
+  _globals['_TOKENIDS']._serialized_end=951
+  _globals['_GENERATEREQUEST']._serialized_start=954
+  _globals['_GENERATEREQUEST']._serialized_end=1289
+  _globals['_RESUMEDCHOICE']._serialized_start=1291
+  _globals['_RESUMEDCHOICE']._serialized_end=1340
+  _globals['_ROUTEINFO']._serialized_start=1343
+  _globals['_ROUTEINFO']._serialized_end=1520
+  _globals['_CHOICEDELTA']._serialized_start=1523
+  _globals['_CHOICEDELTA']._serialized_end=1767
+  _globals['_TOOLCALLDELTA']._serialized_start=1769
+  _globals['_TOOLCALLDELTA']._serialized_end=1844
+  _globals['_USAGE']._serialized_start=1846
+  _globals['_USAGE']._serialized_end=1926
+  _globals['_GENERATERESPONSE']._serialized_start=1929
+  _globals['_GENERATERESPONSE']._serialized_end=2070
+  _globals['_PROCESSORCALL']._serialized_start=2073
+  _globals['_PROCESSORCALL']._serialized_end=2279
+  _globals['_PROCESSORCALL_METADATAENTRY']._serialized_start=2232
+  _globals['_PROCESSORCALL_METADATAENTRY']._serialized_end=2279
+  _globals['_PROCESSORSESSIONDOWN']._serialized_start=2281
+  _globals['_PROCESSORSESSIONDOWN']._serialized_end=2382
+  _globals['_PROCESSORREPLY']._serialized_start=2384
+  _globals['_PROCESSORREPLY']._serialized_end=2466
+  _globals['_TEXTROWS']._serialized_start=2468
+  _globals['_TEXTROWS']._serialized_end=2565
+  _globals['_PROCESSORSESSIONUP']._serialized_start=2568
+  _globals['_PROCESSORSESSIONUP']._serialized_end=2725
+  _globals['_PROCESSOR']._serialized_start=2728
+  _globals['_PROCESSOR']._serialized_end=2889
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,5 @@
 from gen.kvmesh.v1 import common_pb2 as _common_pb2
+from gen.kvmesh.v1 import json_value_pb2 as _json_value_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -28,12 +29,63 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("kv_transfer_json", "cached_tokens")
-    KV_TRANSFER_JSON_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("kv_pull", "cached_tokens")
+    KV_PULL_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    kv_transfer_json: str
+    kv_pull: KvPull
     cached_tokens: int
-    def __init__(self, kv_transfer_json: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, kv_pull: _Optional[_Union[KvPull, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class KvPull(_message.Message):
+    __slots__ = ("params",)
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    params: _json_value_pb2.JsonValue
+    def __init__(self, params: _Optional[_Union[_json_value_pb2.JsonValue, _Mapping]] = ...) -> None: ...
+
+class PrefillCall(_message.Message):
+    __slots__ = ("stream_id", "timeout_ms", "metadata", "request")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    timeout_ms: int
+    metadata: _containers.ScalarMap[str, str]
+    request: PrefillRequest
+    def __init__(self, stream_id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., request: _Optional[_Union[PrefillRequest, _Mapping]] = ...) -> None: ...
+
+class PrefillSessionDown(_message.Message):
+    __slots__ = ("calls", "cancel")
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[PrefillCall]
+    cancel: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, calls: _Optional[_Iterable[_Union[PrefillCall, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefillReply(_message.Message):
+    __slots__ = ("stream_id", "response")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    response: PrefillResponse
+    def __init__(self, stream_id: _Optional[int] = ..., response: _Optional[_Union[PrefillResponse, _Mapping]] = ...) -> None: ...
+
+class PrefillSessionUp(_message.Message):
+    __slots__ = ("replies", "ends", "sent_unix_ns")
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
+    SENT_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[PrefillReply]
+    ends: _containers.RepeatedCompositeFieldContainer[_common_pb2.StreamEnd]
+    sent_unix_ns: int
+    def __init__(self, replies: _Optional[_Iterable[_Union[PrefillReply, _Mapping]]] = ..., ends: _Optional[_Iterable[_Union[_common_pb2.StreamEnd, _Mapping]]] = ..., sent_unix_ns: _Optional[int] = ...) -> None: ...
 
 class ReleaseKvRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -71,11 +123,11 @@ class WorkerGenerateResponse(_message.Message):
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    finish_reason: str
+    finish_reason: _common_pb2.FinishReason
     prompt_tokens: int
     cached_tokens: int
     prefill: _common_pb2.PrefillLocation
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill: _Optional[_Union[_common_pb2.PrefillLocation, _Mapping]] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill: _Optional[_Union[_common_pb2.PrefillLocation, _Mapping]] = ...) -> None: ...
 
 class SubscribeKvEventsRequest(_message.Message):
     __slots__ = ("from_event_id",)

@@ -246,6 +246,11 @@ class PrefillerStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Session = channel.stream_stream(
+                '/kvmesh.v1.Prefiller/Session',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.PrefillSessionDown.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.PrefillSessionUp.FromString,
+                _registered_method=True)
         self.Prefill = channel.unary_unary(
                 '/kvmesh.v1.Prefiller/Prefill',
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
@@ -262,8 +267,18 @@ class PrefillerServicer:
     """Served by prefill workers only, beside `Worker`.
     """
 
+    def Session(self, request_iterator, context):
+        """Prefill calls over one long-lived stream per decode worker (a session, as on every hop of a
+        request): each runs a prompt and keeps its KV cache for the decode worker to pull. Frames
+        and ends as `Worker.Session`'s, without rows.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Prefill(self, request, context):
-        """Runs the prompt and keeps its KV cache for a decode worker to pull.
+        """One prefill as its own call (for tools such as grpcurl): the same handler as a call on a
+        session; its outcome travels in the trailers (`kvmesh-outcome`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -279,6 +294,11 @@ class PrefillerServicer:
 
 def add_PrefillerServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.PrefillSessionDown.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.PrefillSessionUp.SerializeToString,
+            ),
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=kvmesh_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
@@ -300,6 +320,33 @@ def add_PrefillerServicer_to_server(servicer, server):
 class Prefiller:
     """Served by prefill workers only, beside `Worker`.
     """
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.v1.Prefiller/Session',
+            kvmesh_dot_v1_dot_worker__pb2.PrefillSessionDown.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.PrefillSessionUp.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Prefill(request,

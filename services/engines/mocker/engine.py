@@ -34,11 +34,12 @@ from services.engines.base import (
     LoadSnapshot,
     PrefillCost,
     PrefillResult,
+    RowTap,
     UnsupportedFieldError,
 )
 from services.engines.mocker.block_manager import BlockManager
 from services.engines.model_facts import read_model_facts
-from services.engines.output_channel import OutputChannel, RowTap
+from services.engines.output_channel import OutputChannel
 from services.engines.mocker.kv_transfer import KvTransferError, NixlKvEndpoint
 from services.engines.mocker.timing import TimingModel
 
@@ -190,10 +191,10 @@ class MockerEngine(Engine):
             digest=self._digest(request),
             out=OutputChannel(request.sampling.max_tokens + 1, tap),
         )
-        if request.kv_transfer is not None:
+        if request.kv_pull is not None:
             if self.kv_endpoint is None:
                 raise KvTransferError("this worker was started without KV transfer (--kv-transfer nixl)")
-            self.record_kv_transfer(*await self.kv_endpoint.pull(request.kv_transfer))
+            self.record_kv_transfer(*await self.kv_endpoint.pull(request.kv_pull))
             seq.remote_kv = True
         self._waiting.append(seq)
         self._wake.set()

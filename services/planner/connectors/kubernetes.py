@@ -21,7 +21,7 @@ from urllib3.exceptions import HTTPError
 
 from services.mesh.config_error import ConfigError
 from services.planner.connectors.base import ConnectorError
-from services.mesh.worker_roles import RoleName
+from services.contract.worker_roles import RoleName
 from services.planner.pools import ROLES, PoolSizes
 
 # The API server answers in milliseconds; one that takes longer than this is unreachable for a

@@ -17,7 +17,7 @@ import grpc
 from gen.kvmesh.v1 import launcher_pb2, launcher_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.mesh.channels import ChannelPool
 from services.mesh.discovery import ComponentView, InstanceInfo
-from services.mesh.worker_roles import ROLE_OF, RoleName, role_name
+from services.contract.worker_roles import ROLE_OF, RoleName, role_name
 from services.planner.connectors.base import ConnectorError
 from services.planner.pools import ROLES, PoolSizes
 

@@ -7,14 +7,11 @@ Tenant names come from API keys' tenants or a header a client may set, so at mos
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gen.kvmesh.v1 import common_pb2
-
-if TYPE_CHECKING:
-    from services.routing.admission.gate import Admission
 
 MAX_TENANT_LABELS = 64
 OTHER_TENANTS = "other"
@@ -34,17 +31,18 @@ class AdmissionMetrics:
                                buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30))
         self._labels: set[str] = set()
 
-    def follow(self, admission: Admission) -> None:
-        """Gauges read from the admission at scrape time (one pool's per registry)."""
+    def follow(self, queued: Callable[[], float], predicted_wait_now: Callable[[], float],
+               policy_reloads: Callable[[], float], policy_errors: Callable[[], float]) -> None:
+        """Gauges read from the admission (gate.py) at scrape time (one pool's per registry)."""
         Gauge("kvmesh_admission_queued", "requests waiting for a decode worker", registry=self._registry
-              ).set_function(admission.queued)
+              ).set_function(queued)
         Gauge("kvmesh_admission_predicted_wait_seconds",
               "queue wait predicted now for a request of priority 0 of the default tenant (the first model served)",
-              registry=self._registry).set_function(admission.predicted_wait_now)
+              registry=self._registry).set_function(predicted_wait_now)
         Gauge("kvmesh_tenant_policy_reloads", "times the tenant policy file was read again after a change",
-              registry=self._registry).set_function(lambda: admission.policies.reloads)
+              registry=self._registry).set_function(policy_reloads)
         Gauge("kvmesh_tenant_policy_errors", "changes of the tenant policy file that did not validate (kept the old)",
-              registry=self._registry).set_function(lambda: admission.policies.errors)
+              registry=self._registry).set_function(policy_errors)
 
     def _label(self, tenant: str) -> str:
         if tenant in self._labels:

@@ -5,7 +5,7 @@ until one has room, or is refused at once because it would miss its objective.
   not yet reported) are fewer than its slots plus `worker_queue`: its own queue stays short,
   and everything else waits here, where the choice of worker is made when one frees up, so a
   request that waited still goes to the best cache among the workers with room.
-- A request that would wait is refused (RESOURCE_EXHAUSTED, with when to retry) when its
+- A request that would wait is refused (OUTCOME_OVERLOADED, with when to retry) when its
   predicted time to first token (prediction.py) exceeds its objective, when the queue is full,
   or when its tenant is at a limit (tenant_usage.py). Its objective is its own (Qos) or the
   deployment's; without either it may wait up to the queue's bound.
@@ -26,9 +26,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import grpc
 
-from gen.kvmesh.v1 import common_pb2, router_pb2
+from gen.kvmesh.v1 import common_pb2
 from services.kv_protocol.hashing import local_block_hashes
 from services.mesh.config_error import ConfigError
 from services.mesh.session_kind import CallError
@@ -38,6 +37,7 @@ from services.routing.admission.forecaster import NO_WAIT, Forecast, Forecaster,
 from services.routing.admission.prediction import prefill_s
 from services.routing.admission.tenant_policy import DEFAULT_TENANT, PolicyFile
 from services.routing.admission.tenant_usage import LimitHit, TenantUsage
+from services.routing.route_query import RouteQuery
 from services.routing.worker_pool import WorkerPool, WorkerState
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class Queued:
     """A request waiting in the queue: `wait` on it."""
 
     future: asyncio.Future[None]
-    request: router_pb2.RouteRequest
+    query: RouteQuery
     tenant: str
     streams: int
     since: float
@@ -147,7 +147,8 @@ class Admission:
         # Set at the router's drain: the places then given back say nothing of the pool.
         self.draining = False
         pool.add_load_listener(self._reported)
-        metrics.follow(self)
+        metrics.follow(self.queued, self.predicted_wait_now, lambda: self.policies.reloads,
+                       lambda: self.policies.errors)
 
     async def follow_policies(self, every_s: float = POLICY_CHECK_S) -> None:
         """Reads the tenant policy file again whenever it changes (the runner owns this task)."""
@@ -210,54 +211,54 @@ class Admission:
 
     # -- admitting ---------------------------------------------------------------------------
 
-    async def enter(self, request: router_pb2.RouteRequest) -> Ticket:
-        """A ticket once the request may go to a worker; CallError RESOURCE_EXHAUSTED when refused."""
-        started = self.begin(request)
+    async def enter(self, query: RouteQuery) -> Ticket:
+        """A ticket once the request may go to a worker; CallError OUTCOME_OVERLOADED when refused."""
+        started = self.begin(query)
         return started if isinstance(started, Ticket) else await self.wait(started)
 
-    def begin(self, request: router_pb2.RouteRequest) -> Ticket | Queued:
+    def begin(self, query: RouteQuery) -> Ticket | Queued:
         """At once: a ticket (a worker has room and nobody waits), a place in the queue to `wait`
-        on, or the refusal (CallError RESOURCE_EXHAUSTED, raised)."""
-        tenant = request.qos.tenant or DEFAULT_TENANT
+        on, or the refusal (CallError OUTCOME_OVERLOADED, raised)."""
+        qos = query.qos
+        tenant = qos.tenant or DEFAULT_TENANT
         policy = self.policies.policies.of(tenant)
-        qos = common_pb2.Qos()
-        qos.CopyFrom(request.qos)
-        qos.priority = max(qos.priority, policy.top_priority)
+        # A tenant's policy bounds its requests' band: none goes sooner than its `top_priority`.
+        priority = max(qos.priority, policy.top_priority)
         now = time.monotonic()
-        streams = max(1, request.streams)
-        tokens = len(request.token_ids) + request.max_tokens * streams
+        streams = max(1, query.streams)
+        tokens = len(query.token_ids) + query.max_tokens * streams
         hit = self.usage.check(tenant, policy, tokens, now, 1 / max(1, self._routers()), self.forecaster.hold_s())
         if hit is not None:
             raise self._refused(tenant, hit)
-        queue = self._queue(request.model)
-        if not len(queue) and self._free(request.model) > 0:
+        queue = self._queue(query.model)
+        if not len(queue) and self._free(query.model) > 0:
             self.usage.admitted(tenant, tokens, now)
             self._metrics.admitted(tenant, 0.0)
             return Ticket(self, tenant, streams)
         if len(queue) >= self.config.max_queued:
-            raise self._refused(tenant, LimitHit(common_pb2.OVERLOAD_QUEUE_FULL, self.predicted_wait_s(request.model),
+            raise self._refused(tenant, LimitHit(common_pb2.OVERLOAD_QUEUE_FULL, self.predicted_wait_s(query.model),
                                                  f"the queue is full ({len(queue)} requests wait)"))
         objective = qos.ttft_objective_ms / 1000 if qos.ttft_objective_ms else self.config.ttft_objective_s
-        forecast = self._forecast(request.model, qos.priority, tenant)
+        forecast = self._forecast(query.model, priority, tenant)
         wait = forecast.start_s
         # After it leaves this queue: its time in the worker's queue and its prefill as modelled,
         # or what the gateway measured of everything outside this queue, if more.
-        after = max(forecast.start_s - forecast.leave_s + self._prefill_s(request), qos.outside_queue_ms / 1000)
+        after = max(forecast.start_s - forecast.leave_s + self._prefill_s(query), qos.outside_queue_ms / 1000)
         if objective is not None and forecast.leave_s + after > objective:
             raise self._refused(tenant, LimitHit(
                 common_pb2.OVERLOAD_PREDICTED_LATENCY, forecast.leave_s + after - objective,
                 f"predicted time to first token {forecast.leave_s + after:.2f}s (queue {wait:.2f}s) exceeds the "
                 f"objective of {objective:.2f}s"))
         limit_s = self.config.max_queue_wait_s
-        if request.queue_timeout_ms:
-            limit_s = min(limit_s, request.queue_timeout_ms / 1000)
+        if query.queue_timeout_s is not None:
+            limit_s = min(limit_s, query.queue_timeout_s)
         if objective is not None:
             # Admitted, it is served even a little late (the prediction erred): only one that
             # could not start within `EXPIRY` times its objective is given up.
             limit_s = min(limit_s, max(0.0, EXPIRY * objective - after))
-        queued = Queued(asyncio.get_running_loop().create_future(), request, tenant, streams, now, limit_s, queue,
+        queued = Queued(asyncio.get_running_loop().create_future(), query, tenant, streams, now, limit_s, queue,
                         forecast.leave_s)
-        queued.entry = queue.push(queued, qos.priority, tenant, now + (objective or limit_s), streams)
+        queued.entry = queue.push(queued, priority, tenant, now + (objective or limit_s), streams)
         self.usage.admitted(tenant, tokens, now)  # in flight from here: a waiting request counts
         return queued
 
@@ -270,10 +271,9 @@ class Admission:
                 await queued.future
         except TimeoutError:
             self._gave_up(queued)
-            qos = queued.request.qos
             raise self._refused(queued.tenant, LimitHit(
                 common_pb2.OVERLOAD_QUEUE_EXPIRED,
-                self.predicted_wait_s(queued.request.model, qos.priority, queued.tenant),
+                self.predicted_wait_s(queued.query.model, queued.query.qos.priority, queued.tenant),
                 f"no worker had room within {queued.limit_s:.2f}s")) from None
         except BaseException:
             self._gave_up(queued)
@@ -281,7 +281,7 @@ class Admission:
         self._unwoken(queued)
         waited = time.monotonic() - queued.since
         band = queued.entry.band if queued.entry is not None else 0
-        self.forecaster.came_true((queued.request.model, band, queued.tenant), queued.forecast_s, waited)
+        self.forecaster.came_true((queued.query.model, band, queued.tenant), queued.forecast_s, waited)
         self._metrics.admitted(queued.tenant, waited)
         return Ticket(self, queued.tenant, queued.streams, waited)
 
@@ -306,25 +306,25 @@ class Admission:
         `Ticket.placed` pumps), or left (then `_gave_up` pumps)."""
         if queued.woken:
             queued.woken = False
-            model = queued.request.model
+            model = queued.query.model
             self._woken[model] = self._woken.get(model, 0) - queued.streams
 
     def _refused(self, tenant: str, hit: LimitHit) -> CallError:
         self._metrics.refused(tenant, hit.overload)
         retry_ms = max(1, math.ceil(max(hit.retry_after_s, MIN_RETRY_AFTER_S) * 1000))
-        return CallError(grpc.StatusCode.RESOURCE_EXHAUSTED, hit.message, final=True, retry_after_ms=retry_ms,
+        return CallError(common_pb2.OUTCOME_OVERLOADED, hit.message, retry_after_ms=retry_ms,
                          overload=hit.overload)
 
-    def _prefill_s(self, request: router_pb2.RouteRequest) -> float:
+    def _prefill_s(self, query: RouteQuery) -> float:
         """The prefill on the worker caching most of the prompt (where it would likely go)."""
-        candidates = self._pool.candidates(request.model)
-        block_size = self._pool.block_size(request.model)
+        candidates = self._pool.candidates(query.model)
+        block_size = self._pool.block_size(query.model)
         if not candidates or not block_size:
             return 0.0
-        overlaps = self._pool.index.find_matches(local_block_hashes(request.token_ids, block_size))
+        overlaps = self._pool.index.find_matches(local_block_hashes(query.token_ids, block_size))
         best = max(candidates, key=lambda w: overlaps.get(w.info.instance_id, 0))
-        cached = min(len(request.token_ids), overlaps.get(best.info.instance_id, 0) * block_size)
-        return prefill_s(best.load, len(request.token_ids) - cached, cached)
+        cached = min(len(query.token_ids), overlaps.get(best.info.instance_id, 0) * block_size)
+        return prefill_s(best.load, len(query.token_ids) - cached, cached)
 
     def _queue(self, model: str) -> FairQueue[Queued]:
         queue = self._queues.get(model)
@@ -362,11 +362,11 @@ class Admission:
                 queued.future.set_result(None)
 
     def drain(self) -> None:
-        """The router is going away: its waiters are sent on to another router (UNAVAILABLE,
-        which callers retry elsewhere) rather than woken onto workers it no longer follows."""
+        """The router is going away: its waiters are sent on to another router
+        (OUTCOME_PEER_DRAINING, which callers retry elsewhere) rather than woken onto workers it no longer follows."""
         self.draining = True
         for queue in self._queues.values():
             while (entry := queue.pop()) is not None:
                 if not entry.item.future.done():
                     entry.item.future.set_exception(
-                        CallError(grpc.StatusCode.UNAVAILABLE, "the router is draining; ask another"))
+                        CallError(common_pb2.OUTCOME_PEER_DRAINING, "the router is draining; ask another"))

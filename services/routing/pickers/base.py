@@ -1,9 +1,9 @@
 """A picker chooses one worker of a pool for a prompt; each router mode is one picker, so a mode
-is a class with one method instead of a branch in the service, and the service stays the same
+is a class with one method instead of a branch in the router, and the router stays the same
 whichever mode it runs.
 
-Pickers only choose: the service finds the candidates (the pool's workers serving the model,
-minus exclusions), scores the prompt against the index, and does the pending accounting after.
+Pickers only choose: the router (router.py) finds the candidates (the pool's workers serving the
+model, minus exclusions), scores the prompt against the index, and does the pending accounting after.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from services.routing.worker_pool import WorkerState
 
 @dataclass(frozen=True, slots=True)
 class PickContext:
-    """What the service knows about the prompt when it picks; modes that ignore the cache ignore it."""
+    """What the router knows about the prompt when it picks; modes that ignore the cache ignore it."""
 
     # Per worker id, the prompt's blocks it already caches (the index's `find_matches`).
     overlaps: Mapping[Hashable, int]
@@ -29,6 +29,10 @@ class PickContext:
     indexed_blocks: Callable[[str], int]
     # Per worker id, the prompt's blocks it holds in host memory only (`find_matches_by_tier`).
     host_overlaps: Mapping[Hashable, int] = field(default_factory=dict)
+    # Per worker id holding some, what each of those host blocks is worth against a device block
+    # (host_credit.py). Worked out once per decision, by the router, so the pick, its explanation
+    # and the prefix hit rate reported all weigh the same number.
+    host_credits: Mapping[str, float] = field(default_factory=dict)
 
 
 class Picker(Protocol):

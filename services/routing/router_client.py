@@ -1,20 +1,21 @@
 """Asking the mesh's routers for a worker: the one client the processor and decode workers share.
 
-Rules:
+Rules (which outcome moves the call to another router is the outcome table's,
+services/contract/outcomes.py, hop ROUTER):
 - Any live router will do: calls rotate over the routers registered in etcd, so load spreads
   and a dead one costs one retry, not an outage.
-- `UNAVAILABLE` or `DEADLINE_EXCEEDED` from a router means *that router* could not answer:
-  the same call goes to the next router (each router at most once per call), and for
-  `avoid_s` that router is asked after every other one. A router cut off from this caller alone
-  (a partition, not a death: it stays registered) then costs one call a deadline per `avoid_s`,
-  not every call whose turn it is.
-- `NOT_FOUND` means the router answered: no worker of the pool serves the model (after the
-  caller's exclusions). That outcome is raised as `NoWorkerError` and never retried elsewhere:
-  every router sees the same etcd membership.
-- A final `RESOURCE_EXHAUSTED` is admission's refusal: raised as `Overloaded`, with when to
-  retry, and not retried elsewhere, except a refusal for a tenant's limits, of which each router
-  holds a share: the other routers are asked first.
-- Any other status, or no router at all, is `RoutingUnavailable`.
+- A router gone, draining, failing or past the call's deadline could not answer: the same call
+  goes to the next router (each router at most once per call), and for `avoid_s` that router is
+  asked after every other one. A router cut off from this caller alone (a partition, not a
+  death: it stays registered) then costs one call a deadline per `avoid_s`, not every call
+  whose turn it is.
+- NO_WORKER means the router answered: no worker of the pool serves the model (after the
+  caller's exclusions). It is raised as `NoWorkerError` and never asked elsewhere: every router
+  sees the same etcd membership.
+- OVERLOADED is admission's refusal: raised as `Overloaded`, with when to retry, and not asked
+  elsewhere, except a refusal for a tenant's limits, of which each router holds a share: the
+  other routers are asked first.
+- Any other outcome, or no router at all, is `RoutingUnavailable`.
 
 `admit` asks for a new request's worker through the router's admission (its queue): the call
 holds the request's place on the worker after the reply, until the caller releases it.
@@ -24,14 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import count
 from typing import Protocol, TypeVar
 
-import grpc
-
 from gen.kvmesh.v1 import common_pb2, router_pb2
+from services.mesh.turns import in_turn
+from services.contract.outcomes import Action, Hop, verdict
 from services.mesh.discovery import InstanceInfo
 from services.mesh.recent_failures import HOLD_S, RecentFailures
 from services.mesh.session_client import Session, SessionPool, SessionStream
@@ -42,10 +44,6 @@ log = logging.getLogger(__name__)
 
 ROUTE_TIMEOUT_S = 2.0
 H = TypeVar("H")
-# Codes that say a router could not answer, so another one should be asked.
-TRY_NEXT_ROUTER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-# Refusals for a tenant's limits, of which each router enforces its share: asked of the others.
-TENANT_LIMITS = frozenset({common_pb2.OVERLOAD_TENANT_CONCURRENCY, common_pb2.OVERLOAD_TENANT_TOKENS})
 
 
 class RoutingError(Exception):
@@ -53,7 +51,7 @@ class RoutingError(Exception):
 
 
 class NoWorkerError(RoutingError):
-    """No worker of the requested pool serves the model (the router's NOT_FOUND)."""
+    """No worker of the requested pool serves the model (the router's OUTCOME_NO_WORKER)."""
 
 
 class RoutingUnavailable(RoutingError):
@@ -61,7 +59,7 @@ class RoutingUnavailable(RoutingError):
 
 
 class Overloaded(RoutingError):
-    """Admission refused the request (the router's RESOURCE_EXHAUSTED): `error` says why and
+    """Admission refused the request (the router's OUTCOME_OVERLOADED): `error` says why and
     when a retry may fit; the caller answers with it as it is."""
 
     def __init__(self, error: CallError) -> None:
@@ -143,12 +141,13 @@ class RouterClient:
     """Routes over one session per router (session_client.py): no round trip of its own per request."""
 
     def __init__(self, routers: Members, sessions: SessionPool, timeout_s: float = ROUTE_TIMEOUT_S,
-                 avoid_s: float = HOLD_S) -> None:
+                 avoid_s: float = HOLD_S, clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock` times how long a router that failed is asked last (a test passes its own)."""
         self._routers = routers
         self._sessions = sessions
         self._timeout_s = timeout_s
         self._turn = count()
-        self._failed = RecentFailures(avoid_s)
+        self._failed = RecentFailures(avoid_s, clock=clock)
 
     async def route(self, request_id: str, model: str, token_ids: Sequence[int], role: common_pb2.WorkerRole,
                     exclude: Sequence[str] = (), explain: bool = False) -> RouteChoice:
@@ -186,7 +185,7 @@ class RouterClient:
                         reply = await stream.result()
             except TimeoutError:
                 stream.cancel()
-                raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer from the router in time") from None
+                raise CallError(common_pb2.OUTCOME_DEADLINE, "no answer from the router in time") from None
             except BaseException:
                 stream.cancel()
                 raise
@@ -199,34 +198,29 @@ class RouterClient:
     async def _ask(self, request_id: str, ask: Callable[[Session], Awaitable[tuple[router_pb2.RouteResponse, H]]]
                    ) -> tuple[RouteChoice, H]:
         """Asks the routers in turn until one answers (see the module's rules)."""
-        routers = sorted(self._routers.instances.values(), key=lambda r: r.instance_id)
+        routers = in_turn(self._routers.instances.values(), next(self._turn), lambda r: r.instance_id)
         if not routers:
             raise RoutingUnavailable("no router is available")
-        start = next(self._turn)
         failed = set(self._failed.current())
         # This call's turn first, then the rest in order; those that failed lately after all others.
-        order = sorted(routers[start % len(routers):] + routers[:start % len(routers)],
-                       key=lambda r: r.instance_id in failed)
+        order = sorted(routers, key=lambda r: r.instance_id in failed)
         failures = []
         limited: CallError | None = None
         for router in order:
             try:
                 reply, held = await ask(self._sessions.get(ROUTER_SESSION, router.address))
             except CallError as exc:
-                detail = exc.message or exc.code.name
-                if exc.code == grpc.StatusCode.NOT_FOUND:
-                    raise NoWorkerError(detail) from exc
-                if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and exc.final:
-                    if exc.overload not in TENANT_LIMITS:
-                        raise Overloaded(exc) from exc
+                judged = verdict(Hop.ROUTER, exc.outcome, overload=exc.overload)
+                if judged.action is Action.ANSWER:
+                    raise routing_error(exc, f"router {router.instance_id}") from exc
+                if exc.outcome == common_pb2.OUTCOME_OVERLOADED:
                     limited = exc  # this router's share of the tenant's limit: another may have room
                     continue
-                failures.append(f"router {router.instance_id}: {exc.code.name} {detail}")
-                if exc.code not in TRY_NEXT_ROUTER:
-                    break
-                self._failed.add(router.instance_id)
+                failures.append(f"router {router.instance_id}: {exc.outcome_name} {exc.message}")
+                if judged.set_aside:
+                    self._failed.add(router.instance_id)
                 log.debug("request %s: router %s could not answer (%s); trying the next", request_id,
-                          router.instance_id, exc.code.name)
+                          router.instance_id, exc.outcome_name)
                 continue
             if router.instance_id in failed:
                 self._failed.discard(router.instance_id)  # it answered: back in its turn
@@ -234,3 +228,13 @@ class RouterClient:
         if limited is not None:
             raise Overloaded(limited)
         raise RoutingUnavailable("routing failed: " + "; ".join(failures))
+
+
+def routing_error(exc: CallError, source: str) -> RoutingError:
+    """A router's answer (not one to ask another router about) as the error routing raises;
+    `source` names who answered, for the message."""
+    if exc.outcome == common_pb2.OUTCOME_NO_WORKER:
+        return NoWorkerError(exc.message)
+    if exc.outcome == common_pb2.OUTCOME_OVERLOADED:
+        return Overloaded(exc)
+    return RoutingUnavailable(f"routing failed: {source}: {exc.outcome_name} {exc.message}")

@@ -1,13 +1,15 @@
-"""The router's flags, declared once for the router and the launcher, and its config."""
+"""The router's flags, declared once for every process that routes: the kv-router service, a
+processor with `--routing local`, and the launcher (which hands the same values to its routers)."""
 
 from __future__ import annotations
 
 import argparse
 
-from services.routing.admission.gate import AdmissionConfig
-from services.routing.cost_function import CostWeights
-from services.routing.servicer import ROUTER_MODES, RouterConfig
 from services.mesh.flags import non_negative_float, non_negative_int, positive_float, positive_int, validated
+from services.routing.admission.gate import AdmissionConfig
+from services.routing.config import RouterConfig
+from services.routing.cost_function import CostWeights
+from services.routing.pickers import ROUTER_MODES
 
 _WEIGHTS = CostWeights()
 _ADMISSION = AdmissionConfig()

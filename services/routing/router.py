@@ -1,0 +1,179 @@
+"""The router: picks a worker for each tokenized prompt, with the picker of the mode it was built
+with, and reports the chosen worker's cached prefix whatever the mode.
+
+`kv` mode scores every eligible worker with the cost function (cached prefix vs load); with no
+cached prefix anywhere that reduces to least-loaded. `round-robin` and `random` ignore the
+cache for the choice but still report the chosen worker's overlap, which the decode worker's
+disaggregation decision uses (services/routing/pickers/ holds the modes).
+
+It decides on plain values (route_query.py), so the same object serves the kv-router process's
+gRPC servicer (servicer.py converts the wire) and a processor routing in-process. No eligible
+worker is `NoWorker`: every router sees the same pools, so another would answer the same.
+
+A request to the decode pool may go through admission (admission/gate.py): `enter` (or `admit`,
+which also waits) gives a ticket, or a place in the queue, or the refusal; `place` then decides
+among the workers with room. Each decision can say why (explanation.py): in the caller's `route`
+span when traced, in a DEBUG log line, and in the route when the query set `explain`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from opentelemetry.trace import INVALID_SPAN, Span
+
+from services.contract.worker_roles import RoleName
+from services.kv_protocol.hashing import local_block_hashes
+from services.routing.admission.gate import Admission, Queued, Ticket
+from services.routing.config import RouterConfig
+from services.routing.cost_function import overlap_ratio
+from services.routing.explanation import Explanation, explain
+from services.routing.host_credit import host_credits
+from services.routing.pickers import PickContext, make_picker
+from services.routing.route_query import Matches, NoWorker, Route, RouteQuery, UnknownPool
+from services.routing.router_metrics import RouterMetrics
+from services.routing.worker_pool import WorkerPool, WorkerState
+
+log = logging.getLogger(__name__)
+
+
+class Router:
+    def __init__(self, pools: Mapping[RoleName, WorkerPool], config: RouterConfig, metrics: RouterMetrics,
+                 admission: Admission | None = None) -> None:
+        self._pools = pools
+        # The decode pool's queue and admission, for the requests that go through it.
+        self._admission = admission
+        self._metrics = metrics
+        self._mode = config.mode
+        # One generator for every random draw of the router, so a seed fixes all its choices.
+        self._picker = make_picker(config.mode, random.Random(config.seed), config.weights)
+        self._host_weight = config.weights.host_overlap
+
+    def admits(self, role: RoleName) -> bool:
+        """Whether requests to this pool may go through admission (`enter`, `admit`)."""
+        return self._admission is not None and role is RoleName.DECODE
+
+    # -- deciding ----------------------------------------------------------------------------
+
+    def decide(self, query: RouteQuery, span: Span = INVALID_SPAN) -> Route:
+        """One decision, at once, outside admission (retries, migrations, the prefill pool: work
+        already admitted). `span`: the caller's `route` span, which gets the decision's terms."""
+        return self._decide(query, span)
+
+    def find_matches(self, role: RoleName, model: str, token_ids: Sequence[int]) -> Matches:
+        """Per worker serving the model, the prompt's blocks it caches, by tier."""
+        pool = self._pool(role)
+        block_size = pool.block_size(model)
+        if block_size is None:
+            return Matches()
+        device, host = pool.index.find_matches_by_tier(local_block_hashes(token_ids, block_size))
+        serving = [w.info.instance_id for w in pool.candidates(model)]
+        return Matches(block_size, {w: device[w] for w in serving if w in device},
+                       {w: host[w] for w in serving if w in host})
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def enter(self, query: RouteQuery) -> Ticket | Queued:
+        """At once: a ticket (a worker has room), a place in the queue to `wait` on, or the
+        refusal (gate.py). A query no worker serves is refused at once, not queued (`NoWorker`)."""
+        admission = self._admitting()
+        self._candidates(query)
+        return admission.begin(query)
+
+    async def wait(self, queued: Queued) -> Ticket:
+        """Waits for the queued request's turn and a worker with room (or its refusal)."""
+        return await self._admitting().wait(queued)
+
+    def abandon(self, queued: Queued) -> None:
+        """A queued request whose caller left before it began to `wait`."""
+        self._admitting().abandon(queued)
+
+    def place(self, query: RouteQuery, ticket: Ticket, span: Span = INVALID_SPAN) -> Route:
+        """Decides among the workers the ticket may take; the ticket is given back if that fails."""
+        try:
+            route = self._decide(query, span, ticket.eligible)
+        except BaseException:
+            ticket.release()
+            raise
+        ticket.placed(route.worker_id)
+        return dataclasses.replace(route, queue_wait_ms=round(ticket.waited_s * 1000))
+
+    async def admit(self, query: RouteQuery, span: Span = INVALID_SPAN) -> tuple[Route, Ticket]:
+        """Admits the query (waiting for room, or refused), then places it: `enter`, `wait` and
+        `place` in one (in-process callers). The ticket is the caller's to release at the end."""
+        admission = self._admitting()
+        self._candidates(query)
+        ticket = await admission.enter(query)
+        return self.place(query, ticket, span), ticket
+
+    def drain(self) -> None:
+        """The router is going away: its waiters are sent on to another router (gate.py)."""
+        if self._admission is not None:
+            self._admission.drain()
+
+    # -- the decision ------------------------------------------------------------------------
+
+    def _admitting(self) -> Admission:
+        if self._admission is None:
+            raise RuntimeError("this router has no admission (see `admits`)")
+        return self._admission
+
+    def _pool(self, role: RoleName) -> WorkerPool:
+        pool = self._pools.get(role)
+        if pool is None:
+            raise UnknownPool(role)
+        return pool
+
+    def _candidates(self, query: RouteQuery) -> tuple[WorkerPool, list[WorkerState]]:
+        """The query's pool and its workers serving the model, less the excluded (`NoWorker` if none)."""
+        pool = self._pool(query.role)
+        candidates = [w for w in pool.candidates(query.model) if w.info.instance_id not in query.exclude]
+        if not candidates:
+            self._metrics.no_worker.inc()
+            raise NoWorker(f"no {pool.view.component} serves model {query.model!r}")
+        return pool, candidates
+
+    def _decide(self, query: RouteQuery, span: Span, eligible: Callable[[WorkerState], bool] | None = None) -> Route:
+        """`eligible`: the workers an admitted request may take (those with room), when any is."""
+        started = time.perf_counter()
+        pool, candidates = self._candidates(query)
+        if eligible is not None:
+            candidates = [w for w in candidates if eligible(w)] or candidates
+        block_size = pool.block_size(query.model) or candidates[0].info.block_size
+        tokens = query.token_ids
+        overlaps, host_overlaps = pool.index.find_matches_by_tier(local_block_hashes(tokens, block_size))
+        credits = host_credits(candidates, overlaps, host_overlaps, block_size, self._host_weight)
+        context = PickContext(overlaps, block_size, len(tokens), pool.index.block_count, host_overlaps, credits)
+        chosen = self._picker.pick(candidates, context)
+        # Explained only when someone looks: the terms cost a second pass over the candidates. Taken
+        # before the pending work below is added, so they are the numbers the pick weighed.
+        explanation = None
+        if query.explain or span.is_recording() or log.isEnabledFor(logging.DEBUG):
+            explanation = explain(self._mode, chosen.info.instance_id, self._picker.terms(candidates, context))
+        # The pool's queue as this request finds it (the disaggregation rule's prefill queue size).
+        pool_waiting = sum(w.load.num_requests_waiting + len(w.pending) for w in candidates)
+        wid = chosen.info.instance_id
+        overlap, host_overlap = overlaps.get(wid, 0), host_overlaps.get(wid, 0)
+        # Blocks loaded back from host memory take device blocks as recomputed ones do.
+        chosen.add_pending(max(0, -(-len(tokens) // block_size) - overlap))
+        # What the prompt need not compute (the disaggregation rule's input): a host-held block
+        # counts as much as the cost function credited it.
+        hit = overlap_ratio(overlap + credits.get(wid, 0.0) * host_overlap, block_size, len(tokens))
+        self._metrics.routed.labels(wid, pool.view.component).inc()
+        self._metrics.record(len(tokens), min(len(tokens), (overlap + host_overlap) * block_size))
+        self._metrics.decision_seconds.observe(time.perf_counter() - started)
+        if explanation is not None:
+            self._tell(query, pool, span, hit, explanation)
+        return Route(wid, chosen.info.address, overlap, host_overlap, hit, pool_waiting,
+                     explanation if query.explain else None)
+
+    def _tell(self, query: RouteQuery, pool: WorkerPool, span: Span, hit: float, explanation: Explanation) -> None:
+        """The decision's terms in the DEBUG log and the caller's span."""
+        log.debug("request %s (%s): %s", query.request_id, pool.view.component, explanation.log_line())
+        if span.is_recording():
+            span.set_attributes({"kvmesh.request_id": query.request_id, "kvmesh.route.pool": pool.view.component,
+                                 "kvmesh.route.prefix_hit_rate": hit, **explanation.span_attributes()})
