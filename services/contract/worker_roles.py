@@ -11,7 +11,6 @@ from gen.kvmesh.v1 import common_pb2
 from gen.kvmesh.v1.common_pb2 import WorkerRole
 
 
-
 class RoleName(StrEnum):
     """A worker role inside a process: its pool, what its flags and logs call it."""
 
@@ -32,7 +31,7 @@ def role_name(role: WorkerRole) -> RoleName | None:
 async def requested_role(role: WorkerRole, context: grpc.aio.ServicerContext) -> RoleName:
     """The name of the role an RPC asks for; an unspecified or unknown one ends the call with
     INVALID_ARGUMENT."""
-    name = ROLE_NAMES.get(role)
+    name = role_name(role)
     if name is None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                             f"role must be WORKER_ROLE_PREFILL or WORKER_ROLE_DECODE, got {role}")

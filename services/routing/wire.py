@@ -4,13 +4,13 @@ the only place they are converted, by the servicer and by a processor routing in
 from __future__ import annotations
 
 from gen.kvmesh.v1 import common_pb2, router_pb2
-from services.contract.worker_roles import ROLE_NAMES, RoleName
+from services.contract.worker_roles import RoleName, role_name
 from services.routing.route_query import Matches, Qos, Route, RouteQuery
 
 
 def role_of(role: common_pb2.WorkerRole) -> RoleName | None:
     """The pool a wire role names: unspecified is the decode pool; None for an unknown role."""
-    return ROLE_NAMES.get(role or common_pb2.WORKER_ROLE_DECODE)
+    return role_name(role or common_pb2.WORKER_ROLE_DECODE)
 
 
 def qos_of(qos: common_pb2.Qos) -> Qos:
