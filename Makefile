@@ -5,25 +5,34 @@ VENV  := .venv
 VPY   := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTO_FILES := $(wildcard protos/kvmesh/v1/*.proto)
+NATIVE_SRC := $(wildcard services/routing/native/*.c services/routing/native/*.h)
+NATIVE_STAMP := services/routing/native/.built
 
 .PHONY: install run test test-unit protos bench chaos lint clean
 
-install: $(STAMP)
+install: $(STAMP) $(NATIVE_STAMP)
 
 $(STAMP): requirements.txt scripts/install.sh
 	bash scripts/install.sh
 	touch $@
 
+# The router's native KV index, rebuilt when its C sources change. Where it cannot be built the
+# router runs the Python radix tree (services/routing/index_choice.py), so `make run` goes on; the
+# tests set KVMESH_REQUIRE_NATIVE=1, so a machine that cannot build it fails `make test` instead
+# of quietly testing the fallback alone.
+$(NATIVE_STAMP): $(NATIVE_SRC) | $(STAMP)
+	-$(VPY) -m services.routing.native.build && touch $@
+
 run: install
 	$(VPY) -m services.launch $(ARGS)
 
 test: install
-	$(VPY) -m pytest $(PYTEST_ARGS)
+	KVMESH_REQUIRE_NATIVE=1 $(VPY) -m pytest $(PYTEST_ARGS)
 
 # The tests that start nothing (tests/unit/) and need no vLLM import, with a tenth of the
 # property tests' random search (tests/unit/budget.py): seconds, for the edit-test loop.
 test-unit: install
-	KVMESH_QUICK_PROPERTIES=1 $(VPY) -m pytest tests/unit -m "not vllm" -p no:schemathesis $(PYTEST_ARGS)
+	KVMESH_REQUIRE_NATIVE=1 KVMESH_QUICK_PROPERTIES=1 $(VPY) -m pytest tests/unit -m "not vllm" -p no:schemathesis $(PYTEST_ARGS)
 
 protos: install
 	$(VPY) -m grpc_tools.protoc -I protos --python_out=gen --grpc_python_out=gen --pyi_out=gen $(PROTO_FILES)

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import argparse
 
-from bench import disagg_serving, mesh_overhead, routing_quality
+from bench import disagg_serving, mesh_overhead
 from bench.hot_path import detokenize, http_edge, one_worker
 from bench.hot_path import run as hot_path
 from bench.indexer import run as indexer
 from bench.nixl import run as nixl
 from bench.overload import run as overload
 from bench.planner import run as planner
+from bench.routing import run as routing
 from bench.tiers import run as tiers
 
 # One module per single-file benchmark; a folder (its `run` module) per benchmark with parts.
 BENCHMARKS = {
     "mesh": mesh_overhead.run,
     "indexer": indexer.run,
-    "routing": routing_quality.run,
+    "routing": routing.run,
     "nixl": nixl.run,
     "disagg": disagg_serving.run,
     "hot-path": hot_path.run,

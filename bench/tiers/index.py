@@ -74,7 +74,7 @@ def main() -> None:
     device_held = sum(tree.block_count(w) for w in range(WORKERS))
     # What the index holds: every allocation made in the index's modules and still live (at this
     # size, memory a dropped index frees mostly stays with the allocator, so RSS cannot tell).
-    snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/services/kv_router/*")])
+    snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/services/routing/*")])
     index_bytes = sum(stat.size for stat in snapshot.statistics("filename"))
     print(json.dumps({"requests": len(requests), "blocks_held": held, "device_blocks_held": device_held,
                       "host_blocks_held": held - device_held, "bytes_per_held_block": index_bytes / held if held else 0.0,

@@ -51,6 +51,9 @@ class VllmConfig:
     kv_connector: dict[str, Any] | None = None
     # vLLM's native CPU offloading, sized to this many KV blocks (0: off; GPU only).
     host_kv_blocks: int = 0
+    # Whether vLLM publishes its KV events (the worker's `--kv-events`): off, it has no publisher
+    # and the worker no listener.
+    kv_events: bool = True
     # Where vLLM publishes its KV events to this worker (a free loopback port the worker chose).
     kv_events_port: int = 0
 
@@ -175,15 +178,16 @@ class VllmEngine(Engine):
         )
         if not on_cpu():
             kwargs["gpu_memory_utilization"] = self.config.gpu_memory_utilization
-        from vllm.config import KVEventsConfig
+        if self.config.kv_events:
+            from vllm.config import KVEventsConfig
 
-        if not self.config.kv_events_port:
-            raise ValueError("VllmConfig.kv_events_port: the worker must give vLLM's KV events a port")
-        self._events = VllmKvEventListener(self.config.kv_events_port, self.emit_kv_event)
-        self._events.start()
-        kwargs["kv_events_config"] = KVEventsConfig(
-            enable_kv_cache_events=True, publisher="zmq", endpoint=self._events.publisher_endpoint
-        )
+            if not self.config.kv_events_port:
+                raise ValueError("VllmConfig.kv_events_port: the worker must give vLLM's KV events a port")
+            self._events = VllmKvEventListener(self.config.kv_events_port, self.emit_kv_event)
+            self._events.start()
+            kwargs["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq", endpoint=self._events.publisher_endpoint
+            )
         if self.config.host_kv_blocks:
             from vllm.config import KVTransferConfig
 

@@ -12,8 +12,14 @@ worker already caches on its device; a worker that holds further prompt blocks i
 only adds `host=N credit=C` after it (those blocks, and what each is worth against a device block,
 services/routing/host_credit.py); `usage` its KV cache usage (0..1), `waiting` its queued requests as the
 router counted them, `logit` the cost function's score (services/routing/cost_function.py).
+Each worker's terms end with where the router's numbers of its cache come from, `kv_source=events`
+(its KV events) or `kv_source=predicted` (the prompts the router sent it), and how right they were
+lately, `accuracy=0.969`: the mean of min(predicted, found) / max(predicted, found) cached prompt
+tokens over its last routed requests (services/routing/index_accuracy.py), left out before the
+first of them reported back.
 There is no runner-up section when only one worker could take the request; `round-robin` and
-`random` weigh nothing and say only `mode=...; chosen=<id>`.
+`random` weigh nothing and say only `mode=...; chosen=<id>`, and the chosen worker's `kv_source`
+and `accuracy`.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from services.kv_protocol.tier import host_terms
 
 EXPLAIN_HEADER = "x-kvmesh-explain"
 ROUTE_HEADER = "x-kvmesh-route"
+_KV_SOURCES = {common_pb2.RouteCandidate.KV_SOURCE_EVENTS: "events",
+               common_pb2.RouteCandidate.KV_SOURCE_PREDICTED: "predicted"}
 
 
 def wants_explanation(value: str | None) -> bool:
@@ -34,7 +42,8 @@ def route_header(explanation: common_pb2.RouteExplanation) -> str:
     sections = [f"mode={explanation.mode}"]
     weighed = explanation.mode == "kv"
     for role, candidate in zip(("chosen", "runner-up"), explanation.candidates):
-        sections.append(_terms(role, candidate) if weighed else f"{role}={candidate.worker_id}")
+        sections.append((_terms(role, candidate) if weighed else f"{role}={candidate.worker_id}")
+                        + _provenance(candidate))
         if not weighed:
             break
     return "; ".join(sections)
@@ -43,3 +52,13 @@ def route_header(explanation: common_pb2.RouteExplanation) -> str:
 def _terms(role: str, c: common_pb2.RouteCandidate) -> str:
     return (f"{role}={c.worker_id} overlap={c.overlap_blocks}{host_terms(c.host_overlap_blocks, c.host_credit)} "
             f"usage={c.cache_usage:.3f} waiting={c.waiting} logit={c.logit:.3f}")
+
+
+def _provenance(c: common_pb2.RouteCandidate) -> str:
+    """` kv_source=events accuracy=0.969`; nothing of what the router did not say."""
+    out = ""
+    if c.kv_source:
+        out = f" kv_source={_KV_SOURCES.get(c.kv_source, c.kv_source)}"  # a newer router's source by number
+    if c.HasField("recent_accuracy"):
+        out += f" accuracy={c.recent_accuracy:.3f}"
+    return out

@@ -15,7 +15,7 @@ from services.routing.admission.gate import Admission
 from services.routing.admission.tenant_policy import PolicyFile
 from services.routing.flags import add_router_flags, admission_config, router_config
 from services.routing.router import Router
-from services.routing.router_metrics import RouterMetrics
+from services.routing.router_metrics import KvTruthMetrics, RouterMetrics
 from services.routing.servicer import RouterServicer
 from services.routing.worker_pool import SYNC_TIMEOUT_S, WorkerPool
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, ROUTER, InstanceInfo, new_instance_id
@@ -78,12 +78,14 @@ def main() -> None:
     async def assemble(runner: ServiceRunner) -> None:
         tracing = start_tracing(runner)  # first: torn down last, after the drain's last spans
         await runner.connect_store()
+        registry = CollectorRegistry()
+        kv_truth = KvTruthMetrics(registry)  # one per registry: both pools' series
         pools: dict[RoleName, WorkerPool] = {}
         for role, component in POOLS.items():
-            pool = pools[role] = WorkerPool(await runner.watch_component(component), runner.channels)
+            pool = pools[role] = WorkerPool(await runner.watch_component(component), runner.channels, config.kv_truth,
+                                            kv_truth)
             runner.on_teardown(f"stop {component} subscriptions", pool.stop)
         await _sync_indexes(pools, args.sync_timeout)
-        registry = CollectorRegistry()
         routers = await runner.watch_component(ROUTER)
         gate = Admission(pools[RoleName.DECODE], admission, AdmissionMetrics(registry), policies,
                          routers=lambda: max(1, len(routers.instances)))

@@ -47,6 +47,8 @@ class InstanceInfo:
     metrics_port: int = 0
     # A worker that can change role (RoleControl.SwitchRole): a planner may move it between pools.
     switchable: bool = False
+    # False: the worker publishes no KV events (`--kv-events off`); routers predict its cache.
+    kv_events: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
     # Put just before a deliberate deregistration: watchers drop the instance at once, where a
     # key that merely vanished may be an outage (see ComponentView).

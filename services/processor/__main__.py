@@ -15,7 +15,7 @@ from services.routing.admission.gate import Admission
 from services.routing.admission.tenant_policy import PolicyFile
 from services.routing.flags import add_router_flags, admission_config, router_config
 from services.routing.router import Router
-from services.routing.router_metrics import RouterMetrics
+from services.routing.router_metrics import KvTruthMetrics, RouterMetrics
 from services.routing.worker_pool import SYNC_TIMEOUT_S, WorkerPool
 from services.mesh.discovery import DECODE_WORKER, PROCESSOR, ROUTER, InstanceInfo, new_instance_id
 from services.mesh.flags import (
@@ -58,8 +58,12 @@ async def _routing(runner: ServiceRunner, args: argparse.Namespace, registry: Co
     """The routers over sessions, or (`--routing local`) this process's own decode pool index,
     synced with the workers' caches before the processor registers (as a router does)."""
     if args.routing == "service":
-        return RouterClient(await runner.watch_component(ROUTER), runner.sessions)
-    pool = WorkerPool(await runner.watch_component(DECODE_WORKER), runner.channels)
+        client = RouterClient(await runner.watch_component(ROUTER), runner.sessions)
+        runner.on_teardown("drop routing feedback not sent", client.close)
+        return client
+    config = router_config(args)
+    pool = WorkerPool(await runner.watch_component(DECODE_WORKER), runner.channels, config.kv_truth,
+                      KvTruthMetrics(registry))
     runner.on_teardown("stop decode worker subscriptions", pool.stop)
     late = await pool.wait_synced(SYNC_TIMEOUT_S)
     if late:
@@ -70,7 +74,7 @@ async def _routing(runner: ServiceRunner, args: argparse.Namespace, registry: Co
                      validated(lambda: PolicyFile(args.tenant_policies)),
                      routers=lambda: max(1, len(processors.instances)))
     runner.watch(asyncio.create_task(gate.follow_policies(), name="tenant policies"), "tenant policies")
-    router = Router({RoleName.DECODE: pool}, router_config(args), RouterMetrics(registry), gate)
+    router = Router({RoleName.DECODE: pool}, config, RouterMetrics(registry), gate)
     return LocalRouter(router, tracing)
 
 

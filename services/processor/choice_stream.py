@@ -18,6 +18,11 @@ first token (a choice resumed from another processor counts as before its first 
 `migration_limit` migrations are made after it; past them the choice fails with NO_WORKER (never
 an outcome the gateway would move to another processor). Each worker the table sets aside is
 reported to `on_worker_failed` so routing avoids it at once.
+
+Each worker call's first output says what the engine found cached of the prompt it was sent: it
+goes to `on_cached` with the routing that chose the worker (the router's index accuracy), except
+where a prefill worker computed the prompt (the decode engine's count then includes what it
+pulled, which no routing of the decode pool predicts).
 """
 
 from __future__ import annotations
@@ -123,6 +128,8 @@ class ChoiceContext:
     # rows itself; None where its deltas must go through `run`'s events (several choices, or a
     # per-request RPC).
     reply: Callable[[TextRow], None] | None = None
+    # Hears, per worker call, (its routing, prompt tokens sent, the engine's cached_tokens).
+    on_cached: Callable[[RouteChoice, int, int], None] | None = None
 
 
 @dataclass
@@ -235,6 +242,7 @@ class ChoiceStream:
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             raise self._timed_out()
+        prompt_tokens = len(self.spec.prompt) + len(self.generated)
         # The worker's span joins the request's trace (the processor's span is current here).
         stream = self.ctx.sessions.get(WORKER_SESSION, route.address).open(self._request(route), remaining,
                                                                        outgoing_metadata())
@@ -256,6 +264,9 @@ class ChoiceStream:
                         first = False
                         if not self.generated:
                             self.cached_tokens = msg.cached_tokens
+                        on_cached = self.ctx.on_cached
+                        if on_cached is not None and msg.prefill.site != common_pb2.PrefillLocation.SITE_REMOTE:
+                            on_cached(route, prompt_tokens, msg.cached_tokens)
                         yield Started(route.worker_id, msg.prefill, route.explanation)
                         if fast:
                             stream.sink = self._row_sink(detok)

@@ -40,7 +40,7 @@ class LocalRouter:
         query = RouteQuery(request_id, model, token_ids, name, frozenset(exclude), explain)
         try:
             with self._tracing.span("route") as span:
-                return _choice(self._router.decide(query, span))
+                return _choice(self._router.decide(query, span), request_id)
         except NoWorker as exc:
             raise NoWorkerError(str(exc)) from exc
         except UnknownPool as exc:
@@ -58,14 +58,18 @@ class LocalRouter:
             raise NoWorkerError(str(exc)) from exc
         except CallError as exc:
             raise routing_error(exc, "local routing") from exc  # admission's refusal, as the routers' client raises it
-        return _choice(route), ticket
+        return _choice(route, request_id), ticket
+
+    def report(self, choice: RouteChoice, prompt_tokens: int, cached_tokens: int) -> None:
+        """What the engine found cached, straight to this process's router (its index accuracy)."""
+        self._router.report(choice.request_id, choice.worker_id, cached_tokens, prompt_tokens)
 
 
-def _choice(route: Route) -> RouteChoice:
+def _choice(route: Route, request_id: str) -> RouteChoice:
     explanation = route.explanation.to_proto() if route.explanation is not None else None
     return RouteChoice(worker_id=route.worker_id, address=route.address, overlap_blocks=route.overlap_blocks,
                        prefix_hit_rate=route.prefix_hit_rate, pool_waiting=route.pool_waiting,
-                       explanation=explanation, queue_wait_ms=route.queue_wait_ms)
+                       explanation=explanation, queue_wait_ms=route.queue_wait_ms, request_id=request_id)
 
 
 def _unknown_role(role: int) -> RoutingUnavailable:

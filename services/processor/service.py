@@ -3,7 +3,8 @@
 Per request it tokenizes (chat template or plain text, or takes token ids), checks the context
 length, asks a router for a worker, streams each of the `n` choices (choice_stream.py: tokens to
 text, retry and migration when a worker fails) and reports usage. The choices run concurrently
-on the worker the router chose.
+on the worker the router chose. What each worker's engine found cached of the prompt goes back to
+the router that chose it (`Routes.report`), once per routing.
 
 Traced as a `generate` span (under the gateway's) with a `tokenize` child; the router's `route`
 and the workers' `decode` spans join it through the calls' metadata. A request that asks to
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import assert_never
@@ -293,7 +294,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         # them and `call.reply` but this generator chain), so its rows may take the short cut.
         ctx = ChoiceContext(self._tok, self._sessions, self._limits, route_fn, self._worker_failed,
                             self._metrics.migrations.inc, self._parsers.for_request(request),
-                            call.reply if len(running) == 1 else None)
+                            call.reply if len(running) == 1 else None, each_routing_once(self._routers.report))
         stops = tuple(request.stop)
         choices = [
             ChoiceStream(spec=ChoiceSpec(f"{rid}-{i}" if n > 1 else rid, request.choice_offset + i, tokens,
@@ -323,6 +324,22 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
                     assert_never(event)
         yield processor_pb2.GenerateResponse(usage=processor_pb2.Usage(
             prompt_tokens=len(tokens), completion_tokens=completion_tokens, cached_tokens=cached_tokens))
+
+
+def each_routing_once(report: Callable[[RouteChoice, int, int], None]) -> Callable[[RouteChoice, int, int], None]:
+    """One request's `on_cached` (choice_stream.py): `report` hears each routing once. The choices
+    of a request share its first routing, and the first of them to start stands for all (a later
+    one may find the prompt cached by an earlier one, which no routing predicted); a routing is
+    its request id and worker, so a choice moved to another worker is a routing of its own."""
+    reported: set[tuple[str, str]] = set()
+
+    def on_cached(route: RouteChoice, prompt_tokens: int, cached_tokens: int) -> None:
+        key = (route.request_id, route.worker_id)
+        if key not in reported:
+            reported.add(key)
+            report(route, prompt_tokens, cached_tokens)
+
+    return on_cached
 
 
 def _routing_failure(exc: RoutingError) -> ChoiceFailure:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.mesh.config_error import ConfigError
-from services.routing.cost_function import CostWeights
+from services.routing.cost_function import CostModel, CostWeights
+from services.routing.kv_truth import KvTruthConfig
 from services.routing.pickers import ROUTER_MODES
 
 
@@ -14,6 +15,7 @@ class RouterConfig:
     mode: str = "kv"
     seed: int | None = None
     weights: CostWeights = field(default_factory=CostWeights)
+    kv_truth: KvTruthConfig = field(default_factory=KvTruthConfig)
 
     def __post_init__(self) -> None:
         if self.mode not in ROUTER_MODES:
@@ -24,3 +26,9 @@ class RouterConfig:
         if host is not None and not 0 <= host <= 1:
             raise ConfigError(f"--host-overlap-weight must be within 0..1 (a host hit is worth at most a device "
                               f"hit), got {host}")
+
+    @property
+    def cost_model(self) -> CostModel:
+        """The rule a `kv` router scores workers with (`--cost-model`); it travels in `weights`, which
+        the picker is built from."""
+        return self.weights.model

@@ -1,6 +1,7 @@
 """The KV-aware cost function: prefer cached prefixes, avoid full caches and long queues.
 
-The rule (the same as NVIDIA Dynamo's KV router), per candidate worker:
+The seed rule (`--cost-model seed`, the default; NVIDIA Dynamo's KV router's older one, before its
+block-count cost, which dynamo_cost.py implements for `--cost-model dynamo`), per candidate worker:
 
     logit = 2 * overlap_ratio - gpu_cache_usage - normalized_waiting
 
@@ -22,16 +23,48 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
+
+from services.mesh.config_error import ConfigError
+
+
+class CostModel(StrEnum):
+    """The rule a `kv` router scores workers with (`--cost-model`)."""
+
+    # This module's: cached share against cache usage and queue.
+    SEED = "seed"
+    # NVIDIA Dynamo's: blocks to prefill plus blocks to decode (dynamo_cost.py).
+    DYNAMO = "dynamo"
+
+
+# The flag's choices, as written on a command line.
+COST_MODELS = tuple(m.value for m in CostModel)
 
 
 @dataclass(frozen=True)
 class CostWeights:
+    """The `kv` picker's settings: which rule scores the workers, and the rules' weights; each
+    setting that cannot work is a ConfigError naming its flag when built."""
+
     overlap: float = 2.0
     cache_usage: float = 1.0
     waiting: float = 1.0
     temperature: float = 0.0
     # A fixed credit for every host-held block instead of the derived one (None: derived).
     host_overlap: float | None = None
+    # Carried here, not beside it in RouterConfig, because the picker is built from these
+    # settings alone.
+    model: CostModel = CostModel.SEED
+    # The Dynamo rule's weight of prefill blocks against decode blocks (its other parameters keep
+    # Dynamo's defaults: dynamo_cost.DynamoCostConfig); the seed rule ignores it.
+    prefill_load_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        # The flag's string is converted where it is parsed (flags.py); a bare string is not a model.
+        if not isinstance(self.model, CostModel):
+            raise ConfigError(f"--cost-model {self.model!r} is not one of {', '.join(COST_MODELS)}")
+        if not (math.isfinite(self.prefill_load_scale) and self.prefill_load_scale >= 0):
+            raise ConfigError(f"--prefill-load-scale must be finite and >= 0, got {self.prefill_load_scale}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +77,8 @@ class Candidate:
     gpu_cache_usage_perc: float
     pending_requests: int = 0
     pending_blocks: int = 0
+    # Requests the worker reported running (the Dynamo rule's estimate of a waiting one's blocks).
+    num_requests_running: int = 0
     # Blocks the router's index holds for this worker: the tie-breaker.
     indexed_blocks: int = 0
     # Prompt blocks after the device-held prefix that the worker holds in host memory, and what

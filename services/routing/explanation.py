@@ -2,7 +2,9 @@
 
 - a DEBUG log line per routing decision, with every candidate's overlap blocks (and, where it
   holds some in host memory only, those and their credit), cache usage, waiting requests and
-  logit (`log_line`);
+  logit, then where the router's numbers of its cache come from and how right they were lately
+  (`kv_source=events accuracy=0.969`, its `Provenance`; accuracy only once it has a sample)
+  (`log_line`);
 - attributes of the router's `route` span, for the winner and the runner-up (`span_attributes`);
 - `RouteResponse.explanation` when the caller asked to `explain` (`to_proto`), which the gateway
   renders as its `x-kvmesh-route` header.
@@ -14,14 +16,40 @@ nothing: they explain themselves by their mode and the chosen worker alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from opentelemetry.util.types import AttributeValue
 
 from gen.kvmesh.v1 import common_pb2
 from services.routing.cost_function import Terms, ranked
+from services.routing.kv_source import KvSource
 from services.kv_protocol.tier import host_terms
+
+
+# The wire's names of a prediction's source.
+_KV_SOURCES = {KvSource.EVENTS: common_pb2.RouteCandidate.KV_SOURCE_EVENTS,
+               KvSource.PREDICTED: common_pb2.RouteCandidate.KV_SOURCE_PREDICTED}
+
+
+@dataclass(frozen=True, slots=True)
+class Provenance:
+    """Where the router's numbers of a worker's cache come from (its KV events, or a prediction
+    from the prompts sent to it) and how right they were lately (index_accuracy.py; None before
+    the worker's first sample)."""
+
+    kv_source: KvSource
+    recent_accuracy: float | None = None
+
+    def describe(self) -> str:
+        accuracy = f" accuracy={self.recent_accuracy:.3f}" if self.recent_accuracy is not None else ""
+        return f" kv_source={self.kv_source}{accuracy}"
+
+    def fill(self, candidate: common_pb2.RouteCandidate) -> common_pb2.RouteCandidate:
+        candidate.kv_source = _KV_SOURCES[self.kv_source]
+        if self.recent_accuracy is not None:
+            candidate.recent_accuracy = self.recent_accuracy
+        return candidate
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +58,8 @@ class Explanation:
     chosen: str
     # Ranked terms, the chosen worker first; empty for a mode that weighs nothing.
     ranked: Sequence[Terms] = ()
+    # Per worker named above, where its cache numbers come from (absent: not told).
+    provenance: Mapping[str, Provenance] = field(default_factory=dict)
 
     @property
     def runner_up(self) -> Terms | None:
@@ -37,9 +67,13 @@ class Explanation:
 
     def log_line(self) -> str:
         if not self.ranked:
-            return f"{self.mode} mode chose {self.chosen}"
+            return f"{self.mode} mode chose {self.chosen}{self._told(self.chosen)}"
         return (f"{self.mode} mode chose {self.chosen} among {len(self.ranked)}: "
-                + ", ".join(_describe(t) for t in self.ranked))
+                + ", ".join(_describe(t) + self._told(t.worker_id) for t in self.ranked))
+
+    def _told(self, worker_id: str) -> str:
+        provenance = self.provenance.get(worker_id)
+        return provenance.describe() if provenance is not None else ""
 
     def span_attributes(self) -> dict[str, AttributeValue]:
         out: dict[str, AttributeValue] = {"kvmesh.route.mode": self.mode, "kvmesh.route.worker_id": self.chosen,
@@ -57,17 +91,24 @@ class Explanation:
 
     def to_proto(self) -> common_pb2.RouteExplanation:
         if not self.ranked:
-            return common_pb2.RouteExplanation(mode=self.mode, candidates=[common_pb2.RouteCandidate(worker_id=self.chosen)])
-        return common_pb2.RouteExplanation(mode=self.mode, candidates=[
-            common_pb2.RouteCandidate(worker_id=t.worker_id, overlap_blocks=t.overlap_blocks, cache_usage=t.cache_usage,
-                                      waiting=t.waiting, logit=t.logit, host_overlap_blocks=t.host_overlap_blocks,
-                                      host_credit=t.host_credit)
-            for t in self.ranked])
+            candidates = [self._provenance_of(common_pb2.RouteCandidate(worker_id=self.chosen))]
+        else:
+            candidates = [self._provenance_of(common_pb2.RouteCandidate(
+                worker_id=t.worker_id, overlap_blocks=t.overlap_blocks, cache_usage=t.cache_usage, waiting=t.waiting,
+                logit=t.logit, host_overlap_blocks=t.host_overlap_blocks, host_credit=t.host_credit))
+                for t in self.ranked]
+        return common_pb2.RouteExplanation(mode=self.mode, candidates=candidates)
+
+    def _provenance_of(self, candidate: common_pb2.RouteCandidate) -> common_pb2.RouteCandidate:
+        provenance = self.provenance.get(candidate.worker_id)
+        return provenance.fill(candidate) if provenance is not None else candidate
 
 
-def explain(mode: str, chosen: str, terms: Sequence[Terms]) -> Explanation:
-    """The explanation of a pick from the mode's terms (in any order)."""
-    return Explanation(mode, chosen, ranked(terms, chosen) if terms else ())
+def explain(mode: str, chosen: str, terms: Sequence[Terms],
+            provenance: Mapping[str, Provenance] | None = None) -> Explanation:
+    """The explanation of a pick from the mode's terms (in any order), with each worker's
+    `provenance` where the caller has it."""
+    return Explanation(mode, chosen, ranked(terms, chosen) if terms else (), provenance or {})
 
 
 def _describe(t: Terms) -> str:

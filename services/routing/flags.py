@@ -8,11 +8,13 @@ import argparse
 from services.mesh.flags import non_negative_float, non_negative_int, positive_float, positive_int, validated
 from services.routing.admission.gate import AdmissionConfig
 from services.routing.config import RouterConfig
-from services.routing.cost_function import CostWeights
+from services.routing.kv_truth import KvEventsMode, KvTruthConfig
+from services.routing.cost_function import COST_MODELS, CostModel, CostWeights
 from services.routing.pickers import ROUTER_MODES
 
 _WEIGHTS = CostWeights()
 _ADMISSION = AdmissionConfig()
+_TRUTH = KvTruthConfig()
 
 
 def add_router_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -32,6 +34,13 @@ def add_router_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
                    help="cost function: a fixed credit for a prefix block held in a worker's host memory "
                         "(0 = ignore the host tier; default: derived from what loading it back saves "
                         "against recomputing it)")
+    # Left out (None), these two fall back to the config's defaults in the launcher's children too.
+    g.add_argument("--cost-model", choices=COST_MODELS, default=None,
+                   help=f"kv mode's rule: seed (cached share vs cache usage vs queue) or dynamo (NVIDIA Dynamo's "
+                        f"blocks to prefill + blocks to decode, lowest wins); default {_WEIGHTS.model.value}")
+    g.add_argument("--prefill-load-scale", type=non_negative_float, default=None,
+                   help=f"dynamo cost model: weight of the prefill blocks against the decode blocks "
+                        f"(default {_WEIGHTS.prefill_load_scale:g})")
     g.add_argument("--ttft-objective-ms", type=positive_int, default=None,
                    help="admission: refuse at once (429 with Retry-After) a request whose predicted time to first "
                         "token exceeds this (a request's x-kvmesh-ttft-objective-ms header sets its own; default: "
@@ -45,14 +54,30 @@ def add_router_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
                    help="admission: the longest any request may wait for a worker, in seconds (then 429)")
     g.add_argument("--tenant-policies", default=None, metavar="FILE",
                    help="admission: tenants' weights and limits (TOML), read again when it changes")
+    # Strings on the command line (the launcher forwards them as they are); modes in the config.
+    g.add_argument("--kv-events", choices=tuple(m.value for m in KvEventsMode), default=_TRUTH.kv_events.value,
+                   help="off: follow no worker's KV events; predict each worker's cache from the prompts routed "
+                        "to it (on: follow them, predicting only a worker whose events are gone or wrong)")
+    g.add_argument("--prediction-ttl", type=positive_float, default=_TRUTH.prediction_ttl_s,
+                   help="seconds a routed prompt's blocks are predicted to stay in the worker's cache")
+    g.add_argument("--prediction-max-blocks", type=positive_int, default=_TRUTH.prediction_max_blocks,
+                   help="blocks predicted per worker at most (the least recently routed go first)")
+    g.add_argument("--index-accuracy-floor", type=non_negative_float, default=_TRUTH.index_accuracy_floor,
+                   help="a worker whose recent index accuracy falls under this (0..1) is predicted until its "
+                        "events agree again")
     return g
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
-    weights = CostWeights(overlap=args.overlap_weight, cache_usage=args.cache_usage_weight,
-                          waiting=args.waiting_weight, temperature=args.router_temperature,
-                          host_overlap=args.host_overlap_weight)
-    return validated(lambda: RouterConfig(mode=args.router_mode, seed=args.seed, weights=weights))
+    model = _WEIGHTS.model if args.cost_model is None else CostModel(args.cost_model)
+    weights = validated(lambda: CostWeights(
+        overlap=args.overlap_weight, cache_usage=args.cache_usage_weight, waiting=args.waiting_weight,
+        temperature=args.router_temperature, host_overlap=args.host_overlap_weight, model=model,
+        prefill_load_scale=_WEIGHTS.prefill_load_scale if args.prefill_load_scale is None else args.prefill_load_scale))
+    truth = validated(lambda: KvTruthConfig(kv_events=KvEventsMode(args.kv_events), prediction_ttl_s=args.prediction_ttl,
+                                            prediction_max_blocks=args.prediction_max_blocks,
+                                            index_accuracy_floor=args.index_accuracy_floor))
+    return validated(lambda: RouterConfig(mode=args.router_mode, seed=args.seed, weights=weights, kv_truth=truth))
 
 
 def admission_config(args: argparse.Namespace) -> AdmissionConfig:

@@ -1,9 +1,9 @@
 """The router's `KvIndex`: a radix tree of every worker's cached blocks, keyed by each block's
-local hash, built for the router's hot paths in plain Python.
+local hash, in plain Python: the fallback where the native index (services/routing/native/) is
+not built, and a second implementation the native one is tested against.
 
 A path from the root is a prompt prefix; each node records which workers hold that block. The
-semantics follow NVIDIA Dynamo's `RadixTree` exactly (so `find_matches` gives the same numbers
-for the same events), including its edge cases, which `KvIndex` states in full: a stored event
+semantics are `KvIndex`'s, including its edge cases, which `KvIndex` states in full: a stored event
 whose parent the worker does not hold is skipped; a node left with no worker drops its
 children; a block hash the worker already has is re-attached rather than duplicated.
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 
 from services.routing.block_table import FREE, GONE, BlockTable
-from services.routing.kv_index import EventError, HostCopy, KvIndex, StoredBlock, holder
+from services.routing.kv_index import EventError, EventErrorKind, HostCopy, KvIndex, StoredBlock, holder
 from services.routing.tree_nodes import ROOT, TreeNodes
 from services.kv_protocol.hashing import LocalBlockHash, SequenceHash
 from services.kv_protocol.tier import Tier
@@ -57,11 +57,17 @@ class RadixTree(KvIndex):
     def _slot(self, worker: Hashable) -> int:
         slot = self._slot_of.get(worker)
         if slot is None:
-            slot = self._free_slots.pop() if self._free_slots else len(self._worker_of_slot) + len(self._retired)
+            # A removed worker whose stale marks are still on nodes gets that slot back, so those
+            # marks stay its own (the reference keys holders by name; the native tree does the same).
+            slot = next((s for s, name in self._retired.items() if name == worker), None)
+            if slot is not None:
+                del self._retired[slot]
+            else:
+                slot = self._free_slots.pop() if self._free_slots else len(self._worker_of_slot) + len(self._retired)
+                self._nodes_with_bit[slot] = 0
             self._slot_of[worker] = slot
             self._worker_of_slot[slot] = worker
             self._lookup[slot] = BlockTable()
-            self._nodes_with_bit[slot] = 0
             if slot >= MASK_BITS:
                 self._nodes.widen_masks()
         return slot
@@ -100,7 +106,8 @@ class RadixTree(KvIndex):
             if not current and tier == Tier.HOST and (device := self._slot_of.get(name)) is not None:
                 current = self._lookup[device].get(parent_hash)
             if not current:
-                raise EventError(f"worker {name}: parent block {parent_hash} unknown; store skipped")
+                raise EventError(EventErrorKind.UNKNOWN_PARENT,
+                                 f"worker {name}: parent block {parent_hash} unknown; store skipped")
         if type(blocks) is not list:
             blocks = list(blocks)
         if (lookup.count + lookup.gone + len(blocks)) * 2 > lookup.mask + 1:
@@ -144,6 +151,9 @@ class RadixTree(KvIndex):
                     child = found
                 else:
                     if previous:  # a block hash the worker has: its node, re-linked here
+                        if previous == current:  # checked before linking: a self-link would loop a walk
+                            raise EventError(EventErrorKind.CONTRADICTS_TREE, f"worker {name}: block {block_hash} "
+                                             "refers to itself; rest of the store skipped")
                         child = previous
                     else:
                         child = free_nodes[-1]
@@ -163,8 +173,6 @@ class RadixTree(KvIndex):
                         free_nodes.pop()
                     refs[child] += 1  # the parent's link
                     parents[child] = current
-                if child == current:
-                    raise EventError(f"worker {name}: block {block_hash} refers to itself; rest of the store skipped")
                 mask = masks[child]
                 if not mask & bit:
                     masks[child] = mask | bit
@@ -179,7 +187,8 @@ class RadixTree(KvIndex):
                 current = child
                 applied += 1
         except OverflowError:
-            raise EventError(f"worker {name}: a block hash is not a 64-bit unsigned int; rest of the store skipped") from None
+            raise EventError(EventErrorKind.BAD_HASH,
+                             f"worker {name}: a block hash is not a 64-bit unsigned int; rest of the store skipped") from None
         finally:
             self._nodes_with_bit[slot] += added + made
             lookup.count += entries + made

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 
-from services.routing.kv_index import EventError, HostCopy, KvIndex, StoredBlock, holder
+from services.routing.kv_index import EventError, EventErrorKind, HostCopy, KvIndex, StoredBlock, holder
 from services.kv_protocol.hashing import LocalBlockHash, SequenceHash
 from services.kv_protocol.tier import Tier
 
@@ -40,16 +40,16 @@ class ReferenceIndex(KvIndex):
         elif parent_hash in other:
             current = other[parent_hash]
         else:
-            raise EventError(f"worker {name}: parent block {parent_hash} unknown; store skipped")
+            raise EventError(EventErrorKind.UNKNOWN_PARENT,
+                             f"worker {name}: parent block {parent_hash} unknown; store skipped")
         applied = 0
         for block_hash, tokens_hash in blocks:
-            if tokens_hash in current.children:
-                child = current.children[tokens_hash]
-            else:
-                child = lookup.get(block_hash) or RefNode()
-                current.children[tokens_hash] = child
+            child = current.children.get(tokens_hash) or lookup.get(block_hash) or RefNode()
             if child is current:
-                raise EventError(f"worker {worker}: block {block_hash} refers to itself; rest of the store skipped")
+                # Checked before linking: a self-link would let a walk repeat this block forever.
+                raise EventError(EventErrorKind.CONTRADICTS_TREE,
+                                 f"worker {name}: block {block_hash} refers to itself; rest of the store skipped")
+            current.children[tokens_hash] = child
             child.workers.add(worker)
             lookup[block_hash] = child
             current = child

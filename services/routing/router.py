@@ -14,6 +14,10 @@ A request to the decode pool may go through admission (admission/gate.py): `ente
 which also waits) gives a ticket, or a place in the queue, or the refusal; `place` then decides
 among the workers with room. Each decision can say why (explanation.py): in the caller's `route`
 span when traced, in a DEBUG log line, and in the route when the query set `explain`.
+
+Each decision to the decode pool also remembers what it predicted the chosen worker reuses of
+the prompt (index_accuracy.py); the processor reports what the engine found (`report`), and the
+two make the worker's index accuracy (its pool's `accuracy`, forgotten when it leaves the pool).
 """
 
 from __future__ import annotations
@@ -27,18 +31,25 @@ from collections.abc import Callable, Mapping, Sequence
 from opentelemetry.trace import INVALID_SPAN, Span
 
 from services.contract.worker_roles import RoleName
-from services.kv_protocol.hashing import local_block_hashes
+from services.kv_protocol.hashing import LocalBlockHash, local_block_hashes
 from services.routing.admission.gate import Admission, Queued, Ticket
 from services.routing.config import RouterConfig
 from services.routing.cost_function import overlap_ratio
-from services.routing.explanation import Explanation, explain
+from services.routing.explanation import Explanation, Provenance, explain
 from services.routing.host_credit import host_credits
+from services.routing.kv_source import KvSource
+from services.routing.index_accuracy import RecentPredictions, Sample, reusable_tokens
 from services.routing.pickers import PickContext, make_picker
 from services.routing.route_query import Matches, NoWorker, Route, RouteQuery, UnknownPool
 from services.routing.router_metrics import RouterMetrics
 from services.routing.worker_pool import WorkerPool, WorkerState
+from services.mesh.discovery import InstanceInfo
 
 log = logging.getLogger(__name__)
+
+# The pools whose callers report what the engine found (the processor, for the decode pool; a
+# decode worker reports nothing of the prefill routings it asks for).
+REPORTED_ROLES = frozenset({RoleName.DECODE})
 
 
 class Router:
@@ -52,6 +63,10 @@ class Router:
         # One generator for every random draw of the router, so a seed fixes all its choices.
         self._picker = make_picker(config.mode, random.Random(config.seed), config.weights)
         self._host_weight = config.weights.host_overlap
+        # Each decision's prediction until its report (the accuracy it makes is the pool's).
+        self._predictions = RecentPredictions()
+        for pool in pools.values():
+            pool.view.add_listener(self._on_member)
 
     def admits(self, role: RoleName) -> bool:
         """Whether requests to this pool may go through admission (`enter`, `admit`)."""
@@ -74,6 +89,40 @@ class Router:
         serving = [w.info.instance_id for w in pool.candidates(model)]
         return Matches(block_size, {w: device[w] for w in serving if w in device},
                        {w: host[w] for w in serving if w in host})
+
+    def report(self, request_id: str, worker_id: str, cached_tokens: int, prompt_tokens: int | None = None) -> None:
+        """What the engine found cached of a prompt this router sent to `worker_id` (its first
+        output's cached_tokens): one accuracy sample against the decision's prediction. Ignored
+        when there is none (never made here, reported already, or past its bounds) or it was for
+        another prompt length (`prompt_tokens`, when given: a request resumed with tokens the
+        routing never saw)."""
+        prediction = self._predictions.take(request_id, worker_id)
+        if prediction is None or (prompt_tokens is not None and prompt_tokens != prediction.prompt_tokens):
+            return
+        pool = next((p for p in self._pools.values() if worker_id in p.workers), None)
+        if pool is None:
+            return  # it left while the request ran: no series comes back for it
+        if prediction.from_events:
+            sample = pool.accuracy.observe(worker_id, prediction.predicted_tokens, cached_tokens)
+        else:  # a prediction from the prompts sent there: counted, but it says nothing of the index
+            sample = Sample(prediction.predicted_tokens, cached_tokens)
+            if prediction.index_tokens is not None:
+                pool.agreement(worker_id, Sample(prediction.index_tokens, cached_tokens).ratio)
+        self._metrics.record_accuracy(worker_id, sample.ratio, sample.error_tokens, pool.accuracy.recent(worker_id))
+
+    def _remember(self, query: RouteQuery, pool: WorkerPool, chosen: WorkerState, blocks: int,
+                  local_hashes: Sequence[LocalBlockHash]) -> None:
+        """The decision's prediction for the chosen worker, until its feedback (`report`)."""
+        engine, block_size, prompt = chosen.info.engine, chosen.info.block_size, len(query.token_ids)
+        wid = chosen.info.instance_id
+        index_blocks = pool.index_score(wid, local_hashes)
+        index_tokens = None if index_blocks is None else reusable_tokens(index_blocks, block_size, prompt, engine)
+        self._predictions.remember(query.request_id, wid, reusable_tokens(blocks, block_size, prompt, engine), prompt,
+                                   pool.kv_source(wid) is KvSource.EVENTS, index_tokens)
+
+    def _on_member(self, instance_id: str, info: InstanceInfo | None) -> None:
+        if info is None:  # gone from its pool (which forgets its accuracy): its series go too
+            self._metrics.forget_worker(instance_id)
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -145,7 +194,8 @@ class Router:
             candidates = [w for w in candidates if eligible(w)] or candidates
         block_size = pool.block_size(query.model) or candidates[0].info.block_size
         tokens = query.token_ids
-        overlaps, host_overlaps = pool.index.find_matches_by_tier(local_block_hashes(tokens, block_size))
+        local_hashes = local_block_hashes(tokens, block_size)
+        overlaps, host_overlaps = pool.matches_by_tier(local_hashes)
         credits = host_credits(candidates, overlaps, host_overlaps, block_size, self._host_weight)
         context = PickContext(overlaps, block_size, len(tokens), pool.index.block_count, host_overlaps, credits)
         chosen = self._picker.pick(candidates, context)
@@ -153,7 +203,10 @@ class Router:
         # before the pending work below is added, so they are the numbers the pick weighed.
         explanation = None
         if query.explain or span.is_recording() or log.isEnabledFor(logging.DEBUG):
-            explanation = explain(self._mode, chosen.info.instance_id, self._picker.terms(candidates, context))
+            provenance = {w.info.instance_id: Provenance(pool.kv_source(w.info.instance_id),
+                                                         pool.accuracy.recent(w.info.instance_id)) for w in candidates}
+            explanation = explain(self._mode, chosen.info.instance_id, self._picker.terms(candidates, context),
+                                  provenance)
         # The pool's queue as this request finds it (the disaggregation rule's prefill queue size).
         pool_waiting = sum(w.load.num_requests_waiting + len(w.pending) for w in candidates)
         wid = chosen.info.instance_id
@@ -164,7 +217,10 @@ class Router:
         # counts as much as the cost function credited it.
         hit = overlap_ratio(overlap + credits.get(wid, 0.0) * host_overlap, block_size, len(tokens))
         self._metrics.routed.labels(wid, pool.view.component).inc()
+        pool.routed(wid, local_hashes)
         self._metrics.record(len(tokens), min(len(tokens), (overlap + host_overlap) * block_size))
+        if query.role in REPORTED_ROLES:
+            self._remember(query, pool, chosen, overlap + host_overlap, local_hashes)
         self._metrics.decision_seconds.observe(time.perf_counter() - started)
         if explanation is not None:
             self._tell(query, pool, span, hit, explanation)

@@ -19,6 +19,11 @@ services/contract/outcomes.py, hop ROUTER):
 
 `admit` asks for a new request's worker through the router's admission (its queue): the call
 holds the request's place on the worker after the reply, until the caller releases it.
+
+`report` tells the router that chose a worker what the engine found cached of the prompt (its
+index accuracy, services/routing/index_accuracy.py). The feedback rides on the next call to that
+router; with none within `FEEDBACK_WAIT_S` it goes alone, in a call of its own on the session.
+It is best effort: feedback for a router that fails or leaves meanwhile is dropped.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import count
 from typing import Protocol, TypeVar
 
@@ -43,6 +49,11 @@ from services.mesh.tracing import outgoing_metadata
 log = logging.getLogger(__name__)
 
 ROUTE_TIMEOUT_S = 2.0
+# How long feedback waits for a call to the same router to ride on before it goes alone: under
+# load it always finds one; at rest it costs one small call per router per interval.
+FEEDBACK_WAIT_S = 0.1
+# Feedback held for one router at most (the oldest dropped): a router that takes none meanwhile.
+MAX_FEEDBACK_PER_ROUTER = 4096
 H = TypeVar("H")
 
 
@@ -98,11 +109,16 @@ class RouteChoice:
     explanation: common_pb2.RouteExplanation | None = None
     # How long admission kept the request waiting for a worker with room.
     queue_wait_ms: int = 0
+    # Who decided, for `Routes.report`: the request id it was asked with and the router's
+    # address ("" for a processor routing in-process).
+    request_id: str = field(default="", compare=False)
+    router: str = field(default="", compare=False)
 
     @classmethod
-    def of(cls, reply: router_pb2.RouteResponse) -> RouteChoice:
+    def of(cls, reply: router_pb2.RouteResponse, request_id: str = "", router: str = "") -> RouteChoice:
         return cls(reply.worker_id, reply.address, reply.overlap_blocks, reply.prefix_hit_rate, reply.pool_waiting,
-                   reply.explanation if reply.HasField("explanation") else None, reply.queue_wait_ms)
+                   reply.explanation if reply.HasField("explanation") else None, reply.queue_wait_ms, request_id,
+                   router)
 
 
 class Members(Protocol):
@@ -122,6 +138,11 @@ class Routes(Protocol):
                     explain: bool = False, exclude: Sequence[str] = ()) -> tuple[RouteChoice, Held]:
         """A decode worker for a new request, through admission: it may wait, or be refused
         (`Overloaded`); the place it holds is released by the caller at the request's end."""
+        ...
+
+    def report(self, choice: RouteChoice, prompt_tokens: int, cached_tokens: int) -> None:
+        """What the engine found cached of the `prompt_tokens` routed by `choice` (its first
+        output's cached_tokens), for whoever decided: once per routing, never waited on."""
         ...
 
 
@@ -148,6 +169,47 @@ class RouterClient:
         self._timeout_s = timeout_s
         self._turn = count()
         self._failed = RecentFailures(avoid_s, clock=clock)
+        # Per router address, feedback not sent yet, and the timer that sends it alone.
+        self._feedback: dict[str, deque[router_pb2.RouteFeedback]] = {}
+        self._flushing: dict[str, asyncio.TimerHandle] = {}
+        self._closed = False
+
+    async def close(self) -> None:
+        """The process is going away: feedback not sent yet is dropped with its timers (a timer
+        that fired later would open a session on a pool being torn down)."""
+        self._closed = True
+        for timer in self._flushing.values():
+            timer.cancel()
+        self._flushing.clear()
+        self._feedback.clear()
+
+    def report(self, choice: RouteChoice, prompt_tokens: int, cached_tokens: int) -> None:
+        if not choice.router or self._closed:
+            return
+        pending = self._feedback.get(choice.router)
+        if pending is None:
+            pending = self._feedback[choice.router] = deque(maxlen=MAX_FEEDBACK_PER_ROUTER)
+        pending.append(router_pb2.RouteFeedback(request_id=choice.request_id, worker_id=choice.worker_id,
+                                                cached_tokens=cached_tokens, prompt_tokens=prompt_tokens))
+        if choice.router not in self._flushing:
+            self._flushing[choice.router] = asyncio.get_running_loop().call_later(
+                FEEDBACK_WAIT_S, self._flush, choice.router)
+
+    def _attach(self, request: router_pb2.RouteRequest, router: str) -> None:
+        """The router's pending feedback onto a call about to go to it (none for another router
+        it was put on before: a call moves on from a router that could not answer)."""
+        request.ClearField("feedback")
+        pending = self._feedback.pop(router, None)
+        if pending:
+            request.feedback.extend(pending)
+
+    def _flush(self, router: str) -> None:
+        """Feedback that found no call to ride on goes alone (while the router is still registered)."""
+        del self._flushing[router]
+        pending = self._feedback.pop(router, None)
+        if pending and any(r.address == router for r in self._routers.instances.values()):
+            # Not waited on: it ends with no reply, or fails, and either way nothing is retried.
+            self._sessions.get(ROUTER_SESSION, router).open(router_pb2.RouteRequest(feedback=pending), self._timeout_s)
 
     async def route(self, request_id: str, model: str, token_ids: Sequence[int], role: common_pb2.WorkerRole,
                     exclude: Sequence[str] = (), explain: bool = False) -> RouteChoice:
@@ -157,6 +219,7 @@ class RouterClient:
         metadata = outgoing_metadata()
 
         async def ask(session: Session) -> tuple[router_pb2.RouteResponse, None]:
+            self._attach(request, session.address)
             return await session.call(request, self._timeout_s, metadata), None
 
         return (await self._ask(request_id, ask))[0]
@@ -176,6 +239,7 @@ class RouterClient:
 
         async def ask(session: Session) -> tuple[router_pb2.RouteResponse, Held]:
             # No deadline on the call itself: once answered it stays open until the request ends.
+            self._attach(request, session.address)
             stream = session.open(request, None, metadata)
             try:
                 async with asyncio.timeout(self._timeout_s):
@@ -224,7 +288,7 @@ class RouterClient:
                 continue
             if router.instance_id in failed:
                 self._failed.discard(router.instance_id)  # it answered: back in its turn
-            return RouteChoice.of(reply), held
+            return RouteChoice.of(reply, request_id, router.address), held
         if limited is not None:
             raise Overloaded(limited)
         raise RoutingUnavailable("routing failed: " + "; ".join(failures))

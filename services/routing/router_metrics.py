@@ -1,8 +1,32 @@
-"""The router's Prometheus series: decisions, their latency, and the share of prompts found cached."""
+"""The router's Prometheus series: decisions, their latency, the share of prompts found cached,
+and how right its index was about each worker (index_accuracy.py)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class KvTruthMetrics:
+    """Whether the router's view of each worker's cache can be trusted, and where it comes from
+    (worker_pool.py, kv_event_follower.py, kv_source.py). One per registry: a process builds it
+    once and gives it to each of its pools."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.event_errors = Counter("kvmesh_router_kv_event_errors", "KV events the index could not apply, per kind",
+                                    ["worker_id", "kind"], registry=registry)
+        self.resyncs = Counter("kvmesh_router_kv_resyncs", "workers' cached blocks rebuilt from a snapshot",
+                               ["worker_id", "reason"], registry=registry)
+        self.source = Gauge("kvmesh_router_kv_source", "where the router learns the worker's cache: 0 = its KV events, "
+                            "1 = predicted from the prompts routed to it", ["worker_id"], registry=registry)
+        self.source_switches = Counter("kvmesh_router_kv_source_switches", "switches of a worker's cache source",
+                                       ["worker_id", "source", "reason"], registry=registry)
+
+    def forget(self, worker_id: str) -> None:
+        """A worker that left: its gauge goes (counters stay, as Prometheus counters do)."""
+        try:
+            self.source.remove(worker_id)
+        except KeyError:
+            pass
 
 
 class RouterMetrics:
@@ -20,6 +44,23 @@ class RouterMetrics:
         self.overlap_tokens = Counter("kvmesh_router_overlap_tokens", "routed prompt tokens cached on the chosen worker",
                                       registry=registry)
         self._totals = [0, 0]
+        # Per routed request that reported back: predicted against found (index_accuracy.py).
+        self.index_accuracy = Histogram(
+            "kvmesh_router_index_accuracy_ratio",
+            "per routed request, min(predicted, found) / max(predicted, found) of the prompt tokens the worker "
+            "reused from its cache (1 when both are 0)", ["worker_id"], registry=registry,
+            buckets=(0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0),
+        )
+        self.index_error = Histogram(
+            "kvmesh_router_index_error_tokens",
+            "per routed request, |predicted - found| prompt tokens reused from the worker's cache",
+            ["worker_id"], registry=registry, buckets=(0, 16, 64, 256, 1024, 4096, 16384),
+        )
+        self.index_recent_accuracy = Gauge(
+            "kvmesh_router_index_recent_accuracy",
+            "mean accuracy ratio over the worker's last routed requests (index_accuracy.RECENT_SAMPLES)",
+            ["worker_id"], registry=registry,
+        )
 
     def record(self, prompt_tokens: int, overlap_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
@@ -27,3 +68,17 @@ class RouterMetrics:
         self._totals[0] += prompt_tokens
         self._totals[1] += overlap_tokens
         self.hit_rate.set(self._totals[1] / self._totals[0] if self._totals[0] else 0.0)
+
+    def record_accuracy(self, worker_id: str, ratio: float, error_tokens: int, recent: float | None) -> None:
+        self.index_accuracy.labels(worker_id).observe(ratio)
+        self.index_error.labels(worker_id).observe(error_tokens)
+        if recent is not None:
+            self.index_recent_accuracy.labels(worker_id).set(recent)
+
+    def forget_worker(self, worker_id: str) -> None:
+        """The worker left its pool: its accuracy series go with it."""
+        for metric in (self.index_accuracy, self.index_error, self.index_recent_accuracy):
+            try:
+                metric.remove(worker_id)
+            except KeyError:
+                pass  # it never reported back

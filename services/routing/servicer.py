@@ -7,6 +7,9 @@ router about (it would answer the same), and an unknown role BAD_REQUEST.
 `Route` (a unary call) and a call on a `Session` are served by the same `route`. A session's call
 that sets `hold` goes through admission: it may get a `queued` reply first, then its worker, and
 then stays open, holding its place on the worker, until the caller ends it or this router drains.
+Any call may carry feedback on earlier routings (RouteFeedback: what the engine found cached),
+taken before its own decision; a call with feedback and no model carries nothing else and ends
+with no reply.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if request.hold:
             # A unary call ends with its reply: it can hold no place (admission needs a session).
             await abort_with(context, bad_request("hold needs a call on Router.Session, not Route"))
+        if request.feedback and not request.model:
+            # A unary call answers with one reply: feedback alone has none.
+            await abort_with(context, bad_request("feedback without a request needs a call on Router.Session"))
         return await as_unary_rpc(context, self.route(request, call_info(context)))
 
     async def Session(self, frames: AsyncIterator[router_pb2.RouterSessionDown],  # noqa: N802
@@ -53,6 +59,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """One routing decision, for `Route` and for a call on a session alike. A call that
         `holds` is admitted first (it may wait, or be refused), and stays open after its reply
         until the caller ends it: its place on the worker is given back then."""
+        if request.feedback:
+            for feedback in request.feedback:
+                self._router.report(feedback.request_id, feedback.worker_id, feedback.cached_tokens,
+                                    feedback.prompt_tokens)
+            if not request.model:
+                return  # feedback only: the call ends with no reply
         REQUEST_ID.set(request.request_id)  # this call's task: its log lines carry the id
         with self._tracing.server_span("route", call, ROUTE_RPC) as span, _said_on_the_wire(request.role):
             query = query_of(request, _role(request.role))

@@ -1,8 +1,17 @@
 """The router's view of the workers of one role: who they are, their cached blocks, their load.
 
-Workers come from etcd. For each one the pool owns two subscription tasks — its KV events (into
-the pool's radix tree, resuming from the last event id after a broken stream) and its load
-metrics — and cancels both, dropping all the worker's blocks, when its lease goes.
+Workers come from etcd. For each one the pool follows its load metrics, and its KV events into
+the pool's radix tree (kv_event_follower.py: resuming, resyncing from a snapshot, dropping a
+worker whose address another worker answers at now); when its lease goes, both end and all the
+worker's blocks are dropped.
+
+Where the events are off or cannot be trusted, the pool predicts the worker's cache from the
+prompts routed to it instead (kv_source.py says when, predicted_cache.py how); `matches_by_tier`
+merges the two, `routed` feeds the prediction. The pool owns the index's accuracy per worker
+(index_accuracy.py: the router records it, the source monitor acts on it), as it owns the index.
+
+Built once with its settings (kv_truth.py) and metrics: with `--kv-events off` it never
+subscribes to any worker's events.
 """
 
 from __future__ import annotations
@@ -11,24 +20,29 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import cast
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.mesh.discovery import ComponentView, InstanceInfo
 from services.mesh.channels import ChannelPool
 from services.mesh.tasks import cancel_and_wait
-from services.kv_protocol.hashing import SequenceHash
-from services.kv_protocol.tier import Tier
-from services.routing.kv_index import EventError, KvIndex, StoredBlock
-from services.routing.radix_tree import RadixTree
+from services.kv_protocol.hashing import LocalBlockHash
+from services.routing.event_errors import ResyncReason
+from services.routing.index_accuracy import IndexAccuracy
+from services.routing.kv_event_follower import RESUBSCRIBE_BACKOFF_S, KvEventFollower
+from services.routing.kv_index import KvIndex
+from services.routing.kv_truth import KvTruthConfig
+from services.routing.kv_source import EVALUATE_EVERY_S, PREDICTED, KvSource, KvSourceTracker, SwitchReason
+from services.routing.predicted_cache import PredictedCache
+from services.routing.index_choice import new_index
+from services.routing.router_metrics import KvTruthMetrics
 
 log = logging.getLogger(__name__)
 
-RESUBSCRIBE_BACKOFF_S = 0.5
 # A dispatched request is counted as pending until a metrics report at least this much newer
 # arrives: long enough for the request to have reached the worker's queue.
 PENDING_GRACE_S = 0.05
@@ -36,13 +50,19 @@ MAX_PENDING = 4096
 # How long a router (or a processor routing locally) waits for every worker's cached blocks
 # before serving.
 SYNC_TIMEOUT_S = 10.0
+# An accuracy over fewer samples than this is not acted on.
+MIN_ACCURACY_SAMPLES = 8
+
+Matches = dict[Hashable, int]
 
 
 @dataclass(slots=True)
 class WorkerState:
     info: InstanceInfo
     load: worker_pb2.LoadMetrics = field(default_factory=worker_pb2.LoadMetrics)
-    last_event_id: int = 0
+    # The worker's address answers as another worker: this one is gone, its blocks dropped, its
+    # events followed no more (kv_event_follower.py).
+    replaced: bool = False
     # The index holds everything the worker had cached when this router subscribed to it.
     synced: bool = False
     # (dispatch time, new blocks) of requests this router sent that the worker has not reported yet.
@@ -62,18 +82,109 @@ class WorkerState:
 
 
 class WorkerPool:
-    def __init__(self, view: ComponentView, channels: ChannelPool) -> None:
+    def __init__(self, view: ComponentView, channels: ChannelPool, truth: KvTruthConfig | None = None,
+                 metrics: KvTruthMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """`truth`: where each worker's cache is learned (the defaults: its events); `metrics`: the
+        process's (one per registry, shared by its pools; by default, metrics nobody scrapes);
+        `clock`: the fallback's and the resync limit's (tests drive it)."""
+        truth = truth or KvTruthConfig()
         self.view = view
-        self.index: KvIndex = RadixTree()
+        self.index: KvIndex = new_index()
         self._channels = channels
         self.workers: dict[str, WorkerState] = {}
         self._block_size_by_model: dict[str, int] = {}
-        self._tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self._load_tasks: dict[str, asyncio.Task[None]] = {}
+        self._ending: set[asyncio.Task[None]] = set()  # load tasks of workers that left, until they end
         self._synced_changed = asyncio.Event()
         # Called with the worker's id after every load report and membership change (admission:
         # room may have freed).
         self._load_listeners: list[Callable[[str], None]] = []
+        self._metrics = metrics if metrics is not None else KvTruthMetrics(CollectorRegistry())
+        # How right the index was about each worker lately, from the engines' reports (the router records them).
+        self.accuracy = IndexAccuracy()
+        self.predicted = PredictedCache(truth.prediction_ttl_s, truth.prediction_max_blocks, clock)
+        self._sources = KvSourceTracker(self._source_switched, truth.index_accuracy_floor, truth.kv_events == "off",
+                                        clock)
+        self.events = KvEventFollower(self.index, channels, self._metrics, self._sources, self._synced_changed.set,
+                                      clock)
+        self._monitor: asyncio.Task[None] | None = None
+        if self._sources.router_off:
+            log.info("KV events off: predicting every %s's cache from the prompts routed to it (TTL %.0fs, %d blocks "
+                     "at most)", view.component, truth.prediction_ttl_s, truth.prediction_max_blocks)
         view.add_listener(self._on_change)
+
+    def kv_source(self, instance_id: str) -> KvSource:
+        """Where the router learns the worker's cache now (kv_source.py)."""
+        return self._sources.source(instance_id)
+
+    def matches_by_tier(self, local_hashes: Sequence[LocalBlockHash]) -> tuple[Matches, Matches]:
+        """The index's `find_matches_by_tier`, with each predicted worker's score from the
+        prediction instead (device tier only: the prediction knows nothing of host memory). A
+        worker whose stream went quiet lately keeps what its index said, where that is more: those
+        blocks were right when it went quiet (kv_source.py `index_still_warm`)."""
+        if self._sources.router_off:
+            return self.predicted.scores(self.workers, local_hashes), {}
+        device, host = self.index.find_matches_by_tier(local_hashes)
+        predicted = [w for w in self.workers if self._sources.predicted(w)]
+        if predicted:
+            scores = self.predicted.scores(predicted, local_hashes)
+            ttl_s = self.predicted.ttl_s
+            for w in predicted:
+                indexed = device.pop(w, 0) if self._sources.index_still_warm(w, ttl_s) else 0
+                device.pop(w, None)
+                host.pop(w, None)
+                if max(indexed, scores.get(w, 0)):
+                    device[w] = max(indexed, scores.get(w, 0))
+        return device, host
+
+    def index_score(self, instance_id: str, local_hashes: Sequence[LocalBlockHash]) -> int | None:
+        """What the index alone says the worker caches of the prompt (its device and host tiers),
+        where the worker is predicted for an index found wrong and that is to be judged again
+        (kv_source.py); None otherwise."""
+        if not self._sources.wants_agreement(instance_id):
+            return None
+        device, host = self.index.find_matches_by_tier(local_hashes)
+        return device.get(instance_id, 0) + host.get(instance_id, 0)
+
+    def agreement(self, instance_id: str, ratio: float) -> None:
+        """The engine's judgement of one `index_score` (index_accuracy.py's ratio)."""
+        self._sources.agreement(instance_id, ratio)
+
+    def routed(self, instance_id: str, local_hashes: Sequence[LocalBlockHash]) -> None:
+        """A prompt was sent to the worker: where its cache is predicted, its blocks are now. Only
+        there (or with every worker predicted): recording costs about as much as hashing the
+        prompt, which a worker whose events are healthy does not need."""
+        if self._sources.predicted(instance_id):
+            self.predicted.routed(instance_id, local_hashes)
+
+    def _source_switched(self, instance_id: str, source: KvSource, reason: SwitchReason) -> None:
+        self.accuracy.forget(instance_id)  # samples of one source never judge the other
+        self._metrics.source.labels(instance_id).set(source == PREDICTED)
+        self._metrics.source_switches.labels(instance_id, source, reason).inc()
+        if reason is SwitchReason.ROUTER_OFF:
+            return  # said once for the pool (at its construction)
+        if source == PREDICTED:
+            log.warning("worker %s: routing on a prediction of its cache from the prompts sent to it (%s)",
+                        instance_id, reason)
+        else:
+            log.info("worker %s: routing on its KV events again (%s)", instance_id, reason)
+
+    def _recent_accuracy(self, instance_id: str) -> float | None:
+        if len(self.accuracy.samples(instance_id)) < MIN_ACCURACY_SAMPLES:
+            return None
+        return self.accuracy.recent(instance_id)
+
+    async def _watch_sources(self) -> None:
+        """Evaluates every worker's source on a clock (a silent stream gives no other cue). A bug
+        in one sweep is logged and the next sweep runs: fallback detection never stops for good."""
+        while True:
+            await asyncio.sleep(EVALUATE_EVERY_S)
+            try:
+                for instance_id in self._sources.workers():
+                    if self._sources.evaluate(instance_id, self._recent_accuracy(instance_id)) is SwitchReason.INACCURATE:
+                        self.events.resync(instance_id, ResyncReason.INACCURATE)
+            except Exception:  # noqa: BLE001 - see the docstring
+                log.exception("evaluating the KV sources of the %s pool failed; evaluating again", self.view.component)
 
     def add_load_listener(self, listener: Callable[[str], None]) -> None:
         self._load_listeners.append(listener)
@@ -99,7 +210,10 @@ class WorkerPool:
         return []
 
     def candidates(self, model: str) -> list[WorkerState]:
-        return [w for w in self.workers.values() if w.info.model == model]
+        """The workers serving the model, less those whose address another worker answers at now
+        (killed and replaced: their lease has not run out yet, but a request sent there would
+        reach the new worker under the old one's name)."""
+        return [w for w in self.workers.values() if w.info.model == model and not w.replaced]
 
     def block_size(self, model: str) -> int | None:
         return self._block_size_by_model.get(model)
@@ -132,17 +246,33 @@ class WorkerPool:
 
     def _follow(self, instance_id: str) -> None:
         loop = asyncio.get_running_loop()
-        self._tasks[instance_id] = [
-            loop.create_task(self._follow_metrics(instance_id), name=f"metrics-{instance_id}"),
-            loop.create_task(self._follow_events(instance_id), name=f"kv-events-{instance_id}"),
-        ]
+        if self._monitor is None:
+            self._monitor = loop.create_task(self._watch_sources(), name=f"kv-sources-{self.view.component}")
+        state = self.workers[instance_id]
+        publishes = state.info.kv_events
+        self._metrics.source.labels(instance_id).set(0)
+        self._sources.add(instance_id, publishes)
+        self._load_tasks[instance_id] = loop.create_task(self._follow_metrics(instance_id), name=f"metrics-{instance_id}")
+        if publishes and not self._sources.router_off:
+            self.events.follow(state)
+        elif not state.synced:  # nothing to wait for
+            state.synced = True
+            self._synced_changed.set()
 
     def _forget(self, instance_id: str) -> None:
         state = self.workers.pop(instance_id, None)
         self._synced_changed.set()  # one fewer worker to wait for
-        for task in self._tasks.pop(instance_id, []):
+        task = self._load_tasks.pop(instance_id, None)
+        if task is not None:  # ended by `stop` at the latest
             task.cancel()
+            self._ending.add(task)
+            task.add_done_callback(self._ending.discard)
+        self.events.forget(instance_id)
         self.index.remove_worker(instance_id)
+        self.predicted.forget(instance_id)
+        self._sources.forget(instance_id)
+        self.accuracy.forget(instance_id)
+        self._metrics.forget(instance_id)
         if state is not None and not any(w.info.model == state.info.model for w in self.workers.values()):
             # The last worker of a model is gone: a new one may bring another block size.
             self._block_size_by_model.pop(state.info.model, None)
@@ -164,46 +294,12 @@ class WorkerPool:
                 log.exception("following the load of %s failed; subscribing again", instance_id)
             await asyncio.sleep(RESUBSCRIBE_BACKOFF_S)
 
-    async def _follow_events(self, instance_id: str) -> None:
-        while instance_id in self.workers:
-            state, stub = self._stub(instance_id)
-            try:
-                request = worker_pb2.SubscribeKvEventsRequest(from_event_id=state.last_event_id)
-                async for batch in stub.SubscribeKvEvents(request):
-                    if batch.snapshot:
-                        log.info("worker %s: rebuilding its blocks from a snapshot", instance_id)
-                        self.index.clear(instance_id)
-                    for event in batch.events:
-                        self._apply(instance_id, event)
-                        state.last_event_id = event.event_id
-                    if not state.synced:
-                        state.synced = True
-                        self._synced_changed.set()
-            except grpc.aio.AioRpcError as exc:
-                log.debug("KV event stream of %s broke at id %d: %s", instance_id, state.last_event_id, exc.code())
-            except Exception:  # noqa: BLE001 - a bug here must not silently freeze this worker's blocks
-                log.exception("following the KV events of %s failed at id %d; subscribing again", instance_id,
-                              state.last_event_id)
-            await asyncio.sleep(RESUBSCRIBE_BACKOFF_S)
-
-    def _apply(self, worker: str, event: worker_pb2.KvEvent) -> None:
-        kind = event.WhichOneof("data")
-        if kind == "stored":
-            stored = event.stored
-            # The wire carries both kinds of hash as plain u64s; their fields say which is which.
-            parent = cast(SequenceHash, stored.parent_hash) if stored.HasField("parent_hash") else None
-            blocks = cast("list[StoredBlock]", [(b.block_hash, b.tokens_hash) for b in stored.blocks])
-            try:
-                self.index.store(worker, parent, blocks, Tier.from_wire(stored.tier))
-            except EventError as exc:
-                log.debug("%s", exc)
-        elif kind == "removed":
-            removed = event.removed
-            self.index.remove(worker, cast("Iterable[SequenceHash]", removed.block_hashes), Tier.from_wire(removed.tier))
-        elif kind == "cleared":
-            self.index.clear(worker)
-
     async def stop(self) -> None:
-        tasks = [t for ts in self._tasks.values() for t in ts]
-        self._tasks.clear()
+        """Ends every task of the pool (safe to call twice)."""
+        tasks = [*self._load_tasks.values(), *self._ending]
+        if self._monitor is not None:
+            tasks.append(self._monitor)
+            self._monitor = None
+        self._load_tasks.clear()
         await cancel_and_wait(*tasks)
+        await self.events.stop()

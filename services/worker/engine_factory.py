@@ -29,10 +29,14 @@ class BuiltEngine:
     lease_keys: dict[str, bytes] = field(default_factory=dict)
 
 
-def build_engine(config: EngineConfig, instance_id: str, store: KeyValueStore, namespace: str) -> BuiltEngine:
+def build_engine(config: EngineConfig, instance_id: str, store: KeyValueStore, namespace: str, *,
+                 kv_events: bool) -> BuiltEngine:
+    """`kv_events`: whether the worker publishes KV events (`--kv-events`). The mocker emits them
+    to whatever sink the worker sets (none when off); vLLM publishes them only when asked to, so
+    without them it gets no publisher and the worker no listener."""
     if config.engine == "mocker":
         return _mocker(config, instance_id, store, namespace)
-    return BuiltEngine(_vllm(config))
+    return BuiltEngine(_vllm(config, kv_events))
 
 
 def _mocker(config: EngineConfig, instance_id: str, store: KeyValueStore, namespace: str) -> BuiltEngine:
@@ -59,7 +63,7 @@ def _mocker(config: EngineConfig, instance_id: str, store: KeyValueStore, namesp
     return BuiltEngine(engine, lease_keys)
 
 
-def _vllm(config: EngineConfig) -> Engine:
+def _vllm(config: EngineConfig, kv_events: bool) -> Engine:
     from services.engines.vllm_engine import VllmConfig, VllmEngine, nixl_transfer_config
 
     return VllmEngine(
@@ -73,6 +77,7 @@ def _vllm(config: EngineConfig) -> Engine:
             kv_connector=nixl_transfer_config(config.advertise_host, port_for_later())
             if config.kv_transfer == "nixl" else None,
             host_kv_blocks=config.host_kv_blocks,
-            kv_events_port=port_for_later(),
+            kv_events=kv_events,
+            kv_events_port=port_for_later() if kv_events else 0,
         )
     )

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
@@ -105,6 +106,7 @@ class _Running:
     info: InstanceInfo
     lease_keys: dict[str, bytes]
     health: health.HealthServicer
+    events: KvEventLog
     switch: RoleSwitch | None = None
 
     def role(self, started_as: Role) -> RoleName:
@@ -122,6 +124,9 @@ def worker_parser(role: Role) -> FlagParser:
     parser.add_argument("--metrics-port", type=port_number, default=0, help="Prometheus port (0 = any free)")
     parser.add_argument("--kv-event-buffer", type=positive_int, default=65536,
                         help="KV events kept for subscribers that resume; older ones get a full snapshot")
+    parser.add_argument("--kv-events", choices=("on", "off"), default="on",
+                        help="off: publish no KV events and say so in the etcd record (routers predict this worker's "
+                             "cache from the prompts they send it)")
     if role.add_flags is not None:
         role.add_flags(parser)
     return parser
@@ -131,11 +136,14 @@ async def start_worker(role: Role, ctx: WorkerContext, make_services: ServicesFa
                        metrics_port: int) -> _Running:
     runner, mesh, spec = ctx.runner, ctx.mesh, ctx.engine
     instance_id = new_instance_id()
+    publishes = ctx.args.kv_events == "on"
     # In a thread: a NIXL agent's UCX start-up blocks for seconds (6 s seen on a 2-core machine),
     # long enough for this process's etcd watches, already open, to time out meanwhile.
-    built = await asyncio.to_thread(build_engine, spec, instance_id, runner.store, mesh.namespace)
+    built = await asyncio.to_thread(build_engine, spec, instance_id, runner.store, mesh.namespace,
+                                    kv_events=publishes)
     events = KvEventLog(capacity=ctx.args.kv_event_buffer)
-    built.engine.set_kv_event_sink(events.append)
+    if publishes:
+        built.engine.set_kv_event_sink(events.append)
     # Registered before the (slow) start: a stop during a vLLM load still stops what it started.
     runner.on_teardown(f"stop engine of {instance_id}", built.engine.stop, ENGINE_STOP_S)
     await built.engine.start()
@@ -155,9 +163,10 @@ async def start_worker(role: Role, ctx: WorkerContext, make_services: ServicesFa
         engine=spec.engine,
         metrics_port=metrics_port,
         switchable=switch is not None,
+        kv_events=publishes,
         extra={"max_model_len": built.engine.info.max_model_len, "kv_transfer": spec.kv_transfer},
     )
-    return _Running(instance_id, built.engine, info, built.lease_keys, health_servicer, switch)
+    return _Running(instance_id, built.engine, info, built.lease_keys, health_servicer, events, switch)
 
 
 async def join_mesh(ctx: WorkerContext, workers: list[_Running]) -> None:
@@ -172,6 +181,23 @@ async def join_mesh(ctx: WorkerContext, workers: list[_Running]) -> None:
         log.info("%s %s serving %s (%s, block size %d, KV transfer %s) at %s", w.info.component, w.instance_id,
                  ctx.engine.served_model_name, ctx.engine.engine, ctx.engine.block_size, ctx.engine.kv_transfer,
                  w.info.address)
+
+
+def install_silence_drill(workers: list[_Running]) -> None:
+    """SIGUSR2 toggles the KV event publication of every worker in the process, off then on: a
+    drill for rehearsing a router's fallback to predicting the worker's cache (the streams stay
+    open and say nothing, heartbeats included; see kv_event_log.py)."""
+
+    def toggle() -> None:
+        for w in workers:
+            if w.events.silenced:
+                w.events.publish()
+            else:
+                w.events.silence()
+        state = "silenced (drill)" if workers and workers[0].events.silenced else "published again"
+        log.warning("SIGUSR2: KV events of %s %s", " ".join(w.instance_id for w in workers), state)
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, toggle)
 
 
 def start_reaper(runner: ServiceRunner) -> None:
@@ -216,6 +242,7 @@ def main(role: Role) -> None:
             port = args.port + i if args.port else 0
             workers.append(await start_worker(role, ctx, make_services, port, metrics_port))
         await join_mesh(ctx, workers)
+        install_silence_drill(workers)
         # The launcher and the tests wait for this line.
         # A switchable worker says the pool it joined (`--start-as`).
         print(f"{workers[0].info.component} ready: " + " ".join(w.instance_id for w in workers), flush=True)

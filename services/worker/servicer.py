@@ -264,8 +264,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def SubscribeKvEvents(self, request: worker_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext):
         self._subscribed()
-        async for batch, is_snapshot in self.events.subscribe(request.from_event_id):
-            yield worker_pb2.KvEventBatch(events=[event_to_proto(e) for e in batch], snapshot=is_snapshot)
+        events = self.events
+        async for batch, is_snapshot in events.subscribe(request.from_event_id, request.snapshot, request.incarnation):
+            yield worker_pb2.KvEventBatch(events=[event_to_proto(e) for e in batch], snapshot=is_snapshot,
+                                          instance_id=self.worker_id, incarnation=events.incarnation)
 
     async def SubscribeMetrics(self, request: worker_pb2.SubscribeMetricsRequest, context: grpc.aio.ServicerContext):
         self._subscribed()

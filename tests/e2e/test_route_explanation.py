@@ -177,7 +177,7 @@ def test_an_explained_request_names_the_chosen_worker_and_the_runner_up(
     # The router logged the decision at DEBUG, with both candidates' terms.
     chosen = route["chosen"]["chosen"]
     line = router_proc.wait_for(rf"kv mode chose {chosen} among 2: {chosen} overlap=\d+ usage=\S+ waiting=\d+ "
-                                rf"logit=\S+, \w+ overlap=", 10).string
+                                rf"logit=\S+ kv_source=events( accuracy=\S+)?, \w+ overlap=", 10).string
     assert re.search(r"request \w+", line)
 
 

@@ -11,6 +11,7 @@ from services.decode_worker.disagg_decision import DisaggConfig
 from services.frontend.app import FrontendConfig
 from services.routing.cost_function import CostWeights
 from services.routing.config import RouterConfig
+from services.routing.kv_truth import KvEventsMode, KvTruthConfig
 from services.mesh.flags import ConfigError, MeshConfig, ModelRef, forward_flags
 from services.processor.service import ProcessorConfig
 from services.tools.make_demo_model import ensure_demo_model
@@ -37,6 +38,8 @@ BAD: list[tuple[str, Callable[[], object], str]] = [
     ("zero prefill timeout", lambda: DisaggConfig(prefill_timeout_s=0), "--prefill-timeout"),
     ("unknown router mode", lambda: RouterConfig(mode="least-loaded"), "--router-mode"),
     ("negative temperature", lambda: RouterConfig(weights=CostWeights(temperature=-1)), "--router-temperature"),
+    ("kv events as a bare string", lambda: KvTruthConfig(kv_events="off"), "--kv-events"),  # type: ignore[arg-type]
+    ("negative prefill load scale", lambda: CostWeights(prefill_load_scale=-1.0), "--prefill-load-scale"),
     ("zero request timeout", lambda: ProcessorConfig("m", request_timeout_s=0), "--request-timeout"),
     ("non-ASCII API key", lambda: FrontendConfig(api_keys=("schlüssel",)), "--api-key"),
     ("zero body limit", lambda: FrontendConfig(max_body_bytes=0), "--max-body-bytes"),
@@ -53,12 +56,12 @@ def test_a_bad_setting_is_one_line_naming_its_flag(case: str, build: Callable[[]
 
 
 def test_flags_left_out_give_exactly_the_config_defaults() -> None:
-    from services.routing.admission.gate import AdmissionConfig
-
     """A default is declared once: the launcher's flags fall back to the configs' own defaults."""
+    from services.routing.admission.gate import AdmissionConfig
     from services.launch.config import load
 
     cfg = load(["--engine", "mocker"])
+    truth = RouterConfig().kv_truth
     assert cfg.disagg_argv == ("--conditional-disagg", "--max-local-prefill-length", "512",
                                "--max-prefill-queue-size", "2", "--prefill-timeout", "30.0")
     assert (DisaggConfig().max_local_prefill_length, DisaggConfig().max_prefill_queue_size) == (512, 2)
@@ -66,11 +69,26 @@ def test_flags_left_out_give_exactly_the_config_defaults() -> None:
                                "--cache-usage-weight", "1.0", "--waiting-weight", "1.0", "--router-temperature", "0.0",
                                "--worker-queue", str(AdmissionConfig().worker_queue),
                                "--max-queued", str(AdmissionConfig().max_queued),
-                               "--max-queue-wait", str(AdmissionConfig().max_queue_wait_s))
+                               "--max-queue-wait", str(AdmissionConfig().max_queue_wait_s),
+                               "--kv-events", truth.kv_events.value, "--prediction-ttl", str(truth.prediction_ttl_s),
+                               "--prediction-max-blocks", str(truth.prediction_max_blocks),
+                               "--index-accuracy-floor", str(truth.index_accuracy_floor))
     engine = dict(zip(cfg.engine_argv[::2], cfg.engine_argv[1::2], strict=True))
     assert engine["--num-gpu-blocks"] == str(EngineConfig("mocker", demo(), 16).num_gpu_blocks) == "16384"
     assert engine["--timing"] == EngineConfig("mocker", demo(), 16).timing == "h100-8b"
     assert cfg.namespace == MeshConfig().namespace and cfg.log_level == MeshConfig().log_level
+
+
+@pytest.mark.parametrize("mode", list(KvEventsMode))
+def test_the_kv_events_flag_takes_each_modes_name_and_gives_the_mode(mode: KvEventsMode) -> None:
+    import argparse
+
+    from services.routing.flags import add_router_flags, router_config
+
+    parser = argparse.ArgumentParser()
+    add_router_flags(parser)
+    assert router_config(parser.parse_args(["--kv-events", mode.value])).kv_truth.kv_events is mode
+    assert router_config(parser.parse_args([])).kv_truth.kv_events is KvEventsMode.ON
 
 
 def test_forwarded_flags_reproduce_the_values_a_child_needs() -> None:

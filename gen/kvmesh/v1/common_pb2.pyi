@@ -184,7 +184,15 @@ class RouteExplanation(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ...) -> None: ...
 
 class RouteCandidate(_message.Message):
-    __slots__ = ("worker_id", "overlap_blocks", "cache_usage", "waiting", "logit", "host_overlap_blocks", "host_credit")
+    __slots__ = ("worker_id", "overlap_blocks", "cache_usage", "waiting", "logit", "host_overlap_blocks", "host_credit", "kv_source", "recent_accuracy")
+    class KvSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KV_SOURCE_UNSPECIFIED: _ClassVar[RouteCandidate.KvSource]
+        KV_SOURCE_EVENTS: _ClassVar[RouteCandidate.KvSource]
+        KV_SOURCE_PREDICTED: _ClassVar[RouteCandidate.KvSource]
+    KV_SOURCE_UNSPECIFIED: RouteCandidate.KvSource
+    KV_SOURCE_EVENTS: RouteCandidate.KvSource
+    KV_SOURCE_PREDICTED: RouteCandidate.KvSource
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +200,8 @@ class RouteCandidate(_message.Message):
     LOGIT_FIELD_NUMBER: _ClassVar[int]
     HOST_OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HOST_CREDIT_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    RECENT_ACCURACY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     overlap_blocks: int
     cache_usage: float
@@ -199,7 +209,9 @@ class RouteCandidate(_message.Message):
     logit: float
     host_overlap_blocks: int
     host_credit: float
-    def __init__(self, worker_id: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., cache_usage: _Optional[float] = ..., waiting: _Optional[int] = ..., logit: _Optional[float] = ..., host_overlap_blocks: _Optional[int] = ..., host_credit: _Optional[float] = ...) -> None: ...
+    kv_source: RouteCandidate.KvSource
+    recent_accuracy: float
+    def __init__(self, worker_id: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., cache_usage: _Optional[float] = ..., waiting: _Optional[int] = ..., logit: _Optional[float] = ..., host_overlap_blocks: _Optional[int] = ..., host_credit: _Optional[float] = ..., kv_source: _Optional[_Union[RouteCandidate.KvSource, str]] = ..., recent_accuracy: _Optional[float] = ...) -> None: ...
 
 class StreamEnd(_message.Message):
     __slots__ = ("stream_id", "outcome", "message", "param", "retry_after_ms", "overload")

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "model", "token_ids", "role", "exclude_worker_ids", "explain", "hold", "qos", "streams", "max_tokens", "queue_timeout_ms")
+    __slots__ = ("request_id", "model", "token_ids", "role", "exclude_worker_ids", "explain", "hold", "qos", "streams", "max_tokens", "queue_timeout_ms", "feedback")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class RouteRequest(_message.Message):
     STREAMS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    FEEDBACK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -31,7 +32,20 @@ class RouteRequest(_message.Message):
     streams: int
     max_tokens: int
     queue_timeout_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., explain: _Optional[bool] = ..., hold: _Optional[bool] = ..., qos: _Optional[_Union[_common_pb2.Qos, _Mapping]] = ..., streams: _Optional[int] = ..., max_tokens: _Optional[int] = ..., queue_timeout_ms: _Optional[int] = ...) -> None: ...
+    feedback: _containers.RepeatedCompositeFieldContainer[RouteFeedback]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., explain: _Optional[bool] = ..., hold: _Optional[bool] = ..., qos: _Optional[_Union[_common_pb2.Qos, _Mapping]] = ..., streams: _Optional[int] = ..., max_tokens: _Optional[int] = ..., queue_timeout_ms: _Optional[int] = ..., feedback: _Optional[_Iterable[_Union[RouteFeedback, _Mapping]]] = ...) -> None: ...
+
+class RouteFeedback(_message.Message):
+    __slots__ = ("request_id", "worker_id", "cached_tokens", "prompt_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    worker_id: str
+    cached_tokens: int
+    prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
     __slots__ = ("worker_id", "address", "overlap_blocks", "prefix_hit_rate", "pool_waiting", "explanation", "host_overlap_blocks", "queued", "queue_wait_ms")

@@ -130,10 +130,14 @@ class WorkerGenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill: _Optional[_Union[_common_pb2.PrefillLocation, _Mapping]] = ...) -> None: ...
 
 class SubscribeKvEventsRequest(_message.Message):
-    __slots__ = ("from_event_id",)
+    __slots__ = ("from_event_id", "snapshot", "incarnation")
     FROM_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     from_event_id: int
-    def __init__(self, from_event_id: _Optional[int] = ...) -> None: ...
+    snapshot: bool
+    incarnation: int
+    def __init__(self, from_event_id: _Optional[int] = ..., snapshot: _Optional[bool] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class StoredBlock(_message.Message):
     __slots__ = ("block_hash", "tokens_hash")
@@ -178,12 +182,16 @@ class KvEvent(_message.Message):
     def __init__(self, event_id: _Optional[int] = ..., stored: _Optional[_Union[BlocksStored, _Mapping]] = ..., removed: _Optional[_Union[BlocksRemoved, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class KvEventBatch(_message.Message):
-    __slots__ = ("events", "snapshot")
+    __slots__ = ("events", "snapshot", "instance_id", "incarnation")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[KvEvent]
     snapshot: bool
-    def __init__(self, events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ...) -> None: ...
+    instance_id: str
+    incarnation: int
+    def __init__(self, events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., snapshot: _Optional[bool] = ..., instance_id: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class SubscribeMetricsRequest(_message.Message):
     __slots__ = ()
