@@ -53,10 +53,6 @@ fi
 
 step "installing the service dependencies"
 $PIP install -q -r requirements.txt
-step "building the router's native KV index (C; the Python radix tree is the fallback)"
-if "$VENV/bin/python" -m services.routing.native.build; then
-  echo "native KV index: built"
-else
-  echo "native KV index: not built (see above); the router will use the Python radix tree" >&2
-fi
+# The router's native KV index is built next by the Makefile (its rule rebuilds it when its C
+# sources change): `make install`, or `python -m services.routing.native.build` by hand.
 step "done: $("$VENV/bin/python" -c 'import vllm, sys; print("vllm", vllm.__version__, "python", sys.version.split()[0])')"

@@ -1,7 +1,7 @@
 """The router's KV index in C: the `KvIndex` semantics of the Python radix tree, at NVIDIA
 Dynamo's speed and under its memory per block.
 
-Built by `python -m services.routing.native.build` (scripts/install.sh runs it); importing
+Built by `python -m services.routing.native.build` (`make install` runs it); importing
 `NativeRadixTree` from `native_radix_tree` raises ImportError where it was not built, and
 `services.routing.index_choice.new_index` then falls back to the Python `RadixTree`.
 
