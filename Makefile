@@ -7,10 +7,13 @@ STAMP := $(VENV)/.installed
 PROTO_FILES := $(wildcard protos/kvmesh/v1/*.proto)
 NATIVE_SRC := $(wildcard services/routing/native/*.c services/routing/native/*.h)
 NATIVE_STAMP := services/routing/native/.built
+# The demo model and its two random LoRA adapters (services/tools/make_demo_adapter.py); the
+# second adapter is written last, so its config stands for all three.
+DEMO_ADAPTERS := .cache/models/kvmesh-demo-lora-b/adapter_config.json
 
 .PHONY: install run test test-unit protos bench chaos lint clean
 
-install: $(STAMP) $(NATIVE_STAMP)
+install: $(STAMP) $(NATIVE_STAMP) $(DEMO_ADAPTERS)
 
 $(STAMP): requirements.txt scripts/install.sh
 	bash scripts/install.sh
@@ -23,8 +26,15 @@ $(STAMP): requirements.txt scripts/install.sh
 $(NATIVE_STAMP): $(NATIVE_SRC) | $(STAMP)
 	-$(VPY) -m services.routing.native.build && touch $@
 
+# The demo model and its LoRA adapters, made once at install (and by the launcher on first use
+# if they were removed since): `make run` serves both adapters beside the model (--demo-lora).
+$(DEMO_ADAPTERS): | $(STAMP)
+	$(VPY) -m services.tools.make_demo_adapter >/dev/null
+
+# --demo-lora: with the demo model and no --lora-modules in ARGS, the workers also serve the demo
+# adapters demo-lora-a and demo-lora-b (request one by naming it as the model).
 run: install
-	$(VPY) -m services.launch $(ARGS)
+	$(VPY) -m services.launch --demo-lora $(ARGS)
 
 test: install
 	KVMESH_REQUIRE_NATIVE=1 $(VPY) -m pytest $(PYTEST_ARGS)

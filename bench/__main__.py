@@ -8,6 +8,7 @@ from bench import disagg_serving, mesh_overhead
 from bench.hot_path import detokenize, http_edge, one_worker
 from bench.hot_path import run as hot_path
 from bench.indexer import run as indexer
+from bench.lora import run as lora
 from bench.nixl import run as nixl
 from bench.overload import run as overload
 from bench.planner import run as planner
@@ -28,6 +29,7 @@ BENCHMARKS = {
     "planner": planner.run,
     "tiers": tiers.run,
     "overload": overload.run,
+    "lora": lora.run,
 }
 
 

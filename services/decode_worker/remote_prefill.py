@@ -101,20 +101,22 @@ class RemotePrefiller:
         self._failed = RecentFailures()
 
     async def plan(self, rid: str, tokens: list[int], sampling: common_pb2.SamplingParams,
-                   prefix_hit_rate: float) -> RemotePrefill | None:
-        """A finished remote prefill to decode from, or None for a local prefill."""
+                   prefix_hit_rate: float, lora_name: str = "") -> RemotePrefill | None:
+        """A finished remote prefill to decode from, or None for a local prefill. `lora_name`: the
+        LoRA adapter the request runs with; the router picks a prefill worker that knows it, and
+        one that does not refuses the prefill (the decode worker prefills locally)."""
         remote = None
         if worth_remote(len(tokens), prefix_hit_rate, self.config):
             with self._tracing.span("remote prefill", SpanKind.CLIENT) as span:
-                remote = await self._remote(rid, tokens, sampling, prefix_hit_rate, span)
+                remote = await self._remote(rid, tokens, sampling, prefix_hit_rate, lora_name, span)
         self.metrics.prefilled(remote is not None, absolute_prefill_length(len(tokens), prefix_hit_rate))
         return remote
 
     async def _remote(self, rid: str, tokens: list[int], sampling: common_pb2.SamplingParams,
-                      prefix_hit_rate: float, span: Span) -> RemotePrefill | None:
+                      prefix_hit_rate: float, lora_name: str, span: Span) -> RemotePrefill | None:
         try:
             route = await self._routers.route(rid, self._model, tokens, common_pb2.WORKER_ROLE_PREFILL,
-                                              exclude=self._failed.current())
+                                              exclude=self._failed.current(), lora_name=lora_name)
         except NoWorkerError as exc:
             self.fallback(rid, "no_prefill_worker", str(exc), span)
             return None
@@ -130,10 +132,11 @@ class RemotePrefiller:
             return None
         if span.is_recording():
             span.set_attributes({"kvmesh.request_id": rid, "kvmesh.prefill_worker_id": route.worker_id,
-                                 "kvmesh.prompt_tokens": len(tokens)})
+                                 "kvmesh.prompt_tokens": len(tokens), "kvmesh.lora_name": lora_name})
         session = self._sessions.get(PREFILL_SESSION, route.address)
         try:
-            reply = await session.call(worker_pb2.PrefillRequest(request_id=rid, token_ids=tokens, sampling=sampling),
+            reply = await session.call(worker_pb2.PrefillRequest(request_id=rid, token_ids=tokens, sampling=sampling,
+                                                                 lora_name=lora_name),
                                        self.config.prefill_timeout_s, outgoing_metadata())
         except CallError as exc:
             judged = verdict(Hop.PREFILL, exc.outcome)

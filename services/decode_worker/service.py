@@ -24,12 +24,14 @@ from gen.kvmesh.v1 import worker_pb2
 from services.decode_worker.disagg_decision import absolute_prefill_length
 from services.decode_worker.remote_prefill import DisaggMetrics, RemotePrefill, RemotePrefiller
 from services.engines.base import Engine
+from services.engines.lora import AdapterError
 from services.mesh.session_kind import CallInfo, TokenRow
 from services.mesh.tasks import cancel_and_wait
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
 from services.contract.worker_roles import RoleName
 from services.worker.kv_event_log import KvEventLog
+from services.worker.lora_adapters import adapter_refused
 from services.worker.pacing import DEFAULT_INTERVAL_S
 from services.worker.role_switch import Admit, always
 from services.worker.servicer import (
@@ -40,7 +42,6 @@ from services.worker.servicer import (
     generate_attributes,
     refused,
     remote_prefill,
-    request_from_proto,
 )
 
 log = logging.getLogger(__name__)
@@ -80,15 +81,19 @@ class DecodeServicer(WorkerServicer):
                         yield msg
                 except ValueError as exc:
                     raise refused(exc) from exc
+                except AdapterError as exc:  # forgotten between the check and the engine's `use`
+                    raise adapter_refused(exc) from exc
 
     async def _generate(self, request: worker_pb2.WorkerGenerateRequest,
                         reply: Callable[[TokenRow], None] | None) -> AsyncIterator[GenerateReply]:
         """`reply`: see WorkerServicer.stream (this generator hands on what it gets at once)."""
         rid = request.request_id
-        local = request_from_proto(request)
+        local = self.engine_request(request)
         remote: RemotePrefill | None = None
         if self.prefiller is not None:
-            remote = await self.prefiller.plan(rid, local.token_ids, request.sampling, request.prefix_hit_rate)
+            # The prefill worker computes the prompt's KV with the same adapter as this one decodes.
+            remote = await self.prefiller.plan(rid, local.token_ids, request.sampling, request.prefix_hit_rate,
+                                               local.lora_name)
         else:
             self.metrics.prefilled(False, absolute_prefill_length(len(local.token_ids), request.prefix_hit_rate))
         if remote is not None:

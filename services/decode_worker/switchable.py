@@ -31,7 +31,7 @@ def add_switch_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
 
 def role_switch(ctx: WorkerContext) -> RoleSwitch:
     """One worker's switch; its `work` admits the calls of the role it serves now."""
-    return RoleSwitch(ctx.args.start_as, ctx.mesh.namespace, ctx.mesh.drain_timeout_s, ctx.log_component)
+    return RoleSwitch(ctx.args.start_as, ctx.mesh.drain_timeout_s, ctx.log_component)
 
 
 def switchable_services(decode: WorkerServicer, switch: RoleSwitch, engine: Engine, ctx: WorkerContext) -> WorkerServices:

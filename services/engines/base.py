@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
+from services.engines.lora import AdapterSet
 from services.kv_protocol.events import KvEventData
 
 
@@ -77,6 +78,8 @@ class EngineRequest:
     # A request moved from another worker: the last `resumed_tokens` of token_ids are output it
     # already generated there, to be continued as if the sequence had never broken.
     resumed_tokens: int = 0
+    # The LoRA adapter to run with ("" for the base model); the engine's `adapters` must know it.
+    lora_name: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +175,8 @@ class Engine(abc.ABC):
 
     name: str
     info: EngineInfo
+    # The LoRA adapters the engine knows and keeps loaded; None when started without LoRA.
+    adapters: AdapterSet | None = None
 
     @abc.abstractmethod
     async def start(self) -> None:

@@ -29,8 +29,10 @@ from services.engines.base import (
     TokenLogprobs,
     UnsupportedFieldError,
 )
+from services.engines.lora import LORA_OFF, LoraConfig
 from services.engines.model_facts import read_model_facts
 from services.engines.vllm_kv_events import VllmKvEventListener
+from services.engines.vllm_lora import held_lora, lora_engine_args, preload, vllm_adapters
 from services.engines.vllm_row_tap import tap_request
 from services.engines.vllm_warmup import WarmUpPlan, warm_up
 
@@ -56,6 +58,8 @@ class VllmConfig:
     kv_events: bool = True
     # Where vLLM publishes its KV events to this worker (a free loopback port the worker chose).
     kv_events_port: int = 0
+    # LoRA adapters (--enable-lora, --lora-modules, --max-loras, --max-lora-rank).
+    lora: LoraConfig = LORA_OFF
 
 
 def kv_bytes_per_token(model_dir: str, dtype_bytes: int = 2) -> int:
@@ -155,6 +159,7 @@ class VllmEngine(Engine):
         self._load = _LoadRecorder(self.record_kv_transfer)
         self._num_blocks = 0
         self._events: VllmKvEventListener | None = None
+        self.adapters = vllm_adapters(config.lora, lambda: self._llm)
 
     async def start(self) -> None:
         from vllm.config import StructuredOutputsConfig
@@ -175,6 +180,7 @@ class VllmEngine(Engine):
             # JSON output without insignificant whitespace (vLLM sets this per engine, not per
             # request): a model can otherwise pad an object with spaces until max_tokens.
             structured_outputs_config=StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True),
+            **lora_engine_args(self.config.lora),
         )
         if not on_cpu():
             kwargs["gpu_memory_utilization"] = self.config.gpu_memory_utilization
@@ -205,6 +211,7 @@ class VllmEngine(Engine):
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._load.factory()])
         self._num_blocks = int(self._llm.vllm_config.cache_config.num_gpu_blocks or 0)
         await self._warm_up()
+        await preload(self.adapters)
         log.info("vLLM engine ready: %s, %d KV blocks of %d tokens", self.config.model_dir,
                  self._num_blocks, self.config.block_size)
 
@@ -278,24 +285,30 @@ class VllmEngine(Engine):
     async def generate(self, request: EngineRequest, tap: RowTap | None = None) -> AsyncGenerator[EngineOutput, None]:
         # `tap`: vLLM's per-step output loop may hand plain outputs to it (vllm_row_tap.py).
         extra = {"kv_transfer_params": request.kv_pull} if request.kv_pull else None
-        async for output in self._generate(request, extra, tap=tap):
-            yield output
+        # The adapter stays resident (held) until the request's last output, or its abort.
+        async with held_lora(self.adapters, request.lora_name) as lora:
+            async for output in self._generate(request, extra, tap=tap, lora=lora):
+                yield output
 
     async def prefill(self, request: EngineRequest) -> PrefillResult:
         """Prompt with one output token; vLLM keeps the KV for the decode engine to pull via NIXL."""
         if not self.config.kv_connector:
             return await super().prefill(request)
-        one = EngineRequest(request.request_id, request.token_ids, replace(request.sampling, max_tokens=1))
+        one = replace(request, sampling=replace(request.sampling, max_tokens=1), kv_pull=None)
         cached, params = 0, None
-        async for out in self._generate(one, {"kv_transfer_params": {"do_remote_decode": True}}, keep_params=True):
-            cached = out.cached_tokens
-            params = out.kv_pull or params
+        # The KV is computed with the request's adapter: the decode side pulls it under the same one.
+        async with held_lora(self.adapters, request.lora_name) as lora:
+            async for out in self._generate(one, {"kv_transfer_params": {"do_remote_decode": True}}, keep_params=True,
+                                            lora=lora):
+                cached = out.cached_tokens
+                params = out.kv_pull or params
         if params is None:
             raise RuntimeError("vLLM returned no KV transfer parameters (is the NixlConnector configured?)")
         return PrefillResult(params, cached)
 
     async def _generate(self, request: EngineRequest, extra_args: dict[str, Any] | None,
-                        keep_params: bool = False, tap: RowTap | None = None) -> AsyncIterator[EngineOutput]:
+                        keep_params: bool = False, tap: RowTap | None = None,
+                        lora: Any = None) -> AsyncIterator[EngineOutput]:
         if self._llm is None:
             raise RuntimeError("vLLM engine is not started")
         from vllm.exceptions import VLLMClientError
@@ -303,7 +316,7 @@ class VllmEngine(Engine):
         params = self._sampling_params(request, extra_args)
         prompt = {"prompt_token_ids": list(request.token_ids)}
         # Closing this generator early (client gone) makes AsyncLLM abort the request.
-        async with aclosing(self._llm.generate(prompt, params, request.request_id)) as stream:
+        async with aclosing(self._llm.generate(prompt, params, request.request_id, lora_request=lora)) as stream:
             try:
                 first = await anext(stream)
             except VLLMClientError as exc:

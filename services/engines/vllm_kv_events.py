@@ -2,7 +2,9 @@
 
 vLLM publishes `[topic, seq, msgpack(KVEventBatch)]`; block hashes may be ints or bytes
 (sha256 prefix caching), so they are folded to u64. The local (tokens) hash is recomputed from
-the block's token ids with the mesh's Dynamo-compatible hash, so the router can match prompts.
+the block's token ids with the mesh's Dynamo-compatible hash, so the router can match prompts;
+blocks a LoRA adapter computed (vLLM names it in `lora_name`) are hashed with that adapter's seed,
+as the router hashes that adapter's prompts, so they never match the base model's or another's.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from services.kv_protocol.hashing import SequenceHash, local_block_hashes
+from services.kv_protocol.hashing import SequenceHash, adapter_seed, local_block_hashes
 from services.kv_protocol.events import KvCleared, KvEventData, KvRemoved, KvStored
 from services.kv_protocol.tier import Tier
 
@@ -51,13 +53,14 @@ def convert(event: object) -> KvEventData | None:
             # vLLM's offloading announces a store without its tokens unless asked to describe it
             # (`self_describing_kv_events`): nothing to hash, so nothing the router could match.
             return None
-        locals_ = local_block_hashes(event.token_ids, event.block_size)
+        lora_name = event.lora_name or ""
+        locals_ = local_block_hashes(event.token_ids, event.block_size, adapter_seed(lora_name))
         hashes = [fold_hash(h) for h in event.block_hashes]
         if len(locals_) != len(hashes):
             log.warning("vLLM stored event with %d hashes for %d full blocks; skipped", len(hashes), len(locals_))
             return None
         parent = None if event.parent_block_hash is None else fold_hash(event.parent_block_hash)
-        return KvStored(parent, tuple(zip(hashes, locals_)), tier)
+        return KvStored(parent, tuple(zip(hashes, locals_)), tier, lora_name)
     return KvRemoved(tuple(fold_hash(h) for h in event.block_hashes), tier)
 
 

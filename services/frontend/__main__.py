@@ -15,10 +15,12 @@ from starlette.types import ASGIApp
 from services.frontend.app import create_admin_app, create_app
 from services.frontend.direct_write import DirectWriteProtocol
 from services.frontend.flags import add_frontend_flags, frontend_config
+from services.frontend.lora_admin import LoraAdmin
 from services.frontend.mesh import MeshView
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.request_tracing import RequestTracing
-from services.mesh.discovery import DECODE_WORKER, FRONTEND, PROCESSOR, ROUTER, InstanceInfo, new_instance_id
+from services.mesh.discovery import (DECODE_WORKER, FRONTEND, PREFILL_WORKER, PROCESSOR, ROUTER, InstanceInfo,
+                                     new_instance_id)
 from services.mesh.flags import FlagParser, add_mesh_flags, die, exit_if_checking, mesh_config
 from services.mesh.logs import setup_logging
 from services.mesh.service_runner import ServiceRunner, run_service
@@ -75,10 +77,12 @@ def main() -> None:
         view = MeshView(processors=await runner.watch_component(PROCESSOR),
                         routers=await runner.watch_component(ROUTER),
                         decoders=await runner.watch_component(DECODE_WORKER),
-                        sessions=runner.sessions)
+                        sessions=runner.sessions,
+                        prefills=await runner.watch_component(PREFILL_WORKER))
         metrics = FrontendMetrics()
         runner.time_gc(metrics.registry)
-        app = create_app(config, view, metrics)
+        lora = LoraAdmin(view, runner.channels, store=runner.store, namespace=mesh.namespace)
+        app = create_app(config, view, metrics, lora)
         if tracing.enabled:
             app = RequestTracing(app, tracing=tracing)
         if admin_sock is not None:

@@ -27,6 +27,8 @@ from services.frontend.endpoints import CHAT, COMPLETION, RESPONSES, Kind, proce
 from services.frontend.errors import ApiError, shown
 from services.frontend.fast_paths import FastPaths
 from services.frontend.inflight import InflightLimit, Lease
+from services.frontend.lora_admin import LoraAdmin
+from services.frontend.lora_api import LoadLoraAdapterRequest, UnloadLoraAdapterRequest, add_lora_routes
 from services.frontend.mesh import MeshView
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.processor_stream import ProcessorStream
@@ -59,6 +61,8 @@ class FrontendConfig:
     metrics_port: int | None = None
     # Honour `x-kvmesh-explain: 1` with an `x-kvmesh-route` header (route_header.py).
     allow_explain: bool = False
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter answer (else 403): --allow-runtime-lora.
+    allow_runtime_lora: bool = False
 
     def __post_init__(self) -> None:
         for key in self.api_keys:
@@ -86,12 +90,12 @@ class FrontendConfig:
         return self.key_tenants[index] if self.key_tenants else key_tenant(self.api_keys[index])
 
 
-def create_app(config: FrontendConfig, mesh: MeshView, metrics: FrontendMetrics) -> ASGIApp:
+def create_app(config: FrontendConfig, mesh: MeshView, metrics: FrontendMetrics, lora: LoraAdmin) -> ASGIApp:
     """The gateway's routes; `/openapi.json` describes them, request bodies included. The
     generation endpoints are reached ahead of the app's routing stack (fast_paths.py)."""
     app = FastAPI(title="kvmesh", version="1", docs_url=None, redoc_url=None)
     gateway = _Gateway(config, mesh, metrics)
-    openapi.install(app, [ChatCompletionRequest, CompletionRequest])
+    openapi.install(app, [ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest, UnloadLoraAdapterRequest])
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -107,14 +111,8 @@ def create_app(config: FrontendConfig, mesh: MeshView, metrics: FrontendMetrics)
     if config.metrics_port is None:
         add_admin_routes(app, mesh, metrics)
 
-    @app.get("/v1/models", responses={401: openapi.ERROR_RESPONSES[401]})
-    async def models(request: Request) -> JSONResponse:
-        try:
-            check_api_key(request.headers.get("authorization"), config.api_keys)
-        except ApiError as exc:
-            return exc.response()
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvmesh"} for m in mesh.models()]
-        return JSONResponse({"object": "list", "data": data})
+    # /v1/models and the LoRA admin endpoints (lora_api.py).
+    add_lora_routes(app, mesh, lora, config.api_keys, config.max_body_bytes, config.allow_runtime_lora)
 
     @app.post("/v1/chat/completions", openapi_extra=openapi.request_body(ChatCompletionRequest),
               responses=openapi.ERROR_RESPONSES)
@@ -198,7 +196,10 @@ class _Gateway:
             body = await read_json(request, self.config.max_body_bytes)
             original = body if kind is RESPONSES and isinstance(body, dict) else None
             req = parse(kind.schema, chat_body(original) if original is not None else body)
-            if not self.mesh.knows_model(req.model):
+            # A base model, or a LoRA adapter of one: the processors are the base's, and the
+            # answer names the model the client named.
+            target = self.mesh.resolve(req.model)
+            if target is None:
                 raise ApiError(404, f"the model {req.model[:200]!r} does not exist", param="model",
                                code="model_not_found")
             self.metrics.arrived.inc()
@@ -210,7 +211,7 @@ class _Gateway:
             if (refused := self.refusals.recall(kind_of)) is not None:
                 raise refused
             streams = [ProcessorStream(self.mesh, msg, self.config.request_timeout_s, self.failed_processors)
-                       for msg in processor_requests(rid, req, explain, qos)]
+                       for msg in processor_requests(rid, req, target, explain, qos)]
             # A client may leave while its prompt is prefilled, before any response: then the
             # request is cancelled along the whole chain instead of computed for nobody.
             route = await unless_gone(first_route(streams), request.receive)
@@ -233,8 +234,9 @@ class _Gateway:
             headers["x-kvmesh-queue-wait-ms"] = str(route.queue_wait_ms)
         if explain and route.HasField("explanation"):
             headers[ROUTE_HEADER] = route_header(route.explanation)
-        log.info("request %s: %s %d prompt tokens x %d streams -> worker %s (%s prefill)%s", rid, kind.endpoint,
+        log.info("request %s: %s %d prompt tokens x %d streams -> worker %s (%s prefill)%s%s", rid, kind.endpoint,
                  route.prompt_tokens, req.streams(), route.worker_id, prefill,
+                 f" adapter {target.lora_name!r}" if target.lora_name else "",
                  f" client id {headers['x-request-id'][:64]!r}" if headers["x-request-id"] != rid else "")
         answer = Answer(self.metrics, kind, req, rid, streams, started, lease,
                         hide_details=self.config.hide_routing_details,

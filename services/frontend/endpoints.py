@@ -1,4 +1,4 @@
-"""The two generation endpoints, and how one of their requests becomes processor calls."""
+"""The generation endpoints, and how one of their requests becomes processor calls."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from gen.kvmesh.v1 import common_pb2, processor_pb2
 from services.contract.json_value import to_json_value
 from services.frontend.agent_schemas import Tool, structured_from_format, structured_from_vllm, tool_choice_of
 from services.frontend.errors import ApiError
+from services.frontend.mesh import ModelTarget
 from services.frontend.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest, GenerationRequest
 
 # The smallest positive float32: a smaller top_p would reach the engine as 0 (invalid) though
@@ -32,21 +33,23 @@ COMPLETION = Kind("completions", CompletionRequest, "text_completion", "text_com
 RESPONSES = Kind("responses", ChatCompletionRequest, "response", "response", "resp_")
 
 
-def processor_requests(rid: str, req: GenerationRequest, explain: bool = False,
+def processor_requests(rid: str, req: GenerationRequest, target: ModelTarget | None = None, explain: bool = False,
                        qos: common_pb2.Qos | None = None) -> list[processor_pb2.GenerateRequest]:
     """One GenerateRequest per prompt (chat: one); each numbers its choices after the previous ones.
-    `explain` asks each processor for the router's reasons (the x-kvmesh-route header); `qos` is
-    what admission weighs (frontend/qos.py)."""
+    `target` is what `req.model` names (MeshView.resolve): the processors get its base model and
+    its LoRA adapter (None: `req.model` is a base model). `explain` asks each processor for the
+    router's reasons (the x-kvmesh-route header); `qos` is what admission weighs (frontend/qos.py)."""
     sampling = _sampling(req)
+    target = target or ModelTarget(req.model)
     if isinstance(req, ChatCompletionRequest):
-        msg = _request(rid, req, sampling, 0, explain, qos)
+        msg = _request(rid, req, target, sampling, 0, explain, qos)
         _chat_input(req, msg.chat)
         return [msg]
     assert isinstance(req, CompletionRequest)
     out = []
     for i, prompt in enumerate(req.prompts()):
         # Only the first prompt's routing reaches the headers (as x-kvmesh-worker): only it is explained.
-        msg = _request(rid if i == 0 else f"{rid}-p{i}", req, sampling, i * req.n, explain and i == 0, qos)
+        msg = _request(rid if i == 0 else f"{rid}-p{i}", req, target, sampling, i * req.n, explain and i == 0, qos)
         if isinstance(prompt, str):
             msg.text = prompt
         else:
@@ -101,10 +104,11 @@ def _message(m: ChatMessageIn) -> processor_pb2.ChatMessage:
     return out
 
 
-def _request(rid: str, req: GenerationRequest, sampling: common_pb2.SamplingParams,
+def _request(rid: str, req: GenerationRequest, target: ModelTarget, sampling: common_pb2.SamplingParams,
              choice_offset: int, explain: bool, qos: common_pb2.Qos | None) -> processor_pb2.GenerateRequest:
-    return processor_pb2.GenerateRequest(request_id=rid, model=req.model, sampling=sampling, n=req.n,
-                                         stop=req.stop_list(), choice_offset=choice_offset, explain=explain, qos=qos)
+    return processor_pb2.GenerateRequest(request_id=rid, model=target.base, lora_name=target.lora_name,
+                                         sampling=sampling, n=req.n, stop=req.stop_list(), choice_offset=choice_offset,
+                                         explain=explain, qos=qos)
 
 
 def _sampling(req: GenerationRequest) -> common_pb2.SamplingParams:

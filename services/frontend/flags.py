@@ -36,6 +36,9 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     g.add_argument("--allow-explain", action="store_true",
                    help="answer a request sent with `x-kvmesh-explain: 1` with an x-kvmesh-route header: "
                         "the chosen worker and the runner-up with their routing terms")
+    g.add_argument("--allow-runtime-lora", action="store_true",
+                   help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read adapter paths on "
+                        "the workers' machines; without this flag they answer 403)")
     g.add_argument("--max-body-bytes", type=positive_int, default=FrontendConfig.max_body_bytes)
     g.add_argument("--max-inflight", type=positive_int, default=FrontendConfig.max_inflight,
                    help="concurrent requests before 429")
@@ -48,4 +51,5 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
                                             tenant_header=args.tenant_header,
                                             max_body_bytes=args.max_body_bytes, max_inflight=args.max_inflight,
                                             hide_routing_details=args.hide_routing_details,
-                                            metrics_port=args.metrics_port, allow_explain=args.allow_explain))
+                                            metrics_port=args.metrics_port, allow_explain=args.allow_explain,
+                                            allow_runtime_lora=args.allow_runtime_lora))

@@ -1,4 +1,5 @@
-"""What the gateway knows of the mesh: processors per model, routers, decode workers."""
+"""What the gateway knows of the mesh: processors per model, routers, decode and prefill workers,
+and the LoRA adapters the workers serve."""
 
 from __future__ import annotations
 
@@ -6,10 +7,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
-from services.mesh.discovery import ComponentView
+from services.mesh.discovery import ComponentView, InstanceInfo
 from services.mesh.session_client import Session, SessionPool
 from services.mesh.session_kind import PROCESSOR_SESSION
 from services.mesh.turns import in_turn
+
+
+@dataclass(frozen=True, slots=True)
+class ModelTarget:
+    """What a client's `model` names: a base model, or a LoRA adapter of one (`lora_name`)."""
+
+    base: str
+    lora_name: str = ""
 
 
 @dataclass
@@ -20,6 +29,8 @@ class MeshView:
     routers: ComponentView
     decoders: ComponentView
     sessions: SessionPool
+    # The prefill pool: only the LoRA admin endpoints reach it (None: they reach decode workers alone).
+    prefills: ComponentView | None = None
     _turn: count = field(default_factory=count)
 
     def models(self) -> list[str]:
@@ -29,6 +40,38 @@ class MeshView:
     def knows_model(self, model: str) -> bool:
         return any(i.model == model for i in self.decoders.instances.values()) or any(
             p.model == model for p in self.processors.instances.values())
+
+    def resolve(self, model: str) -> ModelTarget | None:
+        """What `model` names, None when nothing in the mesh has that name (the caller's 404).
+
+        A base model's name wins over an adapter of the same name (the base is what workers were
+        started with). An adapter is known from the decode workers' records (each lists the
+        adapters it knows); one that workers of two base models list resolves to the first base
+        by name, so every gateway resolves it alike."""
+        if self.knows_model(model):
+            return ModelTarget(model)
+        bases = sorted({i.model for i in self.decoders.instances.values() if model in i.lora_adapters})
+        return ModelTarget(bases[0], model) if bases else None
+
+    def adapters(self) -> dict[str, str]:
+        """Every adapter a decode worker of a served model lists, with its base model."""
+        served = set(self.models())
+        out: dict[str, str] = {}
+        for info in sorted(self.decoders.instances.values(), key=lambda i: i.model):
+            if info.model in served:
+                for name in info.lora_adapters:
+                    out.setdefault(name, info.model)
+        return out
+
+    def lists_adapter(self, target: ModelTarget) -> bool:
+        """Whether a decode worker of the target's base lists its adapter now."""
+        return any(i.model == target.base and target.lora_name in i.lora_adapters
+                   for i in self.decoders.instances.values())
+
+    def workers(self, base: str | None = None) -> list[InstanceInfo]:
+        """The decode and prefill workers (of `base` only, when given)."""
+        pools = [self.decoders] if self.prefills is None else [self.decoders, self.prefills]
+        return [i for pool in pools for i in pool.instances.values() if base is None or i.model == base]
 
     def processor_for(self, model: str, exclude: Sequence[str] = ()) -> tuple[str, Session] | None:
         """The next processor of `model` in turn, skipping `exclude`: its id and the session to it."""

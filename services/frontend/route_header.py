@@ -17,15 +17,30 @@ Each worker's terms end with where the router's numbers of its cache come from, 
 lately, `accuracy=0.969`: the mean of min(predicted, found) / max(predicted, found) cached prompt
 tokens over its last routed requests (services/routing/index_accuracy.py), left out before the
 first of them reported back.
+A request of a LoRA adapter names it in the first section, `mode=kv lora=NAME` (NAME
+percent-encoded where it holds anything but letters, digits and `-._~:/@+`), and each worker's
+terms say the adapter there before `kv_source`: `adapter=resident` (loaded, or a request of it
+sent there lately, services/routing/worker_adapters.py), or `adapter=load:0.120s`, what loading
+it would take there (the worker's estimate; the cost function weighs it,
+services/routing/cost_function.py):
+
+    mode=kv lora=sql-expert; chosen=<id> overlap=3 usage=0.125 waiting=0 logit=1.375 adapter=resident;
+      runner-up=<id> overlap=0 usage=0.000 waiting=0 logit=-0.500 adapter=load:0.025s
+
+(one line in the header, cut here after `;`).
+
 There is no runner-up section when only one worker could take the request; `round-robin` and
-`random` weigh nothing and say only `mode=...; chosen=<id>`, and the chosen worker's `kv_source`
-and `accuracy`.
+`random` weigh nothing and say only `mode=...; chosen=<id>`, and the chosen worker's `adapter`
+(for a LoRA request), `kv_source` and `accuracy`.
 """
 
 from __future__ import annotations
 
+from urllib.parse import quote
+
 from gen.kvmesh.v1 import common_pb2
 from services.kv_protocol.tier import host_terms
+from services.routing.worker_adapters import adapter_terms
 
 EXPLAIN_HEADER = "x-kvmesh-explain"
 ROUTE_HEADER = "x-kvmesh-route"
@@ -39,7 +54,8 @@ def wants_explanation(value: str | None) -> bool:
 
 def route_header(explanation: common_pb2.RouteExplanation) -> str:
     """The header's value (format in the module docstring)."""
-    sections = [f"mode={explanation.mode}"]
+    lora = f" lora={lora_text(explanation.lora_name)}" if explanation.lora_name else ""
+    sections = [f"mode={explanation.mode}{lora}"]
     weighed = explanation.mode == "kv"
     for role, candidate in zip(("chosen", "runner-up"), explanation.candidates):
         sections.append((_terms(role, candidate) if weighed else f"{role}={candidate.worker_id}")
@@ -54,11 +70,16 @@ def _terms(role: str, c: common_pb2.RouteCandidate) -> str:
             f"usage={c.cache_usage:.3f} waiting={c.waiting} logit={c.logit:.3f}")
 
 
+def lora_text(lora_name: str) -> str:
+    """An adapter's name as the header carries it: percent-encoded where it would break the format."""
+    return quote(lora_name, safe="-._~:/@+")
+
+
 def _provenance(c: common_pb2.RouteCandidate) -> str:
-    """` kv_source=events accuracy=0.969`; nothing of what the router did not say."""
-    out = ""
+    """` adapter=resident kv_source=events accuracy=0.969`; nothing of what the router did not say."""
+    out = adapter_terms(c.adapter_resident, c.adapter_load_s) if c.HasField("adapter_resident") else ""
     if c.kv_source:
-        out = f" kv_source={_KV_SOURCES.get(c.kv_source, c.kv_source)}"  # a newer router's source by number
+        out += f" kv_source={_KV_SOURCES.get(c.kv_source, c.kv_source)}"  # a newer router's source by number
     if c.HasField("recent_accuracy"):
         out += f" accuracy={c.recent_accuracy:.3f}"
     return out

@@ -17,6 +17,9 @@ class KvStored:
     blocks: tuple[tuple[SequenceHash, LocalBlockHash], ...]
     # The tier that now holds them; the parent may be in either.
     tier: Tier = Tier.DEVICE
+    # The LoRA adapter that computed them ("" for the base model); their local hashes are seeded
+    # with it already, so the index needs nothing else to keep adapters apart.
+    lora_name: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,10 @@ its own type (free at run time: a NewType is a plain int):
   position; the radix tree keys each level by it (`tokens_hash` in KV events).
 - `SequenceHash`: a block's hash as an engine keys its cache, chained from its parent's, so it
   identifies the block *and* everything before it (`block_hash` / `parent_hash` in KV events).
+
+A LoRA adapter computes different KV for the same tokens, so its blocks must never match the base
+model's or another adapter's: the local hashes of a prompt run with an adapter use the adapter's
+seed (`adapter_seed`) instead of 1337, and every level of the router's tree tells them apart.
 """
 
 from __future__ import annotations
@@ -31,6 +35,15 @@ _local_digest = cast(Callable[[bytes, int], LocalBlockHash], xxhash.xxh3_64_intd
 _sequence_digest = cast(Callable[[bytes, int], SequenceHash], xxhash.xxh3_64_intdigest)
 
 
+def adapter_seed(lora_name: str) -> int:
+    """The seed of the local hashes of blocks computed with LoRA adapter `lora_name` ("" for the
+    base model: Dynamo's 1337). Derived from the adapter's name, the identity every worker and
+    router shares: xxh3_64 of b"kvmesh-lora:" + the UTF-8 name, seeded 1337."""
+    if not lora_name:
+        return KV_HASH_SEED
+    return xxhash.xxh3_64_intdigest(b"kvmesh-lora:" + lora_name.encode(), KV_HASH_SEED)
+
+
 def block_bytes(tokens: Sequence[int]) -> bytes:
     buf = array("I", tokens)
     if _NEEDS_BYTESWAP:
@@ -38,15 +51,16 @@ def block_bytes(tokens: Sequence[int]) -> bytes:
     return buf.tobytes()
 
 
-def local_block_hashes(tokens: Sequence[int], block_size: int) -> list[LocalBlockHash]:
-    """The local hash of every full block of `tokens`; a trailing partial block is not hashed."""
+def local_block_hashes(tokens: Sequence[int], block_size: int, seed: int = KV_HASH_SEED) -> list[LocalBlockHash]:
+    """The local hash of every full block of `tokens`; a trailing partial block is not hashed.
+    `seed`: `adapter_seed` of the LoRA adapter the blocks were computed with."""
     full = len(tokens) - len(tokens) % block_size
     if full == 0:
         return []
     data = block_bytes(tokens[:full])
     step = block_size * 4
     h = _local_digest
-    return [h(data[i : i + step], KV_HASH_SEED) for i in range(0, len(data), step)]
+    return [h(data[i : i + step], seed) for i in range(0, len(data), step)]
 
 
 def chained_block_hashes(tokens: Sequence[int], block_size: int) -> list[SequenceHash]:

@@ -16,7 +16,7 @@ from gen.kvmesh.v1 import launcher_pb2_grpc
 
 from services.launch.check_config import check_mesh
 from services.launch.children import Child
-from services.launch.config import LaunchConfig, load
+from services.launch.config import LaunchConfig, load, with_demo_adapters
 from services.launch.console import Console
 from services.launch.etcd_child import EtcdChild
 from services.contract.worker_roles import RoleName
@@ -42,6 +42,11 @@ async def assemble(runner: ServiceRunner, cfg: LaunchConfig, console: Console, r
         console.note("note: --no-remote-prefill: the prefill workers would get no work; not starting them")
     try:
         model = str(Path(cfg.model).resolve()) if cfg.model else str(ensure_demo_model())
+        served = with_demo_adapters(cfg)
+        if served is not cfg:
+            console.note("note: serving the demo LoRA adapters demo-lora-a and demo-lora-b (name one as the "
+                         "request's model)")
+        cfg = served
         endpoint = cfg.etcd_endpoints
         if not endpoint:
             etcd = EtcdChild(cfg.advertise_host, console=console, log_path=run_dir / "etcd.log")

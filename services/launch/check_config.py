@@ -14,7 +14,7 @@ import signal
 from pathlib import Path
 
 from services.launch.children import Child
-from services.launch.config import LaunchConfig
+from services.launch.config import LaunchConfig, with_demo_adapters
 from services.mesh.etcd_member import etcd_binary
 from services.launch.plan import plan_children
 from services.mesh.flags import die
@@ -35,7 +35,10 @@ def check_mesh(cfg: LaunchConfig) -> None:
             etcd_binary()
         except FileNotFoundError as exc:
             die(str(exc))
-    children = plan_children(cfg, cfg.etcd_endpoints or PLACEHOLDER_ETCD, _model(cfg))
+    model = _model(cfg)
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
+        cfg = with_demo_adapters(cfg)  # built silently, like the demo model
+    children = plan_children(cfg, cfg.etcd_endpoints or PLACEHOLDER_ETCD, model)
     distinct = list({tuple(c.argv): c for c in children}.values())
     failure = asyncio.run(_first_failure(distinct))
     if failure is not None:

@@ -21,7 +21,7 @@ Keys may also sit under a `VllmWorker:` / `Worker:` / `ServiceArgs:` section, as
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -105,6 +105,9 @@ class LaunchConfig:
     control_port: int = 0
     # The mesh's TLS, for the launcher's own control server.
     tls: TlsConfig | None = None
+    # --demo-lora (`make run` passes it): with the demo model and no --lora-modules, the workers
+    # serve the demo LoRA adapters (see `with_demo_adapters`).
+    demo_lora: bool = False
     # Where the mesh is reached: what the children register and the READY line names, and where
     # the embedded etcd listens (--advertise-host, else --host; loopback by default).
     advertise_host: str = "127.0.0.1"
@@ -155,6 +158,9 @@ def parser() -> tuple[FlagParser, _Groups]:
                    help="write each process's output to DIR/<component>.log (default: a new .cache/runs/<time>-<pid>/)")
     p.add_argument("--verbose", action="store_true",
                    help="show every line of every process on the console, not only warnings and errors")
+    p.add_argument("--demo-lora", action="store_true",
+                   help="with the demo model (no --model) and no --lora-modules, serve the demo LoRA adapters "
+                        "demo-lora-a and demo-lora-b (made beside the demo model on first use); `make run` sets it")
     p.add_argument("--planner", choices=PLANNER_MODES, default="off",
                    help="none: a planner that plans and exports its plan only; local: one that also starts, stops "
                         "and switches the workers")
@@ -223,7 +229,9 @@ def load(argv: list[str] | None = None) -> LaunchConfig:
         run_dir=args.run_dir, verbose=args.verbose, check_config=args.check_config,
         mesh_argv=_mesh_argv(mesh),
         # The launcher resolves the model once (building the demo model if needed) and passes it.
-        engine_argv=forwarded(groups.engine, ("model", "served_model_name")),
+        # --lora-modules takes a list, which forward_flags cannot write: it goes as one flag and its entries.
+        engine_argv=(*forwarded(groups.engine, ("model", "served_model_name", "lora_modules")),
+                     *_lora_modules_argv(args.lora_modules)),
         # Whether prefill goes remote is the launcher's call (it knows the prefill pool's size).
         disagg_argv=forwarded(groups.disagg, ("remote_prefill",)),
         router_argv=forwarded(groups.router),
@@ -235,7 +243,26 @@ def load(argv: list[str] | None = None) -> LaunchConfig:
         control_port=free_port() if args.planner == "local" else 0,
         tls=mesh.tls,
         advertise_host=mesh.advertise_host,
+        demo_lora=args.demo_lora,
     ))
+
+
+def _lora_modules_argv(modules: list[str] | str | None) -> list[str]:
+    """`--lora-modules NAME=PATH ...` for the workers (a YAML file may give one entry as a string)."""
+    entries = [modules] if isinstance(modules, str) else list(modules or [])
+    return ["--lora-modules", *entries] if entries else []
+
+
+def with_demo_adapters(cfg: LaunchConfig) -> LaunchConfig:
+    """The rule of --demo-lora: the launcher serving the demo model (no --model) with no
+    --lora-modules gives every worker `--lora-modules demo-lora-a=PATH demo-lora-b=PATH`, creating
+    the adapters beside the demo model if needed; otherwise `cfg` as it is (the demo adapters fit
+    the demo model only, and adapters the user names replace them)."""
+    if not cfg.demo_lora or cfg.model or "--lora-modules" in cfg.engine_argv:
+        return cfg
+    from services.tools.make_demo_adapter import ensure_demo_adapters
+
+    return replace(cfg, engine_argv=(*cfg.engine_argv, *_lora_modules_argv(ensure_demo_adapters())))
 
 
 def _planner_argv(args: argparse.Namespace, given: tuple[str, ...]) -> tuple[str, ...]:

@@ -49,6 +49,9 @@ class InstanceInfo:
     switchable: bool = False
     # False: the worker publishes no KV events (`--kv-events off`); routers predict its cache.
     kv_events: bool = True
+    # The LoRA adapters a worker knows (started with, or loaded at run time), by name: routers
+    # send a request naming an adapter only to workers listing it.
+    lora_adapters: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
     # Put just before a deliberate deregistration: watchers drop the instance at once, where a
     # key that merely vanished may be an outage (see ComponentView).
@@ -61,7 +64,23 @@ class InstanceInfo:
     def from_json(cls, raw: bytes) -> InstanceInfo:
         data = json.loads(raw)
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        # JSON has no tuples; a frozen record compares equal only with its own tuple back.
+        if "lora_adapters" in known:
+            known["lora_adapters"] = tuple(known["lora_adapters"])
         return cls(**known)
+
+
+def runtime_adapters_prefix(namespace: str) -> str:
+    """Where the gateways keep the LoRA adapters loaded at run time (`/v1/load_lora_adapter`), one
+    key each, with no lease: a worker that starts later learns them from here (see
+    `runtime_adapter_key`)."""
+    return f"/{namespace}/lora/"
+
+
+def runtime_adapter_key(namespace: str, model: str, lora_name: str) -> str:
+    """One runtime-loaded adapter of `model`; its value is JSON {"model", "lora_name", "lora_path"}
+    (read the value, not the key: names may hold slashes)."""
+    return f"{runtime_adapters_prefix(namespace)}{model}/{lora_name}"
 
 
 def instances_prefix(namespace: str) -> str:

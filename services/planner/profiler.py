@@ -9,6 +9,10 @@ gRPC `Worker.Generate` directly (no router, processor or frontend in the way), a
   token and until the first one ends, the batch decodes b sequences per step: the step time is
   that window over the tokens each stream got in it.
 
+- **LoRA adapter loads** (a worker serving adapters): each known adapter (up to
+  `--adapter-samples`) is loaded under a temporary name with `Worker.LoadLoraAdapter(load=True)`
+  and forgotten again, twice; the call's time is the load.
+
 Then it fits the cost model (services/profiles/fit.py) and writes the profile with the worker's
 engine, model and block size and this machine's name. The default sweep is 6 lengths x 3 + 4 x 2
 batches = 26 runs (minutes on a CPU, seconds on a GPU); the fit needs 3 lengths and 3 (batch,
@@ -27,7 +31,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -36,10 +40,10 @@ from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.mesh.channels import open_channel
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, InstanceInfo, component_prefix
 from services.mesh.etcd_store import EtcdStore
-from services.mesh.flags import FlagParser, add_mesh_flags, die, mesh_config, positive_int
+from services.mesh.flags import FlagParser, add_mesh_flags, die, mesh_config, non_negative_int, positive_int
 from services.mesh.logs import setup_logging
 from services.profiles.cost_model import ProfileError
-from services.profiles.fit import fit_cost_model, fit_error
+from services.profiles.fit import fit_adapter_load, fit_cost_model, fit_error
 from services.profiles.profile_file import WorkerProfile, save_profile
 
 log = logging.getLogger("profile")
@@ -48,6 +52,8 @@ log = logging.getLogger("profile")
 TOKEN_LOW, TOKEN_HIGH = 20, 1000
 # A measurement in the decode window needs this many tokens per stream to mean anything.
 MIN_WINDOW_TOKENS = 4
+# Loads per sampled adapter: the first may also pay a cold file cache.
+ADAPTER_LOADS_EACH = 2
 
 
 def ints(text: str) -> tuple[int, ...]:
@@ -73,6 +79,8 @@ def parser() -> FlagParser:
     p.add_argument("--contexts", type=ints, default=(256, 1024), help="prompt tokens of each decode stream")
     p.add_argument("--decode-tokens", type=positive_int, default=32,
                    help="tokens each decode stream generates past the prefill of the whole batch")
+    p.add_argument("--adapter-samples", type=non_negative_int, default=4,
+                   help="LoRA adapters of the worker whose load time is measured (0: none; a worker without LoRA: none)")
     p.add_argument("--machine", default=None, help="what the profile says it was measured on (default: this host)")
     p.add_argument("--timeout", type=positive_int, default=600, help="seconds any one run may take")
     return p
@@ -143,6 +151,35 @@ async def decode_point(target: Target, rng: random.Random, batch: int, context: 
     return (end - start) / tokens
 
 
+async def known_adapters(target: Target) -> list[worker_pb2.LoraAdapterState]:
+    """The adapters the worker knows, from its first load report (none without LoRA)."""
+    call = target.stub.SubscribeMetrics(worker_pb2.SubscribeMetricsRequest(), timeout=target.timeout_s)
+    try:
+        async for metrics in call:
+            return list(metrics.lora_adapters)
+        return []
+    finally:
+        call.cancel()
+
+
+async def adapter_loads(target: Target, rng: random.Random, samples: int) -> list[tuple[int, float]]:
+    """(size_bytes, seconds) of loading each sampled adapter under a temporary name, then forgetting it."""
+    loads: list[tuple[int, float]] = []
+    for adapter in (await known_adapters(target))[:samples]:
+        for i in range(ADAPTER_LOADS_EACH):
+            name = f"profile-{adapter.lora_name}-{i}-{rng.getrandbits(32):08x}"
+            started = time.perf_counter()
+            await target.stub.LoadLoraAdapter(worker_pb2.LoadLoraAdapterRequest(
+                lora_name=name, lora_path=adapter.lora_path, load=True), timeout=target.timeout_s)
+            seconds = time.perf_counter() - started
+            await target.stub.UnloadLoraAdapter(worker_pb2.UnloadLoraAdapterRequest(lora_name=name),
+                                                timeout=target.timeout_s)
+            loads.append((adapter.size_bytes, seconds))
+            print(f"profile: adapter {adapter.lora_name} ({adapter.size_bytes} bytes) loaded in "
+                  f"{seconds * 1000:.1f} ms", flush=True)
+    return loads
+
+
 async def sweep(args: argparse.Namespace, target: Target) -> WorkerProfile:
     rng = random.Random()
     info = target.info
@@ -161,6 +198,10 @@ async def sweep(args: argparse.Namespace, target: Target) -> WorkerProfile:
             decode.append((b, c + args.decode_tokens // 2, s))
             print(f"profile: decode batch {b:4d}, context {c:6d}: {s * 1000:9.2f} ms per step", flush=True)
     cost = fit_cost_model(prefill, decode)
+    loads = await adapter_loads(target, rng, args.adapter_samples) if args.adapter_samples > 0 else []
+    if loads:
+        base, per_gb = fit_adapter_load(loads)
+        cost = replace(cost, adapter_load_base_s=base, adapter_load_s_per_gb=per_gb)
     return WorkerProfile(
         cost, engine=info.engine, model=info.model, block_size=info.block_size,
         machine=args.machine or f"{platform.node()} ({platform.machine()}, {platform.processor() or 'cpu'})",
@@ -198,7 +239,8 @@ def main(argv: list[str]) -> None:
     print(f"profile: wrote {args.out}: prefill {c.prefill_base_s * 1e3:.2f} ms + {c.prefill_per_token_s * 1e6:.2f} us "
           f"per token (+{c.prefill_quadratic_s_per_1k * 1e6:.3f} us x n/1k); decode step {c.decode_base_s * 1e3:.2f} ms "
           f"+ {c.decode_per_seq_s * 1e6:.1f} us per sequence + {c.decode_per_context_token_s * 1e9:.2f} ns per context "
-          f"token; median fit error prefill {profile.fit_error['prefill']:.1%}, decode "
+          f"token; adapter load {c.adapter_load_base_s * 1e3:.1f} ms + {c.adapter_load_s_per_gb:.2f} s per GB; "
+          f"median fit error prefill {profile.fit_error['prefill']:.1%}, decode "
           f"{profile.fit_error['decode']:.1%}", flush=True)
 
 

@@ -102,13 +102,16 @@ RouteFn = Callable[[str, list[int], list[str]], Awaitable[RouteChoice]]
 
 @dataclass(frozen=True)
 class ChoiceSpec:
-    """What one choice generates: its id and index, the prompt, its sampling and stop strings."""
+    """What one choice generates: its id and index, the prompt, its sampling and stop strings,
+    and the LoRA adapter it is generated with."""
 
     rid: str
     index: int
     prompt: list[int]
     sampling: common_pb2.SamplingParams
     stops: Sequence[str]
+    # The LoRA adapter it runs with ("" for the base model): every worker it moves to gets it too.
+    lora_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -235,7 +238,7 @@ class ChoiceStream:
         rid = spec.rid if len(self.tried) == 1 else f"{spec.rid}~{len(self.tried) - 1}"
         return worker_pb2.WorkerGenerateRequest(request_id=rid, token_ids=spec.prompt + self.generated,
                                                 sampling=sampling, prefix_hit_rate=route.prefix_hit_rate,
-                                                resumed_tokens=done)
+                                                resumed_tokens=done, lora_name=spec.lora_name)
 
     async def _from_worker(self, route: RouteChoice, detok: Detokenizer,
                            stopper: StopStrings) -> AsyncIterator[ChoiceEvent]:

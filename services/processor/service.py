@@ -235,12 +235,15 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
 
     # -- routing and generation --------------------------------------------------------------
 
-    async def _route(self, rid: str, tokens: list[int], tried: list[str], explain: bool = False) -> RouteChoice:
-        """A decode worker for the tokens, avoiding the ones tried and the ones seen failing."""
+    async def _route(self, rid: str, tokens: list[int], tried: list[str], explain: bool = False,
+                     lora_name: str = "") -> RouteChoice:
+        """A decode worker for the tokens (one that knows `lora_name`, when the request names an
+        adapter), avoiding the ones tried and the ones seen failing."""
         exclude = self._failed.excluding(tried)
         try:
             return await self._routers.route(rid, self._config.served_model_name, tokens,
-                                             common_pb2.WORKER_ROLE_DECODE, exclude, explain=explain)
+                                             common_pb2.WORKER_ROLE_DECODE, exclude, explain=explain,
+                                             lora_name=lora_name)
         except RoutingError as exc:
             raise _routing_failure(exc) from exc
 
@@ -253,7 +256,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
                         call: CallInfo) -> AsyncIterator[processor_pb2.GenerateResponse]:
         # Every routing of the request (retries and migrations too) explains itself when asked, so
         # the explanation announced is always that of the worker announced.
-        route_fn = partial(self._route, explain=request.explain)
+        route_fn = partial(self._route, explain=request.explain, lora_name=request.lora_name)
         n = max(request.n, 1)
         # A takeover from a failed processor runs only the choices the client has not finished.
         resumed = {r.index: list(r.token_ids) for r in request.resume}
@@ -279,7 +282,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         exclude = self._failed.current()
         try:
             return await self._routers.admit(rid, self._config.served_model_name, tokens, admit, request.explain,
-                                             exclude)
+                                             exclude, lora_name=request.lora_name)
         except Overloaded as exc:
             raise exc.error from None  # the refusal as the router gave it: status, reason, Retry-After
         except RoutingError as exc:
@@ -298,7 +301,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         stops = tuple(request.stop)
         choices = [
             ChoiceStream(spec=ChoiceSpec(f"{rid}-{i}" if n > 1 else rid, request.choice_offset + i, tokens,
-                                         _choice_sampling(sampling, i), stops),
+                                         _choice_sampling(sampling, i), stops, request.lora_name),
                          ctx=ctx).run(route, resumed.get(request.choice_offset + i, []))
             for i in running
         ]

@@ -9,6 +9,14 @@ The prefill bracket is charged only when the step has prompts, the decode bracke
 has running sequences. The quadratic term is attention over the prompt itself (a prompt of n
 tokens costs n * n / 1000 * quadratic on top of its linear cost); the context term is the KV a
 decode step reads, the sum of every running sequence's length.
+
+Loading a LoRA adapter stalls the step that loads it (vLLM loads one while it sets up a batch):
+
+    adapter load = adapter_load_base_s + size_bytes / 1e9 * adapter_load_s_per_gb
+
+Both are optional in a profile file; without them a load costs what services/engines/lora.py
+expects before it measured one (20 ms + the adapter's bytes at 2 GB/s: a local disk read into
+host memory, then a copy to the device).
 """
 
 from __future__ import annotations
@@ -16,6 +24,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+
+
+# What an adapter load costs when the profile does not say (lora.py's DEFAULT_LOAD_FIXED_S and
+# DEFAULT_LOAD_BYTES_PER_S: a unit test keeps the two in step; profiles do not import engines).
+ADAPTER_LOAD_BASE_S = 0.02
+ADAPTER_LOAD_S_PER_GB = 0.5
+# Coefficients a profile file may leave out (older files, profiles measured without adapters).
+OPTIONAL_COEFFICIENTS = frozenset({"decode_per_context_token_s", "adapter_load_base_s", "adapter_load_s_per_gb"})
 
 
 class ProfileError(ValueError):
@@ -30,6 +46,8 @@ class CostModel:
     decode_base_s: float
     decode_per_seq_s: float
     decode_per_context_token_s: float = 0.0
+    adapter_load_base_s: float = ADAPTER_LOAD_BASE_S
+    adapter_load_s_per_gb: float = ADAPTER_LOAD_S_PER_GB
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -58,6 +76,10 @@ class CostModel:
             s += self.decode_step_s(seqs, context_tokens)
         return s
 
+    def adapter_load_s(self, size_bytes: int) -> float:
+        """Loading a LoRA adapter of `size_bytes` (its weight files) onto the device."""
+        return self.adapter_load_base_s + size_bytes / 1e9 * self.adapter_load_s_per_gb
+
     def scaled(self, factor: float) -> CostModel:
         """Every duration times `factor` (a slower or faster machine of the same shape)."""
         if not (math.isfinite(factor) and factor > 0):
@@ -75,7 +97,7 @@ class CostModel:
         unknown = sorted(set(data) - names)
         if unknown:
             raise ProfileError(f"cost model: unknown coefficient {unknown[0]!r}")
-        missing = sorted(n for n in names - set(data) if n != "decode_per_context_token_s")
+        missing = sorted(names - set(data) - OPTIONAL_COEFFICIENTS)
         if missing:
             raise ProfileError(f"cost model: missing coefficient {missing[0]!r}")
         return cls(**data)

@@ -7,6 +7,10 @@ a term too small to see) is set to 0, the most negative first, and the rest fitt
 Errors are relative, so a short prompt's 10% weighs as much as a long one's. A sweep at one
 context cannot tell the per-sequence cost from the per-context one: the context term is then
 left at 0.
+
+LoRA adapter loads: seconds = base + size / 1e9 * per_gb, over (size in bytes, seconds). Loads of
+adapters of one size cannot tell the two apart: the per-GB rate then keeps the default and the
+base takes the rest.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from services.profiles.cost_model import CostModel, ProfileError
+from services.profiles.cost_model import ADAPTER_LOAD_S_PER_GB, CostModel, ProfileError
 
 # The fewest points that can tell each term apart (three prefill terms, three decode terms).
 MIN_PREFILL_POINTS, MIN_DECODE_POINTS = 3, 3
@@ -35,6 +39,18 @@ def fit_cost_model(prefill: Sequence[tuple[int, float]], decode: Sequence[tuple[
         raise ProfileError("fit: the points show no cost per prompt token or no decode step time; "
                            "were the prompts served from cache?")
     return CostModel(pb, pt, pq, db, ds, dc)
+
+
+def fit_adapter_load(loads: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(adapter_load_base_s, adapter_load_s_per_gb) from measured (size_bytes, seconds) loads."""
+    if not loads:
+        raise ProfileError("fit: no adapter load was measured")
+    if len({size for size, _ in loads}) > 1:
+        base, per_gb = _nonnegative_fit([[1.0, size / 1e9] for size, _ in loads], [t for _, t in loads])
+        return base, per_gb
+    size = loads[0][0]
+    median = float(np.median([t for _, t in loads]))
+    return max(0.0, median - size / 1e9 * ADAPTER_LOAD_S_PER_GB), ADAPTER_LOAD_S_PER_GB
 
 
 def fit_error(cost: CostModel, prefill: Sequence[tuple[int, float]],

@@ -3,18 +3,40 @@
 The seed rule (`--cost-model seed`, the default; NVIDIA Dynamo's KV router's older one, before its
 block-count cost, which dynamo_cost.py implements for `--cost-model dynamo`), per candidate worker:
 
-    logit = 2 * overlap_ratio - gpu_cache_usage - normalized_waiting
+    logit = 2 * overlap_ratio - gpu_cache_usage - normalized_waiting - 2 * lora_weight * min(0.25, load_s / prefill_s)
 
 where overlap_ratio is the share of the prompt's tokens the worker already caches and
 normalized_waiting its queue length over the longest queue among the candidates. A block the
 worker holds in host memory only counts as `host_credit` of a cached block (`host_credit.py`:
-what loading it back saves against recomputing it). The best
-logit wins; among equal logits the worker caching the fewest blocks (so new prefixes spread over
+what loading it back saves against recomputing it).
+
+The last term weighs the request's LoRA adapter (none for the base model): load_s is 0 where
+the worker holds the adapter resident, else what loading it there takes (the worker's estimate,
+`LoraAdapterState.load_s`, from the adapter's size and the loads it measured); prefill_s is what
+prefilling the whole prompt takes there (its reported `PrefillCost`; a worker that reports none
+is taken at `FALLBACK_PREFILL_S_PER_TOKEN` a token). The overlap term values a whole prompt's
+prefill at its weight, 2 (`--overlap-weight`, which scales this term alike), so a load that takes
+as long as load_s / prefill_s prompts' prefill costs 2 * that: the load is weighed as prefill
+time. Capped at `LORA_LOAD_CAP` = 0.25, the term is at most 0.5 with the default weights, half
+the queue term's range: between a worker holding the adapter and one that would load it, alike
+in cached prefix and cache usage, the holder keeps the adapter's requests until its normalized
+queue exceeds the other's by more than 0.5 (the holder's queue the longest: until the other's is
+under half of it), and then they spread to the other, which loads it (sooner for a load cheaper
+than a quarter of the prompt's prefill). So an adapter hot on one worker spreads to more when
+its queue grows. A worker whose adapter slots are all held by running requests must wait for
+one before it loads (worker_adapters.py): its load counts 2 s more and its cap doubles, so it is
+a last resort. lora_weight is `--lora-weight` (default 1; 0 weighs no adapter:
+adapter-blind routing among the workers that know it). Only workers that know the adapter are
+candidates at all (router.py).
+
+The best logit wins; among equal logits the worker caching the fewest blocks (so new prefixes spread over
 the pool's cache), then chance. With a temperature > 0 the choice is sampled from softmax(logit / T).
 
 Beyond that rule: its load inputs lag behind by up to one metrics period, so a burst of
 requests sharing a prefix would all see the same idle worker. The router therefore adds the
-requests and blocks it dispatched itself since the worker's last report (`pending_*`).
+requests and blocks it dispatched itself since the worker's last report (`pending_*`), and takes
+an adapter it sent a request of to a worker lately as resident there (worker_adapters.py), so a
+burst of one adapter's requests does not load it on every worker at once.
 """
 
 from __future__ import annotations
@@ -39,6 +61,11 @@ class CostModel(StrEnum):
 
 # The flag's choices, as written on a command line.
 COST_MODELS = tuple(m.value for m in CostModel)
+# The most an adapter load counts, in prompts' prefill (the module docstring says why 0.25).
+LORA_LOAD_CAP = 0.25
+# A prompt token's prefill on a worker that reports no prefill cost (vLLM today): the default
+# worker profile's (services/profiles/presets/h100-8b.json, an 8B model on one H100: ~16k tokens/s).
+FALLBACK_PREFILL_S_PER_TOKEN = 60e-6
 
 
 @dataclass(frozen=True)
@@ -58,6 +85,8 @@ class CostWeights:
     # The Dynamo rule's weight of prefill blocks against decode blocks (its other parameters keep
     # Dynamo's defaults: dynamo_cost.DynamoCostConfig); the seed rule ignores it.
     prefill_load_scale: float = 1.0
+    # Weight of loading the request's LoRA adapter, in both rules (0: adapter-blind).
+    lora: float = 1.0
 
     def __post_init__(self) -> None:
         # The flag's string is converted where it is parsed (flags.py); a bare string is not a model.
@@ -65,6 +94,8 @@ class CostWeights:
             raise ConfigError(f"--cost-model {self.model!r} is not one of {', '.join(COST_MODELS)}")
         if not (math.isfinite(self.prefill_load_scale) and self.prefill_load_scale >= 0):
             raise ConfigError(f"--prefill-load-scale must be finite and >= 0, got {self.prefill_load_scale}")
+        if not (math.isfinite(self.lora) and self.lora >= 0):
+            raise ConfigError(f"--lora-weight must be finite and >= 0, got {self.lora}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +116,12 @@ class Candidate:
     # each is worth against a device block.
     host_overlap_blocks: int = 0
     host_credit: float = 0.0
+    # Loading the request's LoRA adapter there: 0 where it is resident (or for the base model).
+    adapter_load_s: float = 0.0
+    # Every adapter slot there is held by running requests (worker_adapters.py): the cap doubles.
+    adapter_slots_busy: bool = False
+    # Prefilling the whole prompt there, from its reported prefill cost (None: it reports none).
+    prompt_prefill_s: float | None = None
 
     def cached_blocks(self) -> float:
         return self.overlap_blocks + self.host_credit * self.host_overlap_blocks
@@ -96,6 +133,18 @@ class Candidate:
 
     def waiting(self) -> int:
         return self.num_requests_waiting + self.pending_requests
+
+    def prefill_s_per_token(self, num_tokens: int) -> float:
+        """A prompt token's prefill here: the prompt's reported prefill over its tokens, else the fallback."""
+        if self.prompt_prefill_s is None or self.prompt_prefill_s <= 0 or num_tokens <= 0:
+            return FALLBACK_PREFILL_S_PER_TOKEN
+        return self.prompt_prefill_s / num_tokens
+
+    def adapter_load_prompts(self, num_tokens: int) -> float:
+        """Loading the adapter here, in prefills of the whole prompt (load_s / prefill_s; uncapped)."""
+        if self.adapter_load_s <= 0:
+            return 0.0
+        return self.adapter_load_s / (self.prefill_s_per_token(num_tokens) * max(1, num_tokens))
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,8 +171,17 @@ def logits(candidates: Sequence[Candidate], block_size: int, num_tokens: int, w:
     for c in candidates:
         normalized_waiting = c.waiting() / max_waiting if max_waiting else 0.0
         cached = overlap_ratio(c.cached_blocks(), block_size, num_tokens)
-        out.append(w.overlap * cached - w.cache_usage * c.cache_usage() - w.waiting * normalized_waiting)
+        out.append(w.overlap * cached - w.cache_usage * c.cache_usage() - w.waiting * normalized_waiting
+                   - adapter_penalty(c, num_tokens, w))
     return out
+
+
+def adapter_penalty(c: Candidate, num_tokens: int, w: CostWeights) -> float:
+    """The seed rule's LoRA term: overlap weight * lora weight * min(LORA_LOAD_CAP, load_s / prefill_s)."""
+    if c.adapter_load_s <= 0 or w.lora == 0:
+        return 0.0
+    cap = LORA_LOAD_CAP * (2 if c.adapter_slots_busy else 1)
+    return w.overlap * w.lora * min(cap, c.adapter_load_prompts(num_tokens))
 
 
 def terms(candidates: Sequence[Candidate], block_size: int, num_tokens: int, w: CostWeights) -> list[Terms]:

@@ -6,7 +6,9 @@ The rule, per candidate worker, in KV blocks (lower is better):
     adjusted_prefill_blocks = max(0, queued_prefill_blocks + prompt_blocks
                                      - overlap_score_credit * device_overlap_blocks
                                      - host_cache_hit_weight * host_overlap_blocks)
+                              + lora_weight * adapter_load_blocks
     decode_blocks = active_blocks + incoming_blocks
+    adapter_load_blocks = load_s / block_prefill_s
 
 Dynamo's defaults: prefill_load_scale 1, overlap_score_credit 1, host_cache_hit_weight 0.75 (kvmesh's
 `--host-overlap-weight`, when given, replaces it, as it replaces the seed's derived host credit).
@@ -14,6 +16,16 @@ With temperature 0 the lowest cost wins, exact ties at random; with T > 0 the co
 scaled onto [0, 1] by the candidates' range, c' = (c - min) / (max - min), and the choice sampled
 from softmax(-c' / T) (all costs equal: uniform). Scaling makes T mean the same whatever the
 block counts; it is Dynamo's too.
+
+adapter_load_blocks is kvmesh's, not Dynamo's: loading the request's LoRA adapter (load_s: 0 where
+the worker holds it resident, else its estimate, `LoraAdapterState.load_s`) counted as the blocks
+whose prefill takes as long there (block_prefill_s: the prompt's prefill at the worker's reported
+`PrefillCost` over its blocks, else cost_function.FALLBACK_PREFILL_S_PER_TOKEN * block size),
+added after the cached credit, which takes nothing off a load. lora_weight is `--lora-weight`
+(default 1, 0: adapter-blind). Uncapped, unlike the seed's term: blocks of load weigh against
+blocks of queue directly, so a holder keeps an adapter's requests until its queued blocks exceed
+a non-holder's by the load's. An adapter this router sent a request of to the worker lately
+counts as resident there (worker_adapters.py), as its pending blocks count as queued.
 
 How each of Dynamo's terms maps onto what a kvmesh router knows (worker_pb2.LoadMetrics, and the
 requests it dispatched since the worker's last report, WorkerState.pending):
@@ -62,10 +74,12 @@ class DynamoCostConfig:
     overlap_score_credit: float = 1.0
     # What one host-held prefix block takes off (at most a device block's 1).
     host_cache_hit_weight: float = 0.75
+    # Weight of the blocks loading the request's LoRA adapter is worth (kvmesh's; 0: adapter-blind).
+    lora_weight: float = 1.0
 
     def __post_init__(self) -> None:
         for flag, value in (("--prefill-load-scale", self.prefill_load_scale),
-                            ("overlap_score_credit", self.overlap_score_credit)):
+                            ("overlap_score_credit", self.overlap_score_credit), ("--lora-weight", self.lora_weight)):
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"{flag} must be finite and >= 0, got {value}")
         if not 0 <= self.host_cache_hit_weight <= 1:
@@ -82,10 +96,12 @@ class Breakdown:
     active_blocks: float
     incoming_blocks: float
     prefill_load_scale: float
+    # Loading the request's LoRA adapter, in blocks of prefill, weighted (0: resident, or none).
+    adapter_blocks: float = 0.0
 
     @property
     def adjusted_prefill_blocks(self) -> float:
-        return max(0.0, self.queued_prefill_blocks + self.prompt_blocks - self.credit_blocks)
+        return max(0.0, self.queued_prefill_blocks + self.prompt_blocks - self.credit_blocks) + self.adapter_blocks
 
     @property
     def decode_blocks(self) -> float:
@@ -103,7 +119,14 @@ def breakdown(c: Candidate, block_size: int, num_tokens: int, config: DynamoCost
     queued = c.pending_blocks + c.num_requests_waiting * per_waiting
     incoming = max(0.0, prompt_blocks - c.overlap_blocks)
     return Breakdown(prompt_blocks, credit, queued, c.kv_active_blocks + c.pending_blocks, incoming,
-                     config.prefill_load_scale)
+                     config.prefill_load_scale, adapter_load_blocks(c, block_size, num_tokens) * config.lora_weight)
+
+
+def adapter_load_blocks(c: Candidate, block_size: int, num_tokens: int) -> float:
+    """Loading the request's adapter on the worker, as the blocks whose prefill takes as long there."""
+    if c.adapter_load_s <= 0:
+        return 0.0
+    return c.adapter_load_s / (c.prefill_s_per_token(num_tokens) * block_size)
 
 
 def costs(candidates: Sequence[Candidate], block_size: int, num_tokens: int, config: DynamoCostConfig) -> list[float]:

@@ -2,9 +2,11 @@
 
 - a DEBUG log line per routing decision, with every candidate's overlap blocks (and, where it
   holds some in host memory only, those and their credit), cache usage, waiting requests and
-  logit, then where the router's numbers of its cache come from and how right they were lately
-  (`kv_source=events accuracy=0.969`, its `Provenance`; accuracy only once it has a sample)
-  (`log_line`);
+  logit, then, for a request of a LoRA adapter, the adapter there (`adapter=resident`, or
+  `adapter=load:0.120s`, what loading it would take), then where the router's numbers of its
+  cache come from and how right they were lately (`kv_source=events accuracy=0.969`, its
+  `Provenance`; accuracy only once it has a sample) (`log_line`); the adapter's name leads
+  (`lora=NAME`);
 - attributes of the router's `route` span, for the winner and the runner-up (`span_attributes`);
 - `RouteResponse.explanation` when the caller asked to `explain` (`to_proto`), which the gateway
   renders as its `x-kvmesh-route` header.
@@ -24,6 +26,7 @@ from opentelemetry.util.types import AttributeValue
 from gen.kvmesh.v1 import common_pb2
 from services.routing.cost_function import Terms, ranked
 from services.routing.kv_source import KvSource
+from services.routing.worker_adapters import AdapterView, adapter_terms
 from services.kv_protocol.tier import host_terms
 
 
@@ -60,24 +63,33 @@ class Explanation:
     ranked: Sequence[Terms] = ()
     # Per worker named above, where its cache numbers come from (absent: not told).
     provenance: Mapping[str, Provenance] = field(default_factory=dict)
+    # The request's LoRA adapter ("" for the base model), and per worker named above, that
+    # adapter there as the decision weighed it (resident, or what loading it takes).
+    lora_name: str = ""
+    adapters: Mapping[str, AdapterView] = field(default_factory=dict)
 
     @property
     def runner_up(self) -> Terms | None:
         return self.ranked[1] if len(self.ranked) > 1 else None
 
     def log_line(self) -> str:
+        lora = f" lora={self.lora_name}" if self.lora_name else ""
         if not self.ranked:
-            return f"{self.mode} mode chose {self.chosen}{self._told(self.chosen)}"
-        return (f"{self.mode} mode chose {self.chosen} among {len(self.ranked)}: "
+            return f"{self.mode} mode{lora} chose {self.chosen}{self._told(self.chosen)}"
+        return (f"{self.mode} mode{lora} chose {self.chosen} among {len(self.ranked)}: "
                 + ", ".join(_describe(t) + self._told(t.worker_id) for t in self.ranked))
 
     def _told(self, worker_id: str) -> str:
+        adapter = self.adapters.get(worker_id)
         provenance = self.provenance.get(worker_id)
-        return provenance.describe() if provenance is not None else ""
+        return ((adapter_terms(adapter.resident, adapter.load_s) if adapter is not None else "")
+                + (provenance.describe() if provenance is not None else ""))
 
     def span_attributes(self) -> dict[str, AttributeValue]:
         out: dict[str, AttributeValue] = {"kvmesh.route.mode": self.mode, "kvmesh.route.worker_id": self.chosen,
                                           "kvmesh.route.candidates": len(self.ranked)}
+        if self.lora_name:
+            out["kvmesh.route.lora_name"] = self.lora_name
         for prefix, t in (("kvmesh.route", self.ranked[0] if self.ranked else None),
                           ("kvmesh.route.runner_up", self.runner_up)):
             if t is not None:
@@ -87,6 +99,9 @@ class Explanation:
                 if t.host_overlap_blocks:
                     out.update({f"{prefix}.host_overlap_blocks": t.host_overlap_blocks,
                                 f"{prefix}.host_credit": t.host_credit})
+                if (adapter := self.adapters.get(t.worker_id)) is not None:
+                    out.update({f"{prefix}.adapter_resident": adapter.resident,
+                                f"{prefix}.adapter_load_s": adapter.load_s})
         return out
 
     def to_proto(self) -> common_pb2.RouteExplanation:
@@ -97,18 +112,24 @@ class Explanation:
                 worker_id=t.worker_id, overlap_blocks=t.overlap_blocks, cache_usage=t.cache_usage, waiting=t.waiting,
                 logit=t.logit, host_overlap_blocks=t.host_overlap_blocks, host_credit=t.host_credit))
                 for t in self.ranked]
-        return common_pb2.RouteExplanation(mode=self.mode, candidates=candidates)
+        return common_pb2.RouteExplanation(mode=self.mode, candidates=candidates, lora_name=self.lora_name)
 
     def _provenance_of(self, candidate: common_pb2.RouteCandidate) -> common_pb2.RouteCandidate:
+        adapter = self.adapters.get(candidate.worker_id)
+        if adapter is not None:
+            candidate.adapter_resident = adapter.resident
+            candidate.adapter_load_s = adapter.load_s
         provenance = self.provenance.get(candidate.worker_id)
         return provenance.fill(candidate) if provenance is not None else candidate
 
 
-def explain(mode: str, chosen: str, terms: Sequence[Terms],
-            provenance: Mapping[str, Provenance] | None = None) -> Explanation:
+def explain(mode: str, chosen: str, terms: Sequence[Terms], provenance: Mapping[str, Provenance] | None = None,
+            lora_name: str = "", adapters: Mapping[str, AdapterView] | None = None) -> Explanation:
     """The explanation of a pick from the mode's terms (in any order), with each worker's
-    `provenance` where the caller has it."""
-    return Explanation(mode, chosen, ranked(terms, chosen) if terms else (), provenance or {})
+    `provenance` where the caller has it, and for a request of LoRA adapter `lora_name`, that
+    adapter on each worker (`adapters`)."""
+    return Explanation(mode, chosen, ranked(terms, chosen) if terms else (), provenance or {}, lora_name,
+                       adapters or {})
 
 
 def _describe(t: Terms) -> str:

@@ -34,13 +34,17 @@ def add_router_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
                    help="cost function: a fixed credit for a prefix block held in a worker's host memory "
                         "(0 = ignore the host tier; default: derived from what loading it back saves "
                         "against recomputing it)")
-    # Left out (None), these two fall back to the config's defaults in the launcher's children too.
+    # Left out (None), these three fall back to the config's defaults in the launcher's children too.
     g.add_argument("--cost-model", choices=COST_MODELS, default=None,
                    help=f"kv mode's rule: seed (cached share vs cache usage vs queue) or dynamo (NVIDIA Dynamo's "
                         f"blocks to prefill + blocks to decode, lowest wins); default {_WEIGHTS.model.value}")
     g.add_argument("--prefill-load-scale", type=non_negative_float, default=None,
                    help=f"dynamo cost model: weight of the prefill blocks against the decode blocks "
                         f"(default {_WEIGHTS.prefill_load_scale:g})")
+    g.add_argument("--lora-weight", type=non_negative_float, default=None,
+                   help=f"cost function: weight of loading a request's LoRA adapter on a worker that does not hold "
+                        f"it resident, in both cost models (0 = adapter-blind; only workers that know the adapter "
+                        f"are candidates whatever the weight; default {_WEIGHTS.lora:g})")
     g.add_argument("--ttft-objective-ms", type=positive_int, default=None,
                    help="admission: refuse at once (429 with Retry-After) a request whose predicted time to first "
                         "token exceeds this (a request's x-kvmesh-ttft-objective-ms header sets its own; default: "
@@ -73,7 +77,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     weights = validated(lambda: CostWeights(
         overlap=args.overlap_weight, cache_usage=args.cache_usage_weight, waiting=args.waiting_weight,
         temperature=args.router_temperature, host_overlap=args.host_overlap_weight, model=model,
-        prefill_load_scale=_WEIGHTS.prefill_load_scale if args.prefill_load_scale is None else args.prefill_load_scale))
+        prefill_load_scale=_WEIGHTS.prefill_load_scale if args.prefill_load_scale is None else args.prefill_load_scale,
+        lora=_WEIGHTS.lora if args.lora_weight is None else args.lora_weight))
     truth = validated(lambda: KvTruthConfig(kv_events=KvEventsMode(args.kv_events), prediction_ttl_s=args.prediction_ttl,
                                             prediction_max_blocks=args.prediction_max_blocks,
                                             index_accuracy_floor=args.index_accuracy_floor))

@@ -2,7 +2,8 @@
 (router.py). The wire's RouteRequest and RouteResponse are converted at the edge (wire.py), so a
 processor routing in-process (`--routing local`) builds and parses no protobuf per request.
 
-Its refusals are exceptions with names: `NoWorker` (no worker of the pool serves the model) and
+Its refusals are exceptions with names: `NoWorker` (no worker of the pool serves the model, or
+the LoRA adapter of it the query names) and
 `UnknownPool` (no pool of that role here); admission's (overload) are `CallError`s, as on the wire.
 """
 
@@ -49,6 +50,9 @@ class RouteQuery:
     max_tokens: int = 0
     # The longest the caller lets it wait in the queue (None: the router's own bound).
     queue_timeout_s: float | None = None
+    # The LoRA adapter of `model` it runs with ("" for the base model): its blocks hash with the
+    # adapter's seed (services/kv_protocol/hashing.py), and only workers knowing it are candidates.
+    lora_name: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,9 +86,9 @@ class Matches:
 
 
 class NoWorker(LookupError):
-    """No worker of the pool serves the model, after the caller's exclusions. Every router sees
-    the same pools, so another router would answer the same: the caller must not retry the
-    request elsewhere (OUTCOME_NO_WORKER on the wire)."""
+    """No worker of the pool serves the model (or its LoRA adapter the query names), after the
+    caller's exclusions. Every router sees the same pools, so another router would answer the
+    same: the caller must not retry the request elsewhere (OUTCOME_NO_WORKER on the wire)."""
 
 
 class UnknownPool(LookupError):

@@ -6,6 +6,12 @@ cached prefix anywhere that reduces to least-loaded. `round-robin` and `random` 
 cache for the choice but still report the chosen worker's overlap, which the decode worker's
 disaggregation decision uses (services/routing/pickers/ holds the modes).
 
+A query naming a LoRA adapter (`lora_name`) hashes its prompt with the adapter's seed, so it
+matches only blocks that adapter computed, and is offered only to the workers that know the
+adapter (none: `NoWorker` naming it); the cost function weighs whether each holds it resident
+(worker_adapters.py keeps what the workers report of their adapters, and the adapters this router
+sent them since).
+
 It decides on plain values (route_query.py), so the same object serves the kv-router process's
 gRPC servicer (servicer.py converts the wire) and a processor routing in-process. No eligible
 worker is `NoWorker`: every router sees the same pools, so another would answer the same.
@@ -31,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from opentelemetry.trace import INVALID_SPAN, Span
 
 from services.contract.worker_roles import RoleName
-from services.kv_protocol.hashing import LocalBlockHash, local_block_hashes
+from services.kv_protocol.hashing import LocalBlockHash, adapter_seed, local_block_hashes
 from services.routing.admission.gate import Admission, Queued, Ticket
 from services.routing.config import RouterConfig
 from services.routing.cost_function import overlap_ratio
@@ -79,14 +85,15 @@ class Router:
         already admitted). `span`: the caller's `route` span, which gets the decision's terms."""
         return self._decide(query, span)
 
-    def find_matches(self, role: RoleName, model: str, token_ids: Sequence[int]) -> Matches:
-        """Per worker serving the model, the prompt's blocks it caches, by tier."""
+    def find_matches(self, role: RoleName, model: str, token_ids: Sequence[int], lora_name: str = "") -> Matches:
+        """Per worker serving the model (and its LoRA adapter `lora_name`, when named), the
+        prompt's blocks it caches, by tier: blocks computed with that adapter only."""
         pool = self._pool(role)
         block_size = pool.block_size(model)
         if block_size is None:
             return Matches()
-        device, host = pool.index.find_matches_by_tier(local_block_hashes(token_ids, block_size))
-        serving = [w.info.instance_id for w in pool.candidates(model)]
+        device, host = pool.index.find_matches_by_tier(local_block_hashes(token_ids, block_size, adapter_seed(lora_name)))
+        serving = [w.info.instance_id for w in pool.candidates(model, lora_name)]
         return Matches(block_size, {w: device[w] for w in serving if w in device},
                        {w: host[w] for w in serving if w in host})
 
@@ -178,12 +185,19 @@ class Router:
         return pool
 
     def _candidates(self, query: RouteQuery) -> tuple[WorkerPool, list[WorkerState]]:
-        """The query's pool and its workers serving the model, less the excluded (`NoWorker` if none)."""
+        """The query's pool and its workers serving the model (and the query's LoRA adapter, when
+        it names one), less the excluded (`NoWorker` if none)."""
         pool = self._pool(query.role)
         candidates = [w for w in pool.candidates(query.model) if w.info.instance_id not in query.exclude]
         if not candidates:
             self._metrics.no_worker.inc()
             raise NoWorker(f"no {pool.view.component} serves model {query.model!r}")
+        if query.lora_name:
+            candidates = [w for w in candidates if w.knows_adapter(query.lora_name)]
+            if not candidates:
+                self._metrics.no_worker.inc()
+                raise NoWorker(f"no {pool.view.component} serves LoRA adapter {query.lora_name!r} of model "
+                               f"{query.model!r}")
         return pool, candidates
 
     def _decide(self, query: RouteQuery, span: Span, eligible: Callable[[WorkerState], bool] | None = None) -> Route:
@@ -193,11 +207,14 @@ class Router:
         if eligible is not None:
             candidates = [w for w in candidates if eligible(w)] or candidates
         block_size = pool.block_size(query.model) or candidates[0].info.block_size
-        tokens = query.token_ids
-        local_hashes = local_block_hashes(tokens, block_size)
+        tokens, lora = query.token_ids, query.lora_name
+        # An adapter's blocks hash with its own seed: they match its own cached blocks only.
+        local_hashes = local_block_hashes(tokens, block_size, adapter_seed(lora))
         overlaps, host_overlaps = pool.matches_by_tier(local_hashes)
         credits = host_credits(candidates, overlaps, host_overlaps, block_size, self._host_weight)
-        context = PickContext(overlaps, block_size, len(tokens), pool.index.block_count, host_overlaps, credits)
+        adapters = {w.info.instance_id: w.adapter(lora) for w in candidates} if lora else {}
+        context = PickContext(overlaps, block_size, len(tokens), pool.index.block_count, host_overlaps, credits,
+                              adapters)
         chosen = self._picker.pick(candidates, context)
         # Explained only when someone looks: the terms cost a second pass over the candidates. Taken
         # before the pending work below is added, so they are the numbers the pick weighed.
@@ -206,17 +223,19 @@ class Router:
             provenance = {w.info.instance_id: Provenance(pool.kv_source(w.info.instance_id),
                                                          pool.accuracy.recent(w.info.instance_id)) for w in candidates}
             explanation = explain(self._mode, chosen.info.instance_id, self._picker.terms(candidates, context),
-                                  provenance)
+                                  provenance, lora, adapters)
         # The pool's queue as this request finds it (the disaggregation rule's prefill queue size).
         pool_waiting = sum(w.load.num_requests_waiting + len(w.pending) for w in candidates)
         wid = chosen.info.instance_id
         overlap, host_overlap = overlaps.get(wid, 0), host_overlaps.get(wid, 0)
         # Blocks loaded back from host memory take device blocks as recomputed ones do.
-        chosen.add_pending(max(0, -(-len(tokens) // block_size) - overlap))
+        chosen.add_pending(max(0, -(-len(tokens) // block_size) - overlap), lora)
         # What the prompt need not compute (the disaggregation rule's input): a host-held block
         # counts as much as the cost function credited it.
         hit = overlap_ratio(overlap + credits.get(wid, 0.0) * host_overlap, block_size, len(tokens))
         self._metrics.routed.labels(wid, pool.view.component).inc()
+        if lora:
+            self._metrics.record_lora(lora, adapters[wid].resident)
         pool.routed(wid, local_hashes)
         self._metrics.record(len(tokens), min(len(tokens), (overlap + host_overlap) * block_size))
         if query.role in REPORTED_ROLES:

@@ -9,9 +9,9 @@ services/contract/outcomes.py, hop ROUTER):
   asked after every other one. A router cut off from this caller alone (a partition, not a
   death: it stays registered) then costs one call a deadline per `avoid_s`, not every call
   whose turn it is.
-- NO_WORKER means the router answered: no worker of the pool serves the model (after the
-  caller's exclusions). It is raised as `NoWorkerError` and never asked elsewhere: every router
-  sees the same etcd membership.
+- NO_WORKER means the router answered: no worker of the pool serves the model, or the LoRA
+  adapter of it the call names (after the caller's exclusions). It is raised as `NoWorkerError`
+  and never asked elsewhere: every router sees the same etcd membership.
 - OVERLOADED is admission's refusal: raised as `Overloaded`, with when to retry, and not asked
   elsewhere, except a refusal for a tenant's limits, of which each router holds a share: the
   other routers are asked first.
@@ -132,10 +132,13 @@ class Routes(Protocol):
     """What routes a request: the routers over sessions (RouterClient), or an in-process index."""
 
     async def route(self, request_id: str, model: str, token_ids: Sequence[int], role: common_pb2.WorkerRole,
-                    exclude: Sequence[str] = (), explain: bool = False) -> RouteChoice: ...
+                    exclude: Sequence[str] = (), explain: bool = False, lora_name: str = "") -> RouteChoice:
+        """A worker of the `role` pool for the prompt, run with LoRA adapter `lora_name` of
+        `model` ("" for the base model): only workers knowing the adapter are candidates."""
+        ...
 
     async def admit(self, request_id: str, model: str, token_ids: Sequence[int], admit: Admit,
-                    explain: bool = False, exclude: Sequence[str] = ()) -> tuple[RouteChoice, Held]:
+                    explain: bool = False, exclude: Sequence[str] = (), lora_name: str = "") -> tuple[RouteChoice, Held]:
         """A decode worker for a new request, through admission: it may wait, or be refused
         (`Overloaded`); the place it holds is released by the caller at the request's end."""
         ...
@@ -212,9 +215,9 @@ class RouterClient:
             self._sessions.get(ROUTER_SESSION, router).open(router_pb2.RouteRequest(feedback=pending), self._timeout_s)
 
     async def route(self, request_id: str, model: str, token_ids: Sequence[int], role: common_pb2.WorkerRole,
-                    exclude: Sequence[str] = (), explain: bool = False) -> RouteChoice:
+                    exclude: Sequence[str] = (), explain: bool = False, lora_name: str = "") -> RouteChoice:
         request = router_pb2.RouteRequest(request_id=request_id, model=model, token_ids=token_ids, role=role,
-                                          exclude_worker_ids=exclude, explain=explain)
+                                          exclude_worker_ids=exclude, explain=explain, lora_name=lora_name)
         # The router's span joins the caller's trace (None when the caller traces nothing).
         metadata = outgoing_metadata()
 
@@ -225,11 +228,11 @@ class RouterClient:
         return (await self._ask(request_id, ask))[0]
 
     async def admit(self, request_id: str, model: str, token_ids: Sequence[int], admit: Admit,
-                    explain: bool = False, exclude: Sequence[str] = ()) -> tuple[RouteChoice, Held]:
+                    explain: bool = False, exclude: Sequence[str] = (), lora_name: str = "") -> tuple[RouteChoice, Held]:
         queue_ms = max(1, int(admit.queue_timeout_s * 1000))
         request = router_pb2.RouteRequest(request_id=request_id, model=model, token_ids=token_ids,
                                           role=common_pb2.WORKER_ROLE_DECODE, explain=explain, hold=True,
-                                          exclude_worker_ids=exclude,
+                                          exclude_worker_ids=exclude, lora_name=lora_name,
                                           qos=admit.qos, streams=admit.streams, max_tokens=admit.max_tokens,
                                           queue_timeout_ms=queue_ms)
         metadata = outgoing_metadata()

@@ -1,9 +1,16 @@
 """The router's Prometheus series: decisions, their latency, the share of prompts found cached,
-and how right its index was about each worker (index_accuracy.py)."""
+how right its index was about each worker (index_accuracy.py), and where LoRA adapters' requests
+went (resident or not)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Adapter names a router labels its series with at most; the routes of any further one count
+# under `OTHER_ADAPTERS`. Adapters are only those some worker knows, but workers may be told of
+# new ones at run time for ever: this keeps the series bounded all the same.
+MAX_ADAPTER_LABELS = 256
+OTHER_ADAPTERS = "_other"
 
 
 class KvTruthMetrics:
@@ -61,6 +68,21 @@ class RouterMetrics:
             "mean accuracy ratio over the worker's last routed requests (index_accuracy.RECENT_SAMPLES)",
             ["worker_id"], registry=registry,
         )
+        self.lora_routes = Counter(
+            "kvmesh_router_lora_routes",
+            "requests of a LoRA adapter routed, per adapter, and whether the chosen worker held it resident (or was "
+            "sent a request of it lately) or had to load it", ["lora_name", "resident"], registry=registry,
+        )
+        self._adapter_labels: set[str] = set()
+
+    def record_lora(self, lora_name: str, resident: bool) -> None:
+        """A request of adapter `lora_name` routed to a worker that held it resident, or not."""
+        if lora_name not in self._adapter_labels:
+            if len(self._adapter_labels) >= MAX_ADAPTER_LABELS:
+                lora_name = OTHER_ADAPTERS
+            else:
+                self._adapter_labels.add(lora_name)
+        self.lora_routes.labels(lora_name, "true" if resident else "false").inc()
 
     def record(self, prompt_tokens: int, overlap_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)

@@ -93,7 +93,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> router_pb2.FindMatchesResponse:
         try:
             with _said_on_the_wire(request.role):
-                matches = self._router.find_matches(_role(request.role), request.model, request.token_ids)
+                matches = self._router.find_matches(_role(request.role), request.model, request.token_ids,
+                                                    request.lora_name)
         except CallError as exc:
             await abort_with(context, exc)
         return matches_response(matches)

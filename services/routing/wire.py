@@ -23,7 +23,7 @@ def query_of(request: router_pb2.RouteRequest, role: RoleName) -> RouteQuery:
     return RouteQuery(request.request_id, request.model, request.token_ids, role,
                       frozenset(request.exclude_worker_ids), request.explain, qos_of(request.qos),
                       request.streams, request.max_tokens,
-                      request.queue_timeout_ms / 1000 if request.queue_timeout_ms else None)
+                      request.queue_timeout_ms / 1000 if request.queue_timeout_ms else None, request.lora_name)
 
 
 def response_of(route: Route) -> router_pb2.RouteResponse:

@@ -1,6 +1,7 @@
 """The router's view of the workers of one role: who they are, their cached blocks, their load.
 
-Workers come from etcd. For each one the pool follows its load metrics, and its KV events into
+Workers come from etcd. For each one the pool follows its load metrics (with its LoRA adapters'
+states: worker_adapters.py, which also says which adapters a worker knows), and its KV events into
 the pool's radix tree (kv_event_follower.py: resuming, resyncing from a snapshot, dropping a
 worker whose address another worker answers at now); when its lease goes, both end and all the
 worker's blocks are dropped.
@@ -40,6 +41,7 @@ from services.routing.kv_source import EVALUATE_EVERY_S, PREDICTED, KvSource, Kv
 from services.routing.predicted_cache import PredictedCache
 from services.routing.index_choice import new_index
 from services.routing.router_metrics import KvTruthMetrics
+from services.routing.worker_adapters import AdapterView, WorkerAdapters
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +69,30 @@ class WorkerState:
     synced: bool = False
     # (dispatch time, new blocks) of requests this router sent that the worker has not reported yet.
     pending: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=MAX_PENDING))
+    # Its LoRA adapters: its latest report's states, and those this router sent it requests of.
+    adapters: WorkerAdapters = field(default_factory=WorkerAdapters)
 
-    def add_pending(self, new_blocks: int) -> None:
-        self.pending.append((time.monotonic(), new_blocks))
+    def add_pending(self, new_blocks: int, lora_name: str = "") -> None:
+        now = time.monotonic()
+        self.pending.append((now, new_blocks))
+        self.adapters.dispatched(lora_name, now)
 
     def observe_load(self, load: worker_pb2.LoadMetrics) -> None:
         self.load = load
-        horizon = time.monotonic() - PENDING_GRACE_S
+        now = time.monotonic()
+        self.adapters.observe(load, now)
+        horizon = now - PENDING_GRACE_S
         while self.pending and self.pending[0][0] < horizon:
             self.pending.popleft()
+
+    def knows_adapter(self, lora_name: str) -> bool:
+        """Whether the worker serves LoRA adapter `lora_name` (always, the base model ""): its
+        etcd record or its latest load report lists it."""
+        return self.adapters.knows(lora_name, self.info.lora_adapters)
+
+    def adapter(self, lora_name: str) -> AdapterView:
+        """Adapter `lora_name` on this worker as routing weighs it (worker_adapters.py)."""
+        return self.adapters.view(lora_name)
 
     def pending_counts(self) -> tuple[int, int]:
         return len(self.pending), sum(b for _, b in self.pending)
@@ -209,11 +226,13 @@ class WorkerPool:
                 return [w for w, s in self.workers.items() if not s.synced]
         return []
 
-    def candidates(self, model: str) -> list[WorkerState]:
-        """The workers serving the model, less those whose address another worker answers at now
-        (killed and replaced: their lease has not run out yet, but a request sent there would
-        reach the new worker under the old one's name)."""
-        return [w for w in self.workers.values() if w.info.model == model and not w.replaced]
+    def candidates(self, model: str, lora_name: str = "") -> list[WorkerState]:
+        """The workers serving the model (and its LoRA adapter `lora_name`, when one is named),
+        less those whose address another worker answers at now (killed and replaced: their lease
+        has not run out yet, but a request sent there would reach the new worker under the old
+        one's name)."""
+        return [w for w in self.workers.values()
+                if w.info.model == model and not w.replaced and (not lora_name or w.knows_adapter(lora_name))]
 
     def block_size(self, model: str) -> int | None:
         return self._block_size_by_model.get(model)

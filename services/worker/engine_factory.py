@@ -57,6 +57,7 @@ def _mocker(config: EngineConfig, instance_id: str, store: KeyValueStore, namesp
             kv_bytes_per_token=config.kv_bytes_per_token,
             host_kv_blocks=config.host_kv_blocks,
             host_kv_gbps=config.host_kv_gbps,
+            lora=config.lora,
         ),
         kv_endpoint=endpoint,
     )
@@ -78,6 +79,7 @@ def _vllm(config: EngineConfig, kv_events: bool) -> Engine:
             if config.kv_transfer == "nixl" else None,
             host_kv_blocks=config.host_kv_blocks,
             kv_events=kv_events,
+            lora=config.lora,
             kv_events_port=port_for_later() if kv_events else 0,
         )
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from services.engines.lora import LORA_OFF, LoraConfig, LoraModule
 from services.engines.mocker.engine import MockerConfig
 from services.mesh.flags import (
     ConfigError,
@@ -56,6 +57,7 @@ class EngineConfig:
     # A host-memory KV tier of this many blocks (0: none), and its host -> device link in GB/s.
     host_kv_blocks: int = 0
     host_kv_gbps: float = DEFAULT_HOST_KV_GBPS
+    lora: LoraConfig = LORA_OFF
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -83,6 +85,10 @@ class EngineConfig:
             raise ConfigError(f"--host-kv-gbps must be > 0, got {self.host_kv_gbps}")
         if self.engine == "vllm" and self.host_kv_blocks:
             self._check_vllm_host_tier()
+        if self.engine == "vllm" and self.lora.enabled:
+            from services.engines.vllm_lora import vllm_max_lora_rank
+
+            vllm_max_lora_rank(self.lora.max_lora_rank)  # a ConfigError naming the flag past vLLM's largest
 
     def _check_vllm_host_tier(self) -> None:
         """vLLM's native offloading copies KV between accelerator and host memory: there is
@@ -129,6 +135,15 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     g.add_argument("--stream-interval-ms", type=non_negative_float, default=DEFAULT_INTERVAL_S * 1000,
                    help="a stream sends at most one message per this many ms; faster tokens ride together "
                         "(0: send each engine output at once)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters of the model (implied by --lora-modules): at start, and loaded at run "
+                        "time through POST /v1/load_lora_adapter")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) served from the start, each under its NAME as a model")
+    g.add_argument("--max-loras", type=positive_int, default=LoraConfig.max_loras,
+                   help="adapters kept loaded at once; the least recently used idle one is unloaded for another")
+    g.add_argument("--max-lora-rank", type=positive_int, default=LoraConfig.max_lora_rank,
+                   help="the highest adapter rank the worker accepts")
     return g
 
 
@@ -163,4 +178,11 @@ def engine_config(args: argparse.Namespace, advertise_host: str = "127.0.0.1") -
         advertise_host=advertise_host,
         host_kv_blocks=args.host_kv_blocks,
         host_kv_gbps=args.host_kv_gbps,
+        lora=lora_config(args),
     ))
+
+
+def lora_config(args: argparse.Namespace) -> LoraConfig:
+    modules = tuple(LoraModule.parse(text) for text in args.lora_modules)
+    return LoraConfig(enabled=args.enable_lora or bool(modules), modules=modules, max_loras=args.max_loras,
+                      max_lora_rank=args.max_lora_rank)

@@ -51,9 +51,9 @@ class KvEventLog:
         self._publishing.set()
         self._buffer: deque[NumberedEvent] = deque(maxlen=capacity)
         self._last_id = 0
-        # (block hash, tier) -> (parent hash, local hash). A block may sit in both tiers (vLLM
-        # keeps the device copy of what it offloads).
-        self._blocks: dict[tuple[SequenceHash, Tier], tuple[SequenceHash | None, LocalBlockHash]] = {}
+        # (block hash, tier) -> (parent hash, local hash, LoRA adapter). A block may sit in both
+        # tiers (vLLM keeps the device copy of what it offloads).
+        self._blocks: dict[tuple[SequenceHash, Tier], tuple[SequenceHash | None, LocalBlockHash, str]] = {}
         # Per block hash, its depth in its chain, while either tier holds it.
         self._depth: dict[SequenceHash, int] = {}
         self._subscribers: set[asyncio.Queue[NumberedEvent | None]] = set()
@@ -94,7 +94,7 @@ class KvEventLog:
             parent = data.parent_hash
             depth = 0 if parent is None else depths.get(parent, 0) + 1
             for block_hash, local in data.blocks:
-                blocks[(block_hash, data.tier)] = (parent, local)
+                blocks[(block_hash, data.tier)] = (parent, local, data.lora_name)
                 depths[block_hash] = depth
                 parent = block_hash
                 depth += 1
@@ -115,8 +115,8 @@ class KvEventLog:
         events = [NumberedEvent(self._last_id, KvCleared())]
         depths = self._depth
         items = sorted(self._blocks.items(), key=lambda item: depths[item[0][0]])
-        for (block_hash, tier), (parent, local) in items:
-            events.append(NumberedEvent(self._last_id, KvStored(parent, ((block_hash, local),), tier)))
+        for (block_hash, tier), (parent, local, lora_name) in items:
+            events.append(NumberedEvent(self._last_id, KvStored(parent, ((block_hash, local),), tier, lora_name)))
         return events
 
     async def subscribe(self, from_event_id: int, snapshot: bool = False, incarnation: int = 0,

@@ -9,7 +9,8 @@ worker that asked.
 
 How a prefill ends, as the decode worker reads it (services/contract/outcomes.py, hop PREFILL):
 an engine that cannot prefill for others is UNSUPPORTED, one holding all the KV it may is
-NO_CAPACITY, a request it refuses BAD_REQUEST, a worker that left the prefill role PEER_DRAINING.
+NO_CAPACITY, a request it refuses BAD_REQUEST, a worker that left the prefill role PEER_DRAINING,
+a prompt of a LoRA adapter the worker does not know MODEL_NOT_SERVED (lora_adapters.py).
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ import grpc
 from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.contract.worker_roles import RoleName
 from services.engines.base import Engine, EngineBusy, EngineRequest
+from services.engines.lora import AdapterError
 from services.mesh.grpc_server import as_unary_rpc
 from services.mesh.logs import REQUEST_ID
 from services.mesh.session_kind import PREFILL_SESSION, CallError, CallInfo, call_info
 from services.mesh.session_server import SessionHub
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.worker.kv_pull import kv_pull_to_proto
+from services.worker.lora_adapters import adapter_refused, check_adapter
 from services.worker.role_switch import Admit, always
 from services.worker.servicer import refused, sampling_from_proto
 
@@ -70,7 +73,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
         yield reply
 
     async def _prefill(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
-        engine_request = EngineRequest(request.request_id, list(request.token_ids), sampling_from_proto(request.sampling))
+        check_adapter(self.engine, request.lora_name)
+        engine_request = EngineRequest(request.request_id, list(request.token_ids), sampling_from_proto(request.sampling),
+                                       lora_name=request.lora_name)
         try:
             result = await self.engine.prefill(engine_request)
         except NotImplementedError as exc:
@@ -79,8 +84,11 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
             raise CallError(common_pb2.OUTCOME_NO_CAPACITY, str(exc)) from None
         except ValueError as exc:
             raise refused(exc) from None
-        log.info("request %s: prefilled %d tokens (%d cached) for remote decode", request.request_id,
-                 len(request.token_ids), result.cached_tokens)
+        except AdapterError as exc:  # forgotten between the check and the engine's `use`
+            raise adapter_refused(exc) from None
+        log.info("request %s: prefilled %d tokens (%d cached%s) for remote decode", request.request_id,
+                 len(request.token_ids), result.cached_tokens,
+                 f", LoRA adapter {request.lora_name}" if request.lora_name else "")
         return worker_pb2.PrefillResponse(kv_pull=kv_pull_to_proto(result.kv_pull), cached_tokens=result.cached_tokens)
 
     async def ReleaseKv(self, request: worker_pb2.ReleaseKvRequest,  # noqa: N802

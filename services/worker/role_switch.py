@@ -20,17 +20,15 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import replace
-
 import grpc
 
 from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, InstanceInfo, instance_key
-from services.mesh.etcd_lease import LeasedRegistration
+from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER
 from services.mesh.logs import LogComponent
 from services.contract.worker_roles import ROLE_OF, RoleName, requested_role
 from services.mesh.session_kind import CallError
 from services.mesh.tasks import cancel_and_wait
+from services.worker.record import WorkerRecord
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +52,7 @@ async def always(role: RoleName) -> AsyncIterator[None]:
 
 
 class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
-    def __init__(self, initial_role: RoleName, namespace: str, drain_timeout_s: float,
+    def __init__(self, initial_role: RoleName, drain_timeout_s: float,
                  log_component: LogComponent | None = None) -> None:
         if initial_role not in COMPONENT_OF:
             raise ValueError(f"unknown role {initial_role!r}")
@@ -63,10 +61,8 @@ class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
         self._log_component.name = COMPONENT_OF[initial_role]
         self.role: RoleName | None = initial_role
         self._registered_role = initial_role
-        self._namespace = namespace
         self._drain_timeout_s = drain_timeout_s
-        self._info: InstanceInfo | None = None
-        self._registration: LeasedRegistration | None = None
+        self._record: WorkerRecord | None = None
         self._inflight: dict[RoleName, set[asyncio.Task[object]]] = {role: set() for role in RoleName}
         self._ending: set[asyncio.Task[object]] = set()
         self._lock = asyncio.Lock()
@@ -81,9 +77,10 @@ class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
     def component(self) -> str:
         return COMPONENT_OF[self._registered_role]
 
-    def registered(self, info: InstanceInfo, registration: LeasedRegistration) -> None:
-        """Called once the worker is in etcd: the record and lease a switch moves."""
-        self._info, self._registration = info, registration
+    def registered(self, record: WorkerRecord) -> None:
+        """Called once the worker is in etcd: the record a switch moves (its one owner, so a
+        switch writes the adapters the worker knows now, not those it knew at the start)."""
+        self._record = record
 
     @asynccontextmanager
     async def work(self, role: RoleName) -> AsyncIterator[None]:
@@ -108,7 +105,7 @@ class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
     async def SwitchRole(self, request: worker_pb2.SwitchRoleRequest,  # noqa: N802
                          context: grpc.aio.ServicerContext) -> worker_pb2.SwitchRoleResponse:
         target = await requested_role(request.role, context)
-        if self._info is None or self._registration is None:
+        if self._record is None or not self._record.is_registered:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is not registered yet")
         deadline_s = request.drain_timeout_s if request.drain_timeout_s > 0 else self._drain_timeout_s
         async with self._lock:  # one switch at a time
@@ -120,15 +117,11 @@ class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
                                                  ended=ended)
 
     async def _switch(self, previous: RoleName, target: RoleName, deadline_s: float) -> tuple[int, int]:
-        assert self._info is not None and self._registration is not None
+        assert self._record is not None
         started = time.monotonic()
         self.role = None
-        old_info = self._info
-        new_info = replace(old_info, component=COMPONENT_OF[target], role=target)
-        await self._registration.move(instance_key(self._namespace, old_info), instance_key(self._namespace, new_info),
-                                      new_info.to_json(), replace(old_info, leaving=True).to_json())
-        self._registration.farewell[instance_key(self._namespace, new_info)] = replace(new_info, leaving=True).to_json()
-        self._info, self._registered_role = new_info, target
+        new_info = await self._record.update(component=COMPONENT_OF[target], role=target)
+        self._registered_role = target
         self._log_component.name = COMPONENT_OF[target]
         # The engine serves both kinds of work at once: the new role's calls are taken while
         # the old role's finish, so the worker is useful as soon as routers see it.

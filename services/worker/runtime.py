@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.engines.base import Engine
+from services.engines.lora import AdapterError
 from services.mesh.discovery import InstanceInfo, new_instance_id
 from services.mesh.flags import (
     FlagParser,
@@ -48,6 +49,14 @@ from services.worker.engine_health import watch_engine
 from services.worker.engine_flags import EngineConfig, add_engine_flags, add_kv_transfer_flag, engine_config
 from services.worker.kv_event_log import KvEventLog
 from services.worker.load_collector import WorkerLoadCollector
+from services.worker.lora_adapters import (
+    check_startup_adapters,
+    known_adapters,
+    register_runtime_adapters,
+    register_startup_adapters,
+)
+from services.worker.lora_collector import WorkerLoraCollector
+from services.worker.record import WorkerRecord
 from services.worker.role_switch import RoleSwitch
 from services.worker.servicer import WorkerServicer
 
@@ -103,7 +112,8 @@ class Role:
 class _Running:
     instance_id: str
     engine: Engine
-    info: InstanceInfo
+    # The worker's etcd record, its one owner (adapters loaded and role switches change it).
+    record: WorkerRecord
     lease_keys: dict[str, bytes]
     health: health.HealthServicer
     events: KvEventLog
@@ -139,14 +149,19 @@ async def start_worker(role: Role, ctx: WorkerContext, make_services: ServicesFa
     publishes = ctx.args.kv_events == "on"
     # In a thread: a NIXL agent's UCX start-up blocks for seconds (6 s seen on a 2-core machine),
     # long enough for this process's etcd watches, already open, to time out meanwhile.
-    built = await asyncio.to_thread(build_engine, spec, instance_id, runner.store, mesh.namespace,
-                                    kv_events=publishes)
+    try:
+        built = await asyncio.to_thread(build_engine, spec, instance_id, runner.store, mesh.namespace,
+                                        kv_events=publishes)
+    except AdapterError as exc:  # an engine that reads its --lora-modules adapters itself
+        die(f"--lora-modules: {exc}")
     events = KvEventLog(capacity=ctx.args.kv_event_buffer)
     if publishes:
         built.engine.set_kv_event_sink(events.append)
     # Registered before the (slow) start: a stop during a vLLM load still stops what it started.
     runner.on_teardown(f"stop engine of {instance_id}", built.engine.stop, ENGINE_STOP_S)
     await built.engine.start()
+    start_adapters(built.engine, spec)
+    await register_runtime_adapters(built.engine, runner.store, mesh.namespace, spec.served_model_name)
     services = make_services(built.engine, instance_id, events)
     runner.on_teardown(f"stop servicer of {instance_id}", services.worker.stop)
     binding = ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, services.worker, WORKER_SERVICE)
@@ -164,23 +179,39 @@ async def start_worker(role: Role, ctx: WorkerContext, make_services: ServicesFa
         metrics_port=metrics_port,
         switchable=switch is not None,
         kv_events=publishes,
+        lora_adapters=known_adapters(built.engine),
         extra={"max_model_len": built.engine.info.max_model_len, "kv_transfer": spec.kv_transfer},
     )
-    return _Running(instance_id, built.engine, info, built.lease_keys, health_servicer, events, switch)
+    record = WorkerRecord(info, mesh.namespace)
+    services.worker.record = record
+    return _Running(instance_id, built.engine, record, built.lease_keys, health_servicer, events, switch)
+
+
+def start_adapters(engine: Engine, spec: EngineConfig) -> None:
+    """The `--lora-modules` adapters, known to the engine from the start; one it cannot use stops
+    the worker with a line naming it."""
+    if spec.lora.enabled and engine.adapters is None:
+        die(f"--enable-lora: the {spec.engine} engine serves no LoRA adapters")
+    try:
+        register_startup_adapters(engine, spec.lora)
+    except AdapterError as exc:
+        die(f"--lora-modules: {exc}")
 
 
 async def join_mesh(ctx: WorkerContext, workers: list[_Running]) -> None:
     """Registers the process's workers together (so a drain deregisters them together) and
     watches each one's engine."""
-    registrations = await ctx.runner.register_all([(w.info, w.lease_keys) for w in workers])
-    for w, registration in zip(workers, registrations, strict=True):
+    sent = [w.record.info for w in workers]
+    registrations = await ctx.runner.register_all([(info, w.lease_keys) for info, w in zip(sent, workers, strict=True)])
+    for w, info, registration in zip(workers, sent, registrations, strict=True):
+        await w.record.registered(registration, info)
         if w.switch is not None:
-            w.switch.registered(w.info, registration)
+            w.switch.registered(w.record)
         ctx.runner.watch(asyncio.create_task(watch_engine(w.engine, w.health, w.instance_id),
                                              name=f"engine-health-{w.instance_id}"), f"the engine of {w.instance_id}")
-        log.info("%s %s serving %s (%s, block size %d, KV transfer %s) at %s", w.info.component, w.instance_id,
-                 ctx.engine.served_model_name, ctx.engine.engine, ctx.engine.block_size, ctx.engine.kv_transfer,
-                 w.info.address)
+        log.info("%s %s serving %s (%s, block size %d, KV transfer %s, LoRA adapters %s) at %s", info.component,
+                 w.instance_id, ctx.engine.served_model_name, ctx.engine.engine, ctx.engine.block_size,
+                 ctx.engine.kv_transfer, ",".join(w.record.info.lora_adapters) or "none", info.address)
 
 
 def install_silence_drill(workers: list[_Running]) -> None:
@@ -225,6 +256,10 @@ def main(role: Role) -> None:
     spec = engine_config(args, mesh.advertise_host)
     if role.check_flags is not None:
         role.check_flags(args, spec)
+    try:
+        check_startup_adapters(spec.lora)
+    except AdapterError as exc:
+        die(f"--lora-modules: {exc}")
     exit_if_checking(args)
 
     async def assemble(runner: ServiceRunner) -> None:
@@ -235,6 +270,8 @@ def main(role: Role) -> None:
         workers: list[_Running] = []
         registry = CollectorRegistry()
         registry.register(WorkerLoadCollector(lambda: [(w.instance_id, w.role(role), w.engine.load()) for w in workers]))
+        registry.register(WorkerLoraCollector(lambda: [(w.instance_id, w.role(role), w.engine.adapters)
+                                                       for w in workers if w.engine.adapters is not None]))
         metrics_port = runner.serve_metrics(registry, args.metrics_port)
         ctx = WorkerContext(args, mesh, runner, registry, spec, tracing, log_component)
         make_services = await role.prepare(ctx)
@@ -245,6 +282,6 @@ def main(role: Role) -> None:
         install_silence_drill(workers)
         # The launcher and the tests wait for this line.
         # A switchable worker says the pool it joined (`--start-as`).
-        print(f"{workers[0].info.component} ready: " + " ".join(w.instance_id for w in workers), flush=True)
+        print(f"{workers[0].record.info.component} ready: " + " ".join(w.instance_id for w in workers), flush=True)
 
     run_service(role.component, mesh, assemble)

@@ -1,4 +1,4 @@
-"""The gRPC face of an engine worker: generate, KV event and load metric streams.
+"""The gRPC face of an engine worker: generate, KV event and load metric streams, LoRA adapters.
 
 Every worker role serves this; the decode worker overrides Generate to decide where the
 prefill runs, the prefill worker adds the `Prefiller` service. The engine behind it is vLLM or
@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from typing import cast
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 
 import grpc
@@ -30,8 +30,19 @@ from services.mesh.session_kind import (
     token_row_message,
 )
 from services.mesh.session_server import SessionHub
+from services.mesh.etcd_store import StoreUnavailable
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.mesh.logs import REQUEST_ID
+from services.worker.lora_adapters import (
+    ADAPTER_STATUS,
+    adapter_refused,
+    check_adapter,
+    known_adapters,
+    load_adapter,
+    state_to_proto,
+    unload_adapter,
+)
+from services.worker.record import WorkerRecord
 from services.worker.pacing import DEFAULT_INTERVAL_S, paced
 from services.worker.kv_event_log import KvEventLog, NumberedEvent
 from services.engines.base import (
@@ -44,6 +55,7 @@ from services.engines.base import (
     Sampling,
     Structured,
 )
+from services.engines.lora import AdapterError, AdapterState
 from services.kv_protocol.events import KvCleared, KvRemoved, KvStored
 
 log = logging.getLogger(__name__)
@@ -129,6 +141,7 @@ def event_to_proto(event: NumberedEvent) -> worker_pb2.KvEvent:
             stored.parent_hash = data.parent_hash
         stored.blocks.extend(worker_pb2.StoredBlock(block_hash=b, tokens_hash=t) for b, t in data.blocks)
         stored.tier = cast(worker_pb2.KvTier, int(data.tier))
+        stored.lora_name = data.lora_name
     elif isinstance(data, KvRemoved):
         msg.removed.block_hashes.extend(data.block_hashes)
         msg.removed.tier = cast(worker_pb2.KvTier, int(data.tier))
@@ -137,8 +150,13 @@ def event_to_proto(event: NumberedEvent) -> worker_pb2.KvEvent:
     return msg
 
 
-def load_to_proto(load: LoadSnapshot) -> worker_pb2.LoadMetrics:
+def load_to_proto(load: LoadSnapshot, adapter_states: tuple[AdapterState, ...] = (),
+                  max_loras: int = 0) -> worker_pb2.LoadMetrics:
+    """`adapter_states`: every LoRA adapter the worker knows, resident or not; `max_loras`: how
+    many it keeps loaded (0: LoRA off)."""
     return worker_pb2.LoadMetrics(
+        lora_adapters=[state_to_proto(s) for s in adapter_states],
+        max_loras=max_loras,
         request_active_slots=load.request_active_slots,
         request_total_slots=load.request_total_slots,
         kv_active_blocks=load.kv_active_blocks,
@@ -167,13 +185,14 @@ def request_from_proto(request: worker_pb2.WorkerGenerateRequest) -> EngineReque
         raise bad_request(f"resumed_tokens ({request.resumed_tokens}) must be fewer than the tokens sent "
                           f"({len(request.token_ids)})")
     return EngineRequest(request.request_id, list(request.token_ids), sampling_from_proto(request.sampling),
-                         resumed_tokens=request.resumed_tokens)
+                         resumed_tokens=request.resumed_tokens, lora_name=request.lora_name)
 
 
 def generate_attributes(request: worker_pb2.WorkerGenerateRequest, worker_id: str) -> dict[str, str | int]:
     """The `decode` span's attributes (built only for a span that records)."""
     return {"kvmesh.request_id": request.request_id, "kvmesh.worker_id": worker_id,
-            "kvmesh.prompt_tokens": len(request.token_ids), "kvmesh.resumed_tokens": request.resumed_tokens}
+            "kvmesh.prompt_tokens": len(request.token_ids), "kvmesh.resumed_tokens": request.resumed_tokens,
+            "kvmesh.lora_name": request.lora_name}
 
 
 LOCAL_PREFILL = common_pb2.PrefillLocation(site=common_pb2.PrefillLocation.SITE_LOCAL)
@@ -197,6 +216,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                    latency=HopLatency(hops, "decode_worker") if hops is not None else None)
         # The handlers of the endless subscription streams, ended when the worker drains.
         self._subscriptions: set[asyncio.Task[object]] = set()
+        # The worker's etcd record, which lists the adapters it knows: set by the runtime once the
+        # server is bound (an adapter loaded before that is in the record it builds then).
+        self.record: WorkerRecord | None = None
 
     async def end_subscriptions(self) -> None:
         """Ends the KV event and metrics streams (a drain: they would never finish by themselves
@@ -227,12 +249,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         with self.tracing.server_span("decode", call, GENERATE_RPC) as span:
             if span.is_recording():
                 span.set_attributes(generate_attributes(request, self.worker_id))
-            engine_request = request_from_proto(request)
+            engine_request = self.engine_request(request)
             try:
                 async for msg in self.stream(engine_request, LOCAL_PREFILL, call.reply):
                     yield msg
             except ValueError as exc:
                 raise refused(exc) from exc
+            except AdapterError as exc:  # forgotten between the check and the engine's `use`
+                raise adapter_refused(exc) from exc
+
+    def engine_request(self, request: worker_pb2.WorkerGenerateRequest) -> EngineRequest:
+        """The engine's request; refused at once (a CallError) when no engine could serve it, or
+        when it names a LoRA adapter this worker does not know (lora_adapters.check_adapter)."""
+        engine_request = request_from_proto(request)
+        check_adapter(self.engine, engine_request.lora_name)
+        return engine_request
 
     async def stream(self, engine_request: EngineRequest, prefill: common_pb2.PrefillLocation,
                      reply: Callable[[TokenRow], None] | None = None) -> AsyncGenerator[GenerateReply, None]:
@@ -271,12 +302,49 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def SubscribeMetrics(self, request: worker_pb2.SubscribeMetricsRequest, context: grpc.aio.ServicerContext):
         self._subscribed()
-        last: LoadSnapshot | None = None
+        adapters = self.engine.adapters
+        max_loras = adapters.config.max_loras if adapters is not None else 0
+        last: tuple[LoadSnapshot, tuple[AdapterState, ...]] | None = None
         last_sent = 0.0
         while True:
-            load = self.engine.load()
+            # An adapter loaded, unloaded or taken by a request is a change, as a load change is.
+            current = (self.engine.load(), tuple(adapters.states()) if adapters is not None else ())
             now = time.monotonic()
-            if load != last or now - last_sent >= METRICS_MAX_INTERVAL_S:
-                yield load_to_proto(load)
-                last, last_sent = load, now
+            if current != last or now - last_sent >= METRICS_MAX_INTERVAL_S:
+                yield load_to_proto(*current, max_loras)
+                last, last_sent = current, now
             await asyncio.sleep(METRICS_POLL_S)
+
+    async def LoadLoraAdapter(self, request: worker_pb2.LoadLoraAdapterRequest,  # noqa: N802
+                              context: grpc.aio.ServicerContext) -> worker_pb2.LoraAdapterState:
+        return await self._change_adapters(load_adapter(self.engine, request), request.lora_name, "loaded", context)
+
+    async def UnloadLoraAdapter(self, request: worker_pb2.UnloadLoraAdapterRequest,  # noqa: N802
+                                context: grpc.aio.ServicerContext) -> worker_pb2.LoraAdapterState:
+        return await self._change_adapters(unload_adapter(self.engine, request), request.lora_name, "unloaded",
+                                           context)
+
+    async def _change_adapters(self, change: Awaitable[AdapterState], lora_name: str, verb: str,
+                               context: grpc.aio.ServicerContext) -> worker_pb2.LoraAdapterState:
+        """Runs a load or unload; a refusal ends the call with its status, a change goes in the record."""
+        try:
+            state = await change
+        except AdapterError as exc:
+            log.info("LoRA adapter %r not %s: %s", lora_name, verb, exc)
+            # The record is written on a refusal too: a change whose write failed before (the
+            # caller retries it, and now hears NOT_FOUND or "known") reaches etcd this way.
+            await self._record_adapters(context)
+            await context.abort(ADAPTER_STATUS[exc.kind], str(exc))
+        await self._record_adapters(context)
+        return state_to_proto(state)
+
+    async def _record_adapters(self, context: grpc.aio.ServicerContext) -> None:
+        """Puts the adapters the engine knows now in the worker's etcd record."""
+        if self.record is None:
+            return
+        try:
+            await self.record.update(lora_adapters=known_adapters(self.engine))
+        except StoreUnavailable as exc:
+            # The engine has the change; routers learn of it with the record's next write.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the adapter change is made, but the worker's etcd "
+                                                             f"record could not be updated: {exc}")

@@ -5,6 +5,7 @@ refused at once and with what, and that every place taken is given back."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -234,3 +235,19 @@ async def test_a_unary_route_cannot_hold_a_place() -> None:
     assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT and not gate.own and not gate.queued()
     held.hold = False
     assert (await servicer.Route(held, AbortingContext())).worker_id == "w0"  # type: ignore[arg-type]
+
+
+async def test_loading_a_lora_adapter_counts_in_the_predicted_time_to_first_token() -> None:
+    gate, pool = gate_with(config=AdmissionConfig(ttft_objective_s=1.0, worker_queue=0))
+    worker = pool.workers["w0"]
+    worker.info = dataclasses.replace(worker.info, lora_adapters=("cold", "warm"))
+    worker.observe_load(worker_pb2.LoadMetrics(request_total_slots=SLOTS, max_loras=1, lora_adapters=[
+        worker_pb2.LoraAdapterState(lora_name="cold", load_s=2.0),
+        worker_pb2.LoraAdapterState(lora_name="warm", resident=True)]))
+    for _ in range(SLOTS):
+        place(gate, gate.begin(request()))  # type: ignore[arg-type]
+    gate.forecaster.hold.observe(0.5)  # the queue alone keeps a request well within its objective
+    assert isinstance(gate.begin(dataclasses.replace(request(), lora_name="warm")), Queued)
+    with pytest.raises(CallError) as exc:  # the 2 s load does not fit
+        gate.begin(dataclasses.replace(request(), lora_name="cold"))
+    assert refusal(exc) == (common_pb2.OUTCOME_OVERLOADED, common_pb2.OVERLOAD_PREDICTED_LATENCY)

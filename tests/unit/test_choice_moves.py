@@ -110,7 +110,7 @@ async def workers(attempts: list[Attempt]) -> AsyncIterator[tuple[ScriptedWorker
 
 
 async def run(tokenizer: ModelTokenizer, attempts: list[Attempt], max_attempts: int = 3, migration_limit: int = 3,
-              structured: bool = False) -> Run:
+              structured: bool = False, lora_name: str = "") -> Run:
     failed: list[str] = []
     migrations = [0]
     async with workers(attempts) as (scripted, sessions):
@@ -124,7 +124,7 @@ async def run(tokenizer: ModelTokenizer, attempts: list[Attempt], max_attempts: 
             sampling.structured.regex = "[0-9]+"
         ctx = ChoiceContext(tokenizer, sessions, ChoiceLimits(30, max_attempts, migration_limit), route, failed.append,
                             lambda: migrations.__setitem__(0, migrations[0] + 1))
-        choice = ChoiceStream(ChoiceSpec("r", 0, PROMPT, sampling, []), ctx)
+        choice = ChoiceStream(ChoiceSpec("r", 0, PROMPT, sampling, [], lora_name), ctx)
         events: list[object] = []
         failure = None
         try:
@@ -180,6 +180,14 @@ async def test_a_worker_lost_mid_stream_moves_the_choice_with_its_tokens(tokeniz
     assert (list(third.token_ids), third.resumed_tokens, third.sampling.max_tokens) == (
         PROMPT + EVERY_TOKEN[:5], 5, MAX_TOKENS - 5)
     assert isinstance(r.events[-1], Finished) and r.events[-1].completion_tokens == MAX_TOKENS
+
+
+async def test_a_choice_runs_with_its_lora_adapter_on_every_worker_it_moves_to(tokenizer: ModelTokenizer) -> None:
+    r = await run(tokenizer, [Attempt(0, GONE), Attempt(3, FAILED), Attempt()], lora_name="alpha")
+    assert r.failure is None and r.tokens() == EVERY_TOKEN
+    assert [req.lora_name for req in r.workers.requests] == ["alpha"] * 3
+    plain = await run(tokenizer, [Attempt()])
+    assert plain.workers.requests[0].lora_name == ""
 
 
 async def test_migrations_stop_at_the_limit_with_no_worker(tokenizer: ModelTokenizer) -> None:

@@ -12,8 +12,9 @@ from tests.procs import ROOT
 
 SERVICE_PACKAGES = ("frontend", "processor", "kv_router", "decode_worker", "prefill_worker", "launch", "planner")
 # The KV protocol (block hashing, tiers, KV events) and the worker profiles (the mocker's timing)
-# are what engines share with the rest.
-ENGINE_MAY_USE = ("services.kv_protocol", "services.profiles")
+# are what engines share with the rest; the settings' one exception (a leaf module) lets engine
+# configs validate themselves as every config does.
+ENGINE_MAY_USE = ("services.kv_protocol", "services.profiles", "services.mesh.config_error")
 
 
 def imports_of(path: Path) -> set[str]:

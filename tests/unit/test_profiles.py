@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from services.engines.mocker.timing import TimingModel
-from services.profiles.cost_model import CostModel, ProfileError
-from services.profiles.fit import fit_cost_model, fit_error
-from services.profiles.profile_file import FORMAT, WorkerProfile, load_profile, preset_names, save_profile
+from services.profiles.cost_model import ADAPTER_LOAD_S_PER_GB, CostModel, ProfileError
+from services.profiles.fit import fit_adapter_load, fit_cost_model, fit_error
+from services.profiles.profile_file import DEFAULT_PRESET, FORMAT, WorkerProfile, load_profile, preset_names, save_profile
 
 TRUTH = CostModel(prefill_base_s=0.004, prefill_per_token_s=30e-6, prefill_quadratic_s_per_1k=2e-6,
                   decode_base_s=0.010, decode_per_seq_s=60e-6, decode_per_context_token_s=5e-9)
@@ -115,3 +116,26 @@ def test_a_scaled_profile_scales_its_points_too() -> None:
     assert p.source.endswith("half")
     with pytest.raises(ProfileError):
         TRUTH.scaled(0)
+
+
+def test_adapter_loads_of_two_sizes_fit_the_base_and_the_rate() -> None:
+    # 30 ms + 0.8 s per GB, measured at 100 MB and 400 MB.
+    loads = [(100_000_000, 0.03 + 0.08), (100_000_000, 0.03 + 0.08), (400_000_000, 0.03 + 0.32)]
+    base, per_gb = fit_adapter_load(loads)
+    assert base == pytest.approx(0.03, abs=1e-6)
+    assert per_gb == pytest.approx(0.8, abs=1e-6)
+
+
+def test_adapter_loads_of_one_size_keep_the_default_rate() -> None:
+    base, per_gb = fit_adapter_load([(1_000_000, 0.05), (1_000_000, 0.07), (1_000_000, 0.06)])
+    assert per_gb == ADAPTER_LOAD_S_PER_GB
+    assert base == pytest.approx(0.06 - 0.001 * ADAPTER_LOAD_S_PER_GB)
+    with pytest.raises(ProfileError):
+        fit_adapter_load([])
+
+
+def test_a_profile_keeps_its_adapter_load_cost(tmp_path: Path) -> None:
+    cost = replace(load_profile(DEFAULT_PRESET).cost, adapter_load_base_s=0.1, adapter_load_s_per_gb=3.0)
+    path = tmp_path / "p.json"
+    save_profile(WorkerProfile(cost, engine="mocker", model="m", block_size=16), path)
+    assert load_profile(str(path)).cost.adapter_load_s(2_000_000_000) == pytest.approx(6.1)

@@ -84,9 +84,9 @@ class StandInRouters:
     calls: list[dict] = field(default_factory=list)
 
     async def route(self, request_id: str, model: str, token_ids: list[int], role: int,
-                    exclude: tuple[str, ...] = ()) -> RouteChoice:
+                    exclude: tuple[str, ...] = (), lora_name: str = "") -> RouteChoice:
         self.calls.append(dict(request_id=request_id, model=model, token_ids=list(token_ids), role=role,
-                               exclude=tuple(exclude)))
+                               exclude=tuple(exclude), lora_name=lora_name))
         if self.raises is not None:
             raise self.raises
         return RouteChoice(PREFILL_ID, self.address, overlap_blocks=2, prefix_hit_rate=0.1,
@@ -169,9 +169,19 @@ async def test_a_long_uncached_prompt_is_prefilled_remotely_and_its_kv_params_re
         assert s.registry.get_sample_value("kvmesh_prefill_queue_size") == 1
         # The router was asked for the prefill pool, and the prefill worker got the prompt as sent.
         assert s.routers.calls == [dict(request_id="r-remote", model=MODEL, token_ids=tokens,
-                                        role=common_pb2.WORKER_ROLE_PREFILL, exclude=())]
+                                        role=common_pb2.WORKER_ROLE_PREFILL, exclude=(), lora_name="")]
         (sent,) = s.worker.prefills
         assert (sent.request_id, list(sent.token_ids), sent.sampling) == ("r-remote", tokens, SAMPLING)
+        assert sent.lora_name == ""
+
+
+async def test_a_lora_prompt_asks_for_a_prefill_worker_with_its_adapter_and_sends_the_adapter() -> None:
+    async with remote_prefill() as s:
+        plan = await s.prefiller.plan("r-lora", prompt(LONG), SAMPLING, 0.0, lora_name="sql-lora")
+        assert plan is not None and plan.worker_id == PREFILL_ID
+        assert [c["lora_name"] for c in s.routers.calls] == ["sql-lora"]
+        (sent,) = s.worker.prefills
+        assert sent.lora_name == "sql-lora"
 
 
 @pytest.mark.parametrize("pool_waiting", [0, 5])

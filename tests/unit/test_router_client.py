@@ -22,7 +22,7 @@ from services.mesh.channels import ChannelPool
 from services.mesh.discovery import ROUTER, InstanceInfo
 from services.mesh.net import free_port
 from services.mesh.recent_failures import HOLD_S
-from services.routing.router_client import NoWorkerError, RouteChoice, RouterClient, RoutingUnavailable
+from services.routing.router_client import Admit, NoWorkerError, RouteChoice, RouterClient, RoutingUnavailable
 from services.mesh.session_client import SessionPool
 from services.mesh.session_kind import ROUTER_SESSION, CallError, CallInfo
 from services.mesh.session_server import SessionHub
@@ -233,3 +233,14 @@ async def test_no_registered_router_is_routing_unavailable() -> None:
     async with routers() as mesh:
         with pytest.raises(RoutingUnavailable, match="no router"):
             await route(mesh.client)
+
+
+async def test_route_and_admit_carry_the_lora_adapter_to_the_router() -> None:
+    async with routers(OK) as mesh:
+        await mesh.client.route("req-a", MODEL, TOKENS, DECODE, lora_name="sql-expert")
+        choice, held = await mesh.client.admit("req-b", MODEL, TOKENS, Admit(common_pb2.Qos()), lora_name="sql-expert")
+        held.release()
+        base = await mesh.client.route("req-c", MODEL, TOKENS, DECODE)
+        assert choice.worker_id == base.worker_id == "worker-via-r0"
+        assert [r.lora_name for r in mesh["r0"].calls] == ["sql-expert", "sql-expert", ""]
+        assert [r.hold for r in mesh["r0"].calls] == [False, True, False]

@@ -176,15 +176,17 @@ class PrefillLocation(_message.Message):
     def __init__(self, site: _Optional[_Union[PrefillLocation.Site, str]] = ..., prefill_worker_id: _Optional[str] = ...) -> None: ...
 
 class RouteExplanation(_message.Message):
-    __slots__ = ("mode", "candidates")
+    __slots__ = ("mode", "candidates", "lora_name")
     MODE_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     mode: str
     candidates: _containers.RepeatedCompositeFieldContainer[RouteCandidate]
-    def __init__(self, mode: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, mode: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class RouteCandidate(_message.Message):
-    __slots__ = ("worker_id", "overlap_blocks", "cache_usage", "waiting", "logit", "host_overlap_blocks", "host_credit", "kv_source", "recent_accuracy")
+    __slots__ = ("worker_id", "overlap_blocks", "cache_usage", "waiting", "logit", "host_overlap_blocks", "host_credit", "kv_source", "recent_accuracy", "adapter_resident", "adapter_load_s")
     class KvSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KV_SOURCE_UNSPECIFIED: _ClassVar[RouteCandidate.KvSource]
@@ -202,6 +204,8 @@ class RouteCandidate(_message.Message):
     HOST_CREDIT_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     RECENT_ACCURACY_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_LOAD_S_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     overlap_blocks: int
     cache_usage: float
@@ -211,7 +215,9 @@ class RouteCandidate(_message.Message):
     host_credit: float
     kv_source: RouteCandidate.KvSource
     recent_accuracy: float
-    def __init__(self, worker_id: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., cache_usage: _Optional[float] = ..., waiting: _Optional[int] = ..., logit: _Optional[float] = ..., host_overlap_blocks: _Optional[int] = ..., host_credit: _Optional[float] = ..., kv_source: _Optional[_Union[RouteCandidate.KvSource, str]] = ..., recent_accuracy: _Optional[float] = ...) -> None: ...
+    adapter_resident: bool
+    adapter_load_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., cache_usage: _Optional[float] = ..., waiting: _Optional[int] = ..., logit: _Optional[float] = ..., host_overlap_blocks: _Optional[int] = ..., host_credit: _Optional[float] = ..., kv_source: _Optional[_Union[RouteCandidate.KvSource, str]] = ..., recent_accuracy: _Optional[float] = ..., adapter_resident: _Optional[bool] = ..., adapter_load_s: _Optional[float] = ...) -> None: ...
 
 class StreamEnd(_message.Message):
     __slots__ = ("stream_id", "outcome", "message", "param", "retry_after_ms", "overload")

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "model", "token_ids", "role", "exclude_worker_ids", "explain", "hold", "qos", "streams", "max_tokens", "queue_timeout_ms", "feedback")
+    __slots__ = ("request_id", "model", "token_ids", "role", "exclude_worker_ids", "explain", "hold", "qos", "streams", "max_tokens", "queue_timeout_ms", "feedback", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class RouteRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     FEEDBACK_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -33,7 +34,8 @@ class RouteRequest(_message.Message):
     max_tokens: int
     queue_timeout_ms: int
     feedback: _containers.RepeatedCompositeFieldContainer[RouteFeedback]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., explain: _Optional[bool] = ..., hold: _Optional[bool] = ..., qos: _Optional[_Union[_common_pb2.Qos, _Mapping]] = ..., streams: _Optional[int] = ..., max_tokens: _Optional[int] = ..., queue_timeout_ms: _Optional[int] = ..., feedback: _Optional[_Iterable[_Union[RouteFeedback, _Mapping]]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., explain: _Optional[bool] = ..., hold: _Optional[bool] = ..., qos: _Optional[_Union[_common_pb2.Qos, _Mapping]] = ..., streams: _Optional[int] = ..., max_tokens: _Optional[int] = ..., queue_timeout_ms: _Optional[int] = ..., feedback: _Optional[_Iterable[_Union[RouteFeedback, _Mapping]]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class RouteFeedback(_message.Message):
     __slots__ = ("request_id", "worker_id", "cached_tokens", "prompt_tokens")
@@ -70,14 +72,16 @@ class RouteResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., pool_waiting: _Optional[int] = ..., explanation: _Optional[_Union[_common_pb2.RouteExplanation, _Mapping]] = ..., host_overlap_blocks: _Optional[int] = ..., queued: _Optional[bool] = ..., queue_wait_ms: _Optional[int] = ...) -> None: ...
 
 class FindMatchesRequest(_message.Message):
-    __slots__ = ("model", "token_ids", "role")
+    __slots__ = ("model", "token_ids", "role", "lora_name")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     model: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     role: _common_pb2.WorkerRole
-    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class FindMatchesResponse(_message.Message):
     __slots__ = ("scores", "block_size", "host_scores")

@@ -18,15 +18,49 @@ KV_TIER_UNSPECIFIED: KvTier
 KV_TIER_DEVICE: KvTier
 KV_TIER_HOST: KvTier
 
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path", "load")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    load: bool
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., load: _Optional[bool] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoraAdapterState(_message.Message):
+    __slots__ = ("lora_name", "lora_path", "resident", "size_bytes", "load_s", "active_requests")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    resident: bool
+    size_bytes: int
+    load_s: float
+    active_requests: int
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., resident: _Optional[bool] = ..., size_bytes: _Optional[int] = ..., load_s: _Optional[float] = ..., active_requests: _Optional[int] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling")
+    __slots__ = ("request_id", "token_ids", "sampling", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("kv_pull", "cached_tokens")
@@ -100,18 +134,20 @@ class ReleaseKvResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "prefix_hit_rate", "resumed_tokens")
+    __slots__ = ("request_id", "token_ids", "sampling", "prefix_hit_rate", "resumed_tokens", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     prefix_hit_rate: float
     resumed_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefix_hit_rate: _Optional[float] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefix_hit_rate: _Optional[float] = ..., resumed_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "prompt_tokens", "cached_tokens", "prefill")
@@ -148,14 +184,16 @@ class StoredBlock(_message.Message):
     def __init__(self, block_hash: _Optional[int] = ..., tokens_hash: _Optional[int] = ...) -> None: ...
 
 class BlocksStored(_message.Message):
-    __slots__ = ("parent_hash", "blocks", "tier")
+    __slots__ = ("parent_hash", "blocks", "tier", "lora_name")
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     parent_hash: int
     blocks: _containers.RepeatedCompositeFieldContainer[StoredBlock]
     tier: KvTier
-    def __init__(self, parent_hash: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[StoredBlock, _Mapping]]] = ..., tier: _Optional[_Union[KvTier, str]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, parent_hash: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[StoredBlock, _Mapping]]] = ..., tier: _Optional[_Union[KvTier, str]] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class BlocksRemoved(_message.Message):
     __slots__ = ("block_hashes", "tier")
@@ -198,7 +236,7 @@ class SubscribeMetricsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadMetrics(_message.Message):
-    __slots__ = ("request_active_slots", "request_total_slots", "kv_active_blocks", "kv_total_blocks", "num_requests_waiting", "gpu_cache_usage_perc", "gpu_prefix_cache_hit_rate", "host_tier", "prefill_cost")
+    __slots__ = ("request_active_slots", "request_total_slots", "kv_active_blocks", "kv_total_blocks", "num_requests_waiting", "gpu_cache_usage_perc", "gpu_prefix_cache_hit_rate", "host_tier", "prefill_cost", "lora_adapters", "max_loras")
     REQUEST_ACTIVE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_TOTAL_SLOTS_FIELD_NUMBER: _ClassVar[int]
     KV_ACTIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +246,8 @@ class LoadMetrics(_message.Message):
     GPU_PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_COST_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     request_active_slots: int
     request_total_slots: int
     kv_active_blocks: int
@@ -217,7 +257,9 @@ class LoadMetrics(_message.Message):
     gpu_prefix_cache_hit_rate: float
     host_tier: HostKvTier
     prefill_cost: PrefillCost
-    def __init__(self, request_active_slots: _Optional[int] = ..., request_total_slots: _Optional[int] = ..., kv_active_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., gpu_cache_usage_perc: _Optional[float] = ..., gpu_prefix_cache_hit_rate: _Optional[float] = ..., host_tier: _Optional[_Union[HostKvTier, _Mapping]] = ..., prefill_cost: _Optional[_Union[PrefillCost, _Mapping]] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterState]
+    max_loras: int
+    def __init__(self, request_active_slots: _Optional[int] = ..., request_total_slots: _Optional[int] = ..., kv_active_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., gpu_cache_usage_perc: _Optional[float] = ..., gpu_prefix_cache_hit_rate: _Optional[float] = ..., host_tier: _Optional[_Union[HostKvTier, _Mapping]] = ..., prefill_cost: _Optional[_Union[PrefillCost, _Mapping]] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterState, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...
 
 class HostKvTier(_message.Message):
     __slots__ = ("active_blocks", "total_blocks", "load_gbps", "kv_bytes_per_token", "hit_blocks_total")

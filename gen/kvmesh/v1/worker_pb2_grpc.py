@@ -55,6 +55,16 @@ class WorkerStub:
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.SubscribeMetricsRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_worker__pb2.LoadMetrics.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/kvmesh.v1.Worker/LoadLoraAdapter',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.LoraAdapterState.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/kvmesh.v1.Worker/UnloadLoraAdapter',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.LoraAdapterState.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -92,6 +102,22 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Makes a LoRA adapter known to the worker (loaded on first use, or now with `load`), and
+        forgets one (unloaded once its requests end). Refused (FAILED_PRECONDITION) by a worker
+        started without LoRA, INVALID_ARGUMENT for an adapter it cannot use, NOT_FOUND for an
+        unknown one on unload, ALREADY_EXISTS for a name taken by another path.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +140,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.SubscribeMetrics,
                     request_deserializer=kvmesh_dot_v1_dot_worker__pb2.SubscribeMetricsRequest.FromString,
                     response_serializer=kvmesh_dot_v1_dot_worker__pb2.LoadMetrics.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.LoraAdapterState.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.LoraAdapterState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +261,60 @@ class Worker:
             '/kvmesh.v1.Worker/SubscribeMetrics',
             kvmesh_dot_v1_dot_worker__pb2.SubscribeMetricsRequest.SerializeToString,
             kvmesh_dot_v1_dot_worker__pb2.LoadMetrics.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/LoadLoraAdapter',
+            kvmesh_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.LoraAdapterState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Worker/UnloadLoraAdapter',
+            kvmesh_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.LoraAdapterState.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,6 +13,11 @@ view whole at every step: a block is stored in its new tier before it is removed
 so no index node is ever left empty in between (an empty node would drop everything below it).
 A block is moved to host only while its parent is still cached somewhere: a block whose prefix is
 gone can never be hit again.
+
+LoRA adapters: the engine hashes an adapter's blocks with the adapter's seed (`adapter_seed`), so
+their chained hashes differ from the base model's and every other adapter's and a lookup here
+never matches across adapters. Each cached block remembers its adapter, in both tiers, only so
+that its KvStored events can name it (`lora_name`).
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ from services.kv_protocol.hashing import LocalBlockHash, SequenceHash
 
 # Marks a block that caches nothing; sequence hashes are u64, never negative.
 NO_HASH = SequenceHash(-1)
-# A block that left the device: its hash, its parent's hash and its local hash.
-_Evicted = tuple[SequenceHash, SequenceHash | None, LocalBlockHash]
+# A block that left the device: its hash, its parent's hash, its local hash and its LoRA adapter.
+_Evicted = tuple[SequenceHash, SequenceHash | None, LocalBlockHash, str]
+# What the host tier keeps of a block: its parent's hash, its local hash and its LoRA adapter.
+_HostEntry = tuple[SequenceHash | None, LocalBlockHash, str]
 
 
 def _run_held(held: Container[SequenceHash], chain: Sequence[SequenceHash], start: int) -> int:
@@ -49,7 +56,7 @@ def _parents_first(batch: list[_Evicted]) -> list[_Evicted]:
     for entry in reversed(batch):  # tail-first evictions reversed: mostly in order already
         stack, on_stack = [entry], {entry[0]}
         while stack:
-            h, parent, _ = stack[-1]
+            h, parent, _, _ = stack[-1]
             if parent in by_hash and parent not in done and parent not in on_stack:
                 stack.append(by_hash[parent])
                 on_stack.add(parent)
@@ -68,6 +75,7 @@ class BlockManager:
         "_hash_of",
         "_host",
         "_local_of",
+        "_lora_of",
         "_lru",
         "_never_used",
         "_parent_of",
@@ -90,11 +98,12 @@ class BlockManager:
         # What a cached device block needs to move to host: its parent's hash and its local hash.
         self._parent_of: list[SequenceHash | None] = [None] * num_blocks
         self._local_of: list[LocalBlockHash] = [LocalBlockHash(0)] * num_blocks
+        self._lora_of: list[str] = [""] * num_blocks
         self._refs: list[int] = [0] * num_blocks
         # Cached blocks with no reference, oldest first: the eviction order.
         self._lru: OrderedDict[int, None] = OrderedDict()
-        # The host tier: block hash -> (parent hash, local hash), oldest first.
-        self._host: OrderedDict[SequenceHash, tuple[SequenceHash | None, LocalBlockHash]] = OrderedDict()
+        # The host tier: block hash -> (parent hash, local hash, adapter), oldest first.
+        self._host: OrderedDict[SequenceHash, _HostEntry] = OrderedDict()
         self.host_hit_blocks = 0
 
     # -- queries -------------------------------------------------------------------------------
@@ -121,8 +130,9 @@ class BlockManager:
     # -- allocation ----------------------------------------------------------------------------
 
     def allocate(self, chain: list[SequenceHash], locals_: list[LocalBlockHash],
-                 num_tokens: int) -> tuple[list[int], int, int] | None:
-        """Blocks for a sequence of `num_tokens` whose full blocks hash to `chain`.
+                 num_tokens: int, lora_name: str = "") -> tuple[list[int], int, int] | None:
+        """Blocks for a sequence of `num_tokens` whose full blocks hash to `chain` (computed with
+        LoRA adapter `lora_name`, "" for the base model).
 
         Reuses the cached prefix, loads the part of it that continues in host memory back into
         fresh blocks, takes fresh blocks for the rest and caches the new full ones. Returns
@@ -143,7 +153,7 @@ class BlockManager:
         for _ in range(needed):
             blocks.append(self._take_block(evicted))
         self._evict(evicted)
-        self._cache_full_blocks(blocks, chain, locals_, hit)
+        self._cache_full_blocks(blocks, chain, locals_, hit, lora_name)
         if loaded:  # on the device now (stored above): the host copies go
             self.host_hit_blocks += len(loaded)
             self._emit(KvRemoved(tuple(loaded), Tier.HOST))
@@ -159,7 +169,7 @@ class BlockManager:
         return block
 
     def cache_block(self, block: int, parent_hash: SequenceHash | None, chain_hash: SequenceHash,
-                    local_hash: LocalBlockHash) -> None:
+                    local_hash: LocalBlockHash, lora_name: str = "") -> None:
         """Marks a block that just became full (during decode) as cached."""
         if chain_hash in self._by_hash or self._hash_of[block] != NO_HASH:
             return
@@ -167,7 +177,8 @@ class BlockManager:
         self._hash_of[block] = chain_hash
         self._parent_of[block] = parent_hash
         self._local_of[block] = local_hash
-        self._emit(KvStored(parent_hash, ((chain_hash, local_hash),)))
+        self._lora_of[block] = lora_name
+        self._emit(KvStored(parent_hash, ((chain_hash, local_hash),), lora_name=lora_name))
         if self._host.pop(chain_hash, None) is not None:
             self._emit(KvRemoved((chain_hash,), Tier.HOST))
 
@@ -198,7 +209,7 @@ class BlockManager:
             old = self._hash_of[block]
             del self._by_hash[old]
             self._hash_of[block] = NO_HASH
-            evicted.append((old, self._parent_of[block], self._local_of[block]))
+            evicted.append((old, self._parent_of[block], self._local_of[block], self._lora_of[block]))
         self._refs[block] = 1
         return block
 
@@ -208,7 +219,7 @@ class BlockManager:
             return
         if self.host_blocks:
             self._to_host(evicted)
-        self._emit(KvRemoved(tuple(h for h, _, _ in evicted)))
+        self._emit(KvRemoved(tuple(h for h, _, _, _ in evicted)))
 
     def _to_host(self, evicted: list[_Evicted]) -> None:
         """Keeps blocks the device evicted in host memory, stored there before the device removal is
@@ -216,7 +227,7 @@ class BlockManager:
         per chain, parents first (an engine evicts a chain tail first)."""
         host = self._host
         kept: list[_Evicted] = []
-        present = {h for h, _, _ in evicted}
+        present = {h for h, _, _, _ in evicted}
         for entry in _parents_first(evicted):
             parent = entry[1]
             if parent is None or parent in self._by_hash or parent in host or parent in present:
@@ -235,21 +246,22 @@ class BlockManager:
                 else:
                     still.append(entry)
             kept = still
-        chains: list[tuple[SequenceHash | None, list[tuple[SequenceHash, LocalBlockHash]]]] = []
-        for block_hash, parent, local in kept:
-            if chains and chains[-1][1][-1][0] == parent:
-                chains[-1][1].append((block_hash, local))
+        # A chain is one adapter's (its hashes are seeded with it), so one event names one adapter.
+        chains: list[tuple[SequenceHash | None, str, list[tuple[SequenceHash, LocalBlockHash]]]] = []
+        for block_hash, parent, local, lora in kept:
+            if chains and chains[-1][2][-1][0] == parent and chains[-1][1] == lora:
+                chains[-1][2].append((block_hash, local))
             else:
-                chains.append((parent, [(block_hash, local)]))
-        for parent, blocks in chains:
-            self._emit(KvStored(parent, tuple(blocks), Tier.HOST))
+                chains.append((parent, lora, [(block_hash, local)]))
+        for parent, lora, blocks in chains:
+            self._emit(KvStored(parent, tuple(blocks), Tier.HOST, lora))
         # Children enter the LRU before their parents, so a chain leaves host memory tail first, as
         # it left the device: a head dropped before its tail would strand the tail.
-        for block_hash, parent, local in reversed(kept):
-            host[block_hash] = (parent, local)
+        for block_hash, parent, local, lora in reversed(kept):
+            host[block_hash] = (parent, local, lora)
 
     def _cache_full_blocks(self, blocks: list[int], chain: list[SequenceHash], locals_: list[LocalBlockHash],
-                           start: int) -> None:
+                           start: int, lora_name: str) -> None:
         stored: list[tuple[SequenceHash, LocalBlockHash]] = []
         for i in range(start, len(chain)):
             h = chain[i]
@@ -260,10 +272,11 @@ class BlockManager:
             self._hash_of[block] = h
             self._parent_of[block] = chain[i - 1] if i > 0 else None
             self._local_of[block] = locals_[i]
+            self._lora_of[block] = lora_name
             stored.append((h, locals_[i]))
         if stored:
             parent = chain[start - 1] if start > 0 else None
-            self._emit(KvStored(parent, tuple(stored)))
+            self._emit(KvStored(parent, tuple(stored), lora_name=lora_name))
             # Recomputed although a copy sat in host memory past a gap in the prefix: one tier.
             stale = [h for h, _ in stored if self._host.pop(h, None) is not None] if self._host else []
             if stale:

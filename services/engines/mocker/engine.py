@@ -1,9 +1,13 @@
 """The mocker engine: continuous batching over a real block manager, with simulated step times.
 
-No weights: the token at each position is a hash of the prompt, the sampling parameters and the
-position, so every worker produces the same continuation and a request moved mid-stream goes on
-exactly. Everything else — admission under a token budget, prefix-cache hits, eviction,
-preemption when the cache is full, KV events and load — is real bookkeeping.
+No weights: the token at each position is a hash (output_tokens.py), so every worker produces
+the same continuation and a request moved mid-stream goes on exactly. Everything else —
+admission under a token budget, prefix-cache hits, eviction, preemption when the cache is full,
+KV events and load — is real bookkeeping.
+
+LoRA adapters (`MockerConfig.lora`): a request holds its adapter (`AdapterSet.use`) for its whole
+life; a load stalls the engine's step (adapter_loads.py). An adapter's blocks are hashed with its
+seed (`adapter_seed`), so its cache never serves the base model or another adapter.
 """
 
 from __future__ import annotations
@@ -12,14 +16,14 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import AsyncGenerator
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
 
-import xxhash
-
 from services.kv_protocol.hashing import (
+    KV_HASH_SEED,
     LocalBlockHash,
     SequenceHash,
-    block_bytes,
+    adapter_seed,
     chain_from,
     chain_hash,
     local_block_hashes,
@@ -37,10 +41,13 @@ from services.engines.base import (
     RowTap,
     UnsupportedFieldError,
 )
+from services.engines.lora import LORA_OFF, AdapterError, AdapterErrorKind, AdapterSet, LoraConfig
+from services.engines.mocker.adapter_loads import SimulatedAdapterLoader
 from services.engines.mocker.block_manager import BlockManager
 from services.engines.model_facts import read_model_facts
 from services.engines.output_channel import OutputChannel
-from services.engines.mocker.kv_transfer import KvTransferError, NixlKvEndpoint
+from services.engines.mocker.output_tokens import OutputTokens
+from services.engines.mocker.kv_transfer import KvTransferError, NixlKvEndpoint, check_pull_adapter
 from services.engines.mocker.timing import TimingModel
 
 log = logging.getLogger(__name__)
@@ -61,6 +68,8 @@ class MockerConfig:
     # link a load-back crosses (GB/s; a PCIe 5.0 x16 link moves about 50 in practice).
     host_kv_blocks: int = 0
     host_kv_gbps: float = 50.0
+    # LoRA adapters (--enable-lora, --lora-modules, --max-loras, --max-lora-rank).
+    lora: LoraConfig = LORA_OFF
 
 
 @dataclass(eq=False, slots=True)
@@ -70,6 +79,8 @@ class _Seq:
     prompt_len: int
     digest: int
     out: OutputChannel
+    # Seeds the local hashes of its blocks: `adapter_seed` of its LoRA adapter.
+    hash_seed: int = KV_HASH_SEED
     blocks: list[int] = field(default_factory=list)
     # Chained hashes of the full blocks of `tokens`, grown as decode fills blocks.
     chain: list[SequenceHash] = field(default_factory=list)
@@ -90,9 +101,7 @@ class MockerEngine(Engine):
         vocab, context, eos_ids = read_model_facts(config.model_dir)
         self.config = config
         self.info = EngineInfo(config.model_dir, config.served_model_name, config.block_size, context, vocab, eos_ids)
-        # Generated ids skip the lowest ids, where byte-level tokenizers keep special tokens.
-        self._token_low = min(8, vocab - 1)
-        self._token_span = max(1, vocab - self._token_low)
+        self._tokens = OutputTokens.of_vocab(vocab)
         self.blocks = BlockManager(config.num_gpu_blocks, config.block_size, self.emit_kv_event,
                                    config.host_kv_blocks)
         self._waiting: deque[_Seq] = deque()
@@ -104,6 +113,11 @@ class MockerEngine(Engine):
         self.kv_endpoint = kv_endpoint
         # Summing every running sequence's length each step only where the profile charges it.
         self._charges_context = config.timing.cost.decode_per_context_token_s > 0
+        self._adapter_loads = SimulatedAdapterLoader(config.timing, self._wake.set)
+        if config.lora.enabled:
+            self.adapters = AdapterSet(config.lora, self._adapter_loads, clock=self._adapter_loads.clock)
+            for module in config.lora.modules:
+                self.adapters.register(module.name, module.path)
 
     async def start(self) -> None:
         self._loop_task = asyncio.create_task(self._step_loop(), name="mocker-steps")
@@ -117,6 +131,7 @@ class MockerEngine(Engine):
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
             self._loop_task = None
+        self._adapter_loads.abort("the mocker engine stopped")
         for seq in list(self._running) + list(self._waiting):
             self._finish(seq, FinishReason.ABORT)
 
@@ -162,16 +177,49 @@ class MockerEngine(Engine):
         if self.kv_endpoint is None:
             return await super().prefill(request)
         cached = 0
-        one = EngineRequest(request.request_id, request.token_ids, replace(request.sampling, max_tokens=1))
+        one = EngineRequest(request.request_id, request.token_ids, replace(request.sampling, max_tokens=1),
+                            lora_name=request.lora_name)
         async for out in self.generate(one):
             cached = out.cached_tokens
-        params = await self.kv_endpoint.hold(request.request_id, request.token_ids)
+        params = await self.kv_endpoint.hold(request.request_id, request.token_ids, request.lora_name)
         return PrefillResult(params, cached)
 
     async def release_kv(self, request_id: str) -> bool:
         return self.kv_endpoint is not None and self.kv_endpoint.release(request_id)
 
     async def generate(self, request: EngineRequest, tap: RowTap | None = None) -> AsyncGenerator[EngineOutput, None]:
+        self._check(request)
+        seq = _Seq(
+            request=request,
+            tokens=list(request.token_ids),
+            prompt_len=len(request.token_ids),
+            digest=OutputTokens.digest(request),
+            out=OutputChannel(request.sampling.max_tokens + 1, tap),
+            hash_seed=adapter_seed(request.lora_name),
+        )
+        async with AsyncExitStack() as held:
+            if request.lora_name:
+                # Held until the request ends: its adapter cannot be unloaded under it.
+                await held.enter_async_context(self._adapter_set().use(request.lora_name))
+            if request.kv_pull is not None:
+                if self.kv_endpoint is None:
+                    raise KvTransferError("this worker was started without KV transfer (--kv-transfer nixl)")
+                self.record_kv_transfer(*await self.kv_endpoint.pull(request.kv_pull))
+                seq.remote_kv = True
+            self._waiting.append(seq)
+            self._wake.set()
+            try:
+                while True:
+                    output = await seq.out.get()
+                    yield output
+                    if output.finish_reason is not None:
+                        return
+            finally:
+                if not seq.done:
+                    self._finish(seq, FinishReason.ABORT)
+
+    def _check(self, request: EngineRequest) -> None:
+        """Refuses a request this engine cannot serve as asked, before it takes anything."""
         shaping = request.sampling.shaping_fields()
         if shaping:
             # Its tokens are a hash of prompt and position, not a draw from a distribution:
@@ -184,29 +232,16 @@ class MockerEngine(Engine):
             raise ValueError(
                 f"request needs {max_blocks} KV blocks; this worker has {self.config.num_gpu_blocks}"
             )
-        seq = _Seq(
-            request=request,
-            tokens=list(request.token_ids),
-            prompt_len=len(request.token_ids),
-            digest=self._digest(request),
-            out=OutputChannel(request.sampling.max_tokens + 1, tap),
-        )
+        if request.lora_name:
+            self._adapter_set().get(request.lora_name)  # unknown: refused now, not after a wait
         if request.kv_pull is not None:
-            if self.kv_endpoint is None:
-                raise KvTransferError("this worker was started without KV transfer (--kv-transfer nixl)")
-            self.record_kv_transfer(*await self.kv_endpoint.pull(request.kv_pull))
-            seq.remote_kv = True
-        self._waiting.append(seq)
-        self._wake.set()
-        try:
-            while True:
-                output = await seq.out.get()
-                yield output
-                if output.finish_reason is not None:
-                    return
-        finally:
-            if not seq.done:
-                self._finish(seq, FinishReason.ABORT)
+            check_pull_adapter(request.kv_pull, request.lora_name)
+
+    def _adapter_set(self) -> AdapterSet:
+        if self.adapters is None:
+            raise AdapterError(AdapterErrorKind.DISABLED,
+                               "this worker was started without LoRA (--enable-lora): it serves the base model only")
+        return self.adapters
 
     # -- scheduling ----------------------------------------------------------------------------
 
@@ -214,7 +249,7 @@ class MockerEngine(Engine):
         loop = asyncio.get_running_loop()
         step_end: float | None = None
         while True:
-            if not self._waiting and not self._running:
+            if not self._waiting and not self._running and not self._adapter_loads.queued:
                 self._wake.clear()
                 step_end = None  # idle: the next step starts its own clock
                 await self._wake.wait()
@@ -222,7 +257,8 @@ class MockerEngine(Engine):
             context = sum(len(seq.tokens) for seq in self._running) if self._charges_context else 0
             admitted, prompts, loaded_blocks = self._admit()
             timing = self.config.timing
-            duration = timing.step_seconds(prompts, decode_seqs, context)
+            # Adapters load while the step is set up: every sequence in it waits for them.
+            duration = timing.step_seconds(prompts, decode_seqs, context) + self._adapter_loads.start_step()
             if loaded_blocks:
                 kv_bytes = loaded_blocks * self.config.block_size * self.config.kv_bytes_per_token
                 duration += timing.load_seconds(kv_bytes, self.config.host_kv_gbps)
@@ -236,6 +272,7 @@ class MockerEngine(Engine):
             else:
                 step_end += duration
             await asyncio.sleep(max(0.0, step_end - now))
+            self._adapter_loads.end_step()
             self._emit_tokens(admitted)
 
     def _admit(self) -> tuple[list[_Seq], list[int], int]:
@@ -249,7 +286,7 @@ class MockerEngine(Engine):
             seq = self._waiting[0]
             bs = self.config.block_size
             if not seq.chain and len(seq.tokens) >= bs:
-                seq.locals_ = local_block_hashes(seq.tokens, bs)
+                seq.locals_ = local_block_hashes(seq.tokens, bs, seq.hash_seed)
                 seq.chain = chain_from(seq.locals_)
             chain = seq.chain
             if seq.remote_kv:
@@ -260,7 +297,7 @@ class MockerEngine(Engine):
             # A prompt longer than the budget runs alone in its step (chunked prefill, collapsed).
             if used and used + uncached > budget:
                 break
-            allocation = self.blocks.allocate(chain, seq.locals_, len(seq.tokens))
+            allocation = self.blocks.allocate(chain, seq.locals_, len(seq.tokens), seq.request.lora_name)
             if allocation is None:
                 break
             self._waiting.popleft()
@@ -289,7 +326,7 @@ class MockerEngine(Engine):
             if not self._grow(seq):
                 self._preempt(seq)
                 continue
-            token = self._token_at(seq, seq.request.resumed_tokens + seq.generated)
+            token = self._tokens.at(seq.digest, seq.request.resumed_tokens + seq.generated)
             seq.tokens.append(token)
             seq.generated += 1
             finish = self._finish_reason(seq, token)
@@ -306,10 +343,10 @@ class MockerEngine(Engine):
         n = len(seq.tokens)
         if n % bs == 0 and n // bs > len(seq.chain):
             parent = seq.chain[-1] if seq.chain else None
-            local = local_block_hashes(seq.tokens[n - bs : n], bs)[0]
+            local = local_block_hashes(seq.tokens[n - bs : n], bs, seq.hash_seed)[0]
             seq.chain.append(chain_hash(parent or 0, local))
             seq.locals_.append(local)
-            self.blocks.cache_block(seq.blocks[n // bs - 1], parent, seq.chain[-1], local)
+            self.blocks.cache_block(seq.blocks[n // bs - 1], parent, seq.chain[-1], local, seq.request.lora_name)
         if n + 1 > len(seq.blocks) * bs:
             block = self.blocks.append_block()
             if block is None:
@@ -348,20 +385,3 @@ class MockerEngine(Engine):
         self._release(seq)
         if not seq.out.full():
             seq.out.put(EngineOutput([], reason, seq.cached_tokens))
-
-    # -- deterministic tokens ------------------------------------------------------------------
-
-    @staticmethod
-    def _digest(request: EngineRequest) -> int:
-        """What every token of the request's output depends on, besides its position: the
-        original prompt (without output resumed from another worker) and the sampling."""
-        s = request.sampling
-        params = f"{s.seed}|{s.temperature}|{s.top_p}|{s.top_k}".encode()
-        prompt = request.token_ids[: len(request.token_ids) - request.resumed_tokens]
-        return xxhash.xxh3_64_intdigest(block_bytes(prompt) + params)
-
-    def _token_at(self, seq: _Seq, position: int) -> int:
-        """The token at `position` of the request's output, counting output resumed from another worker."""
-        h = xxhash.xxh3_64_intdigest(position.to_bytes(8, "little"), seq.digest)
-        return self._token_low + h % self._token_span
-

@@ -6,6 +6,10 @@ register their KV cache), until the decode worker that pulled it says it is done
 side gives up (ReleaseKv), or a lease runs out. A decode worker reads it with one NIXL READ into
 a slice of its own registered arena and verifies the checksum.
 
+The KV of a prompt prefilled with a LoRA adapter is that adapter's: the pull parameters name it
+(`lora_name`), and a decode worker refuses to pull it for a request that runs another adapter
+(or the base model) rather than decode from the wrong KV.
+
 Agents find each other through etcd: each worker's agent metadata is stored under its instance
 lease (`/<namespace>/nixl/<instance_id>`) and disappears with it.
 """
@@ -42,6 +46,19 @@ PULL_MIN_BYTES_PER_S = 25e6
 
 class KvTransferError(Exception):
     """The KV could not be moved (peer gone, transfer failed, or the bytes did not match)."""
+
+
+def check_pull_adapter(params: dict, lora_name: str) -> None:
+    """Refuses KV computed with another LoRA adapter than the request's ("" is the base model;
+    parameters from before adapters name none)."""
+    pulled = str(params.get("lora_name", ""))
+    if pulled != lora_name:
+        raise KvTransferError(f"the prefill worker computed this prompt's KV with {_model_of(pulled)}, "
+                              f"but the request runs {_model_of(lora_name)}: refusing to pull it")
+
+
+def _model_of(lora_name: str) -> str:
+    return f"LoRA adapter {lora_name!r}" if lora_name else "the base model"
 
 
 def nixl_metadata_key(namespace: str, instance_id: str) -> str:
@@ -164,8 +181,9 @@ class NixlKvEndpoint:
 
     # -- prefill side --------------------------------------------------------------------------
 
-    async def hold(self, request_id: str, tokens: list[int]) -> dict:
-        """Writes the prompt's KV into the arena and returns what a decode worker needs to read it.
+    async def hold(self, request_id: str, tokens: list[int], lora_name: str = "") -> dict:
+        """Writes the prompt's KV (computed with LoRA adapter `lora_name`) into the arena and
+        returns what a decode worker needs to read it.
 
         Building and checksumming megabytes runs on a worker thread, off the engine's event loop.
         """
@@ -183,7 +201,7 @@ class NixlKvEndpoint:
         self._held[request_id] = _Held(offset, nbytes, time.monotonic() + self._hold_timeout_s)
         descs = self._agent.get_serialized_descs(self._agent.get_xfer_descs(region))
         return {"agent": self.name, "request_id": request_id, "nbytes": nbytes,
-                "checksum": digest, "descs": base64.b64encode(descs).decode()}
+                "checksum": digest, "descs": base64.b64encode(descs).decode(), "lora_name": lora_name}
 
     def release(self, request_id: str) -> bool:
         held = self._held.pop(request_id, None)

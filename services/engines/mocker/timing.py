@@ -42,6 +42,13 @@ class TimingModel:
             return 0.0
         return nbytes / (gbps * 1e9) / self.speedup
 
+    def adapter_load_seconds(self, size_bytes: int) -> float:
+        """Loading a LoRA adapter of `size_bytes` (the profile's adapter-load terms), during which
+        the engine's step stalls."""
+        if self.speedup == float("inf"):
+            return 0.0
+        return self.cost.adapter_load_s(size_bytes) / self.speedup
+
     @property
     def prefill_per_token_us(self) -> float:
         return self.cost.prefill_per_token_s * 1e6

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 
 from gen.kvmesh.v1 import common_pb2
-from services.kv_protocol.hashing import local_block_hashes
+from services.kv_protocol.hashing import adapter_seed, local_block_hashes
 from services.mesh.config_error import ConfigError
 from services.mesh.session_kind import CallError
 from services.routing.admission.admission_metrics import AdmissionMetrics
@@ -316,15 +316,18 @@ class Admission:
                          overload=hit.overload)
 
     def _prefill_s(self, query: RouteQuery) -> float:
-        """The prefill on the worker caching most of the prompt (where it would likely go)."""
-        candidates = self._pool.candidates(query.model)
+        """The prefill on the worker caching most of the prompt (where it would likely go), after
+        loading the query's LoRA adapter there if it is not resident (its blocks hash with the
+        adapter's seed: only that adapter's cached blocks count)."""
+        lora = query.lora_name
+        candidates = self._pool.candidates(query.model, lora)
         block_size = self._pool.block_size(query.model)
         if not candidates or not block_size:
             return 0.0
-        overlaps = self._pool.index.find_matches(local_block_hashes(query.token_ids, block_size))
+        overlaps = self._pool.index.find_matches(local_block_hashes(query.token_ids, block_size, adapter_seed(lora)))
         best = max(candidates, key=lambda w: overlaps.get(w.info.instance_id, 0))
         cached = min(len(query.token_ids), overlaps.get(best.info.instance_id, 0) * block_size)
-        return prefill_s(best.load, len(query.token_ids) - cached, cached)
+        return prefill_s(best.load, len(query.token_ids) - cached, cached) + (best.adapter(lora).load_s if lora else 0.0)
 
     def _queue(self, model: str) -> FairQueue[Queued]:
         queue = self._queues.get(model)

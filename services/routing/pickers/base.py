@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.routing.cost_function import Terms
+from services.routing.worker_adapters import AdapterView
 from services.routing.worker_pool import WorkerState
 
 
@@ -33,6 +34,9 @@ class PickContext:
     # (host_credit.py). Worked out once per decision, by the router, so the pick, its explanation
     # and the prefix hit rate reported all weigh the same number.
     host_credits: Mapping[str, float] = field(default_factory=dict)
+    # Per worker id, the request's LoRA adapter there (worker_adapters.py); empty for the base
+    # model. Worked out once per decision, by the router, as the host credits are.
+    adapters: Mapping[str, AdapterView] = field(default_factory=dict)
 
 
 class Picker(Protocol):

@@ -5,7 +5,8 @@ and queue) or NVIDIA Dynamo's (dynamo_cost.py: blocks to prefill plus blocks to 
 the same candidates: a worker's load is its last metrics report plus what this router dispatched
 to it since (the pending requests and blocks), so a burst of requests does not all land on the
 worker that was idle at the last report. With no cached prefix anywhere either reduces to
-least-loaded.
+least-loaded. A request of a LoRA adapter also weighs loading it where it is not resident (the
+context's `adapters`), in each rule's units.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import dataclasses
 import random
 from collections.abc import Sequence
 
+from gen.kvmesh.v1 import worker_pb2
 from services.routing import cost_function, dynamo_cost
 from services.routing.cost_function import Candidate, CostModel, CostWeights, Terms
 from services.routing.dynamo_cost import DynamoCostConfig
+from services.kv_protocol.tier import prefill_seconds
 from services.routing.pickers.base import PickContext
 from services.routing.worker_pool import WorkerState
 
@@ -47,7 +50,7 @@ class KvPicker:
 def dynamo_config(weights: CostWeights) -> DynamoCostConfig:
     """The Dynamo rule's parameters: Dynamo's defaults, but for the prefill load scale the settings
     give and `--host-overlap-weight`, when given, as its host weight."""
-    config = DynamoCostConfig(prefill_load_scale=weights.prefill_load_scale)
+    config = DynamoCostConfig(prefill_load_scale=weights.prefill_load_scale, lora_weight=weights.lora)
     if weights.host_overlap is None:
         return config
     return dataclasses.replace(config, host_cache_hit_weight=weights.host_overlap)
@@ -55,10 +58,14 @@ def dynamo_config(weights: CostWeights) -> DynamoCostConfig:
 
 def candidate(worker: WorkerState, context: PickContext) -> Candidate:
     """The cost rules' view of one worker: reported load plus this router's pending work, and
-    its host-held blocks of the prompt at the credit the context gives them."""
+    its host-held blocks of the prompt at the credit the context gives them, and what loading
+    the request's adapter there would take."""
     pending_requests, pending_blocks = worker.pending_counts()
     load = worker.load
     worker_id = worker.info.instance_id
+    adapter = context.adapters.get(worker_id)
+    load_s = adapter.load_s if adapter is not None and not adapter.resident else 0.0
+    busy = adapter is not None and adapter.slots_busy
     return Candidate(
         worker_id=worker_id, overlap_blocks=context.overlaps.get(worker_id, 0),
         kv_active_blocks=load.kv_active_blocks, kv_total_blocks=load.kv_total_blocks,
@@ -66,4 +73,14 @@ def candidate(worker: WorkerState, context: PickContext) -> Candidate:
         pending_requests=pending_requests, pending_blocks=pending_blocks,
         num_requests_running=load.request_active_slots,
         indexed_blocks=context.indexed_blocks(worker_id), host_overlap_blocks=context.host_overlaps.get(worker_id, 0),
-        host_credit=context.host_credits.get(worker_id, 0.0))
+        host_credit=context.host_credits.get(worker_id, 0.0), adapter_load_s=load_s,
+        adapter_slots_busy=busy,
+        prompt_prefill_s=prompt_prefill_s(load, context.num_tokens) if load_s > 0 else None)
+
+
+def prompt_prefill_s(load: worker_pb2.LoadMetrics, num_tokens: int) -> float | None:
+    """Prefilling the whole prompt on the worker, from its reported cost (None: it reports none)."""
+    if not load.HasField("prefill_cost"):
+        return None
+    cost = load.prefill_cost
+    return prefill_seconds(cost.us_per_token, cost.us_per_token_per_1k, 0, num_tokens)
