@@ -80,6 +80,18 @@ class EngineRequest:
     resumed_tokens: int = 0
     # The LoRA adapter to run with ("" for the base model); the engine's `adapters` must know it.
     lora_name: str = ""
+    # The agent session it belongs to, when the router bound one: what to keep once it ends.
+    session: SessionRetention | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SessionRetention:
+    """Keep a session's blocks (the request's prompt and output) for `retain_s` after the request
+    ends, for the session's next request: an engine that can (the mocker) pins them on the device
+    within its budget, else keeps them in its host tier; one that cannot ignores it."""
+
+    session_id: str
+    retain_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +146,8 @@ class LoadSnapshot:
     gpu_prefix_cache_hit_rate: float = 0.0
     host_tier: HostTierLoad | None = None
     prefill_cost: PrefillCost | None = None
+    # Agent sessions' pinned KV (engines that keep it: the mocker).
+    sessions: SessionPinLoad | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +159,20 @@ class HostTierLoad:
     load_gbps: float
     kv_bytes_per_token: int
     hit_blocks_total: int
+
+
+@dataclass(frozen=True, slots=True)
+class SessionPinLoad:
+    """The KV an engine keeps for idle agent sessions (SessionRetention): live pins, device blocks
+    pinned (within `device_budget`), host-tier blocks protected from its LRU drop, and the blocks
+    brought back ahead of a session's request and demoted from the device past the budget."""
+
+    pins: int
+    device_blocks: int
+    device_budget: int
+    host_blocks: int
+    prefetched_blocks_total: int
+    demoted_blocks_total: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,7 +82,7 @@ def main() -> None:
         metrics = FrontendMetrics()
         runner.time_gc(metrics.registry)
         lora = LoraAdmin(view, runner.channels, store=runner.store, namespace=mesh.namespace)
-        app = create_app(config, view, metrics, lora)
+        app = create_app(config, view, metrics, lora, runner.channels)
         if tracing.enabled:
             app = RequestTracing(app, tracing=tracing)
         if admin_sock is not None:

@@ -263,6 +263,8 @@ class Answer:
                 acc.tokens.append(d)
             if d.finish_reason:
                 acc.finish_reason = finish_name(d.finish_reason)
+            if d.stop_sequence:
+                acc.stop_sequence = d.stop_sequence
         out = []
         for index in sorted(choices):
             acc = choices[index]
@@ -274,6 +276,8 @@ class Answer:
             else:
                 out.append({"index": index, "text": text, "finish_reason": acc.finish_reason,
                             "logprobs": completion_logprobs(acc.tokens) if self.req.logprobs is not None else None})
+            if acc.stop_sequence is not None:
+                out[-1]["stop_reason"] = acc.stop_sequence  # vLLM's field: which stop string ended it
         return {"id": self.id, "object": self.kind.object_name, "created": self.created, "model": self.req.model,
                 "choices": out, "usage": usage_body(self.usage, self.hide_details)}
 

@@ -16,10 +16,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
+from gen.kvmesh.v1 import common_pb2
 from services.frontend import openapi
 from services.frontend.answer import Answer, ClientGone, SseResponse, collect_unless_gone, first_route, unless_gone
-from services.frontend.auth import check_api_key, key_tenant
+from services.frontend.auth import check_api_key, key_tenant, presented_key
 from services.frontend.qos import OutsideQueue, check_tenant_name, request_qos
+from services.frontend.sessions import request_session
 from services.frontend.refusal_memory import RefusalMemory, RequestKind
 from services.frontend.body import read_json
 from services.frontend.direct_write import body_writer
@@ -30,12 +32,18 @@ from services.frontend.inflight import InflightLimit, Lease
 from services.frontend.lora_admin import LoraAdmin
 from services.frontend.lora_api import LoadLoraAdapterRequest, UnloadLoraAdapterRequest, add_lora_routes
 from services.frontend.mesh import MeshView
+from services.frontend.messages_api import COUNT_TOKENS, MESSAGES, message_body
+from services.frontend.messages_api import chat_body as messages_chat_body
+from services.frontend.messages_count import COUNT_TIMEOUT_S, count_tokens
+from services.frontend.messages_events import message_events
+from services.frontend.messages_schemas import CountTokensRequest, MessagesRequest, parse_messages
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.processor_stream import ProcessorStream
 from services.frontend.route_header import EXPLAIN_HEADER, ROUTE_HEADER, route_header, wants_explanation
 from services.frontend.responses import prefill_header
 from services.frontend.responses_api import ResponseBuilder, chat_body, response_events
 from services.frontend.schemas import ChatCompletionRequest, CompletionRequest, parse
+from services.mesh.channels import ChannelPool
 from services.mesh.flags import ConfigError
 from services.mesh.logs import REQUEST_ID
 from services.mesh.recent_failures import RecentFailures
@@ -63,6 +71,8 @@ class FrontendConfig:
     allow_explain: bool = False
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter answer (else 403): --allow-runtime-lora.
     allow_runtime_lora: bool = False
+    # A request without x-session-id is in the session its `user` names: --session-from-user.
+    session_from_user: bool = False
 
     def __post_init__(self) -> None:
         for key in self.api_keys:
@@ -90,16 +100,20 @@ class FrontendConfig:
         return self.key_tenants[index] if self.key_tenants else key_tenant(self.api_keys[index])
 
 
-def create_app(config: FrontendConfig, mesh: MeshView, metrics: FrontendMetrics, lora: LoraAdmin) -> ASGIApp:
+def create_app(config: FrontendConfig, mesh: MeshView, metrics: FrontendMetrics, lora: LoraAdmin,
+               channels: ChannelPool) -> ASGIApp:
     """The gateway's routes; `/openapi.json` describes them, request bodies included. The
-    generation endpoints are reached ahead of the app's routing stack (fast_paths.py)."""
+    generation endpoints are reached ahead of the app's routing stack (fast_paths.py).
+    `channels`: the process's gRPC channels (unary calls to processors: count_tokens)."""
     app = FastAPI(title="kvmesh", version="1", docs_url=None, redoc_url=None)
-    gateway = _Gateway(config, mesh, metrics)
-    openapi.install(app, [ChatCompletionRequest, CompletionRequest, LoadLoraAdapterRequest, UnloadLoraAdapterRequest])
+    gateway = _Gateway(config, mesh, metrics, channels)
+    openapi.install(app, [ChatCompletionRequest, CompletionRequest, MessagesRequest, CountTokensRequest,
+                          LoadLoraAdapterRequest, UnloadLoraAdapterRequest])
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return ApiError(exc.status_code, str(exc.detail)).response()
+        error = ApiError(exc.status_code, str(exc.detail))
+        return error.anthropic_response() if request.url.path.startswith("/v1/messages") else error.response()
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -129,7 +143,21 @@ def create_app(config: FrontendConfig, mesh: MeshView, metrics: FrontendMetrics,
         """OpenAI's Responses API, stateless (store: false): text, tools and streaming events."""
         return await gateway.handle(request, RESPONSES)
 
-    return FastPaths(app, {"/v1/chat/completions": chat, "/v1/completions": completions, "/v1/responses": responses})
+    @app.post("/v1/messages", openapi_extra=openapi.request_body(MessagesRequest),
+              responses=openapi.ANTHROPIC_ERROR_RESPONSES)
+    async def messages(request: Request) -> Response:
+        """Anthropic's Messages API: text, tools, thinking, whole or as typed events; errors in
+        Anthropic's shape (messages_api.py)."""
+        return await gateway.handle(request, MESSAGES)
+
+    @app.post("/v1/messages/count_tokens", openapi_extra=openapi.request_body(CountTokensRequest),
+              responses=openapi.ANTHROPIC_ERROR_RESPONSES)
+    async def count_message_tokens(request: Request) -> Response:
+        """A Message's prompt tokens, counted as /v1/messages would count them: {input_tokens}."""
+        return await gateway.count_tokens(request)
+
+    return FastPaths(app, {"/v1/chat/completions": chat, "/v1/completions": completions, "/v1/responses": responses,
+                           "/v1/messages": messages, "/v1/messages/count_tokens": count_message_tokens})
 
 
 def create_admin_app(mesh: MeshView, metrics: FrontendMetrics) -> FastAPI:
@@ -165,9 +193,11 @@ def request_ids() -> Iterator[str]:
 
 
 class _Gateway:
-    def __init__(self, config: FrontendConfig, mesh: MeshView, metrics: FrontendMetrics) -> None:
+    def __init__(self, config: FrontendConfig, mesh: MeshView, metrics: FrontendMetrics,
+                 channels: ChannelPool) -> None:
         self.config = config
         self.mesh = mesh
+        self.channels = channels
         self.metrics = metrics
         self.inflight = InflightLimit(config.max_inflight, metrics.inflight)
         # Processors seen failing, kept out of the gateway's choices until they are surely gone.
@@ -180,8 +210,9 @@ class _Gateway:
     async def handle(self, request: Request, kind: Kind) -> Response:
         """One API request: checked, admitted against the in-flight limit, routed, then answered.
 
-        Every refusal is an ApiError in the OpenAI shape; the in-flight lease taken at admission
-        is released exactly once whatever happens (refusal, failure, client gone, normal end)."""
+        Every refusal is an ApiError in the OpenAI shape (Anthropic's on the Messages API); the
+        in-flight lease taken at admission is released exactly once whatever happens (refusal,
+        failure, client gone, normal end)."""
         started = time.perf_counter()
         # Our own id inside the mesh: a client's x-request-id is only echoed (two clients may
         # send the same one, and engines need unique ids).
@@ -192,9 +223,11 @@ class _Gateway:
         lease: Lease | None = None
         kind_of: RequestKind | None = None
         try:
-            key = check_api_key(request.headers.get("authorization"), self.config.api_keys)
+            key = check_api_key(presented_key(request.headers), self.config.api_keys)
             body = await read_json(request, self.config.max_body_bytes)
             original = body if kind is RESPONSES and isinstance(body, dict) else None
+            if kind is MESSAGES:
+                body = messages_chat_body(parse_messages(MessagesRequest, body))
             req = parse(kind.schema, chat_body(original) if original is not None else body)
             # A base model, or a LoRA adapter of one: the processors are the base's, and the
             # answer names the model the client named.
@@ -207,11 +240,12 @@ class _Gateway:
             explain = self.config.allow_explain and wants_explanation(request.headers.get(EXPLAIN_HEADER))
             qos = request_qos(request.headers, req.priority, self.config.tenant_of_key(key), self.config.tenant_header,
                               self.outside_queue.p90_ms)
+            session = self._session(request, req.user, kind)
             kind_of = (req.model, qos.tenant, qos.priority, qos.ttft_objective_ms)
             if (refused := self.refusals.recall(kind_of)) is not None:
                 raise refused
             streams = [ProcessorStream(self.mesh, msg, self.config.request_timeout_s, self.failed_processors)
-                       for msg in processor_requests(rid, req, target, explain, qos)]
+                       for msg in processor_requests(rid, req, target, explain, qos, session)]
             # A client may leave while its prompt is prefilled, before any response: then the
             # request is cancelled along the whole chain instead of computed for nobody.
             route = await unless_gone(first_route(streams), request.receive)
@@ -234,25 +268,74 @@ class _Gateway:
             headers["x-kvmesh-queue-wait-ms"] = str(route.queue_wait_ms)
         if explain and route.HasField("explanation"):
             headers[ROUTE_HEADER] = route_header(route.explanation)
-        log.info("request %s: %s %d prompt tokens x %d streams -> worker %s (%s prefill)%s%s", rid, kind.endpoint,
+        log.info("request %s: %s %d prompt tokens x %d streams -> worker %s (%s prefill)%s%s%s", rid, kind.endpoint,
                  route.prompt_tokens, req.streams(), route.worker_id, prefill,
                  f" adapter {target.lora_name!r}" if target.lora_name else "",
+                 f" session {session.id!r}" if session is not None else "",
                  f" client id {headers['x-request-id'][:64]!r}" if headers["x-request-id"] != rid else "")
         answer = Answer(self.metrics, kind, req, rid, streams, started, lease,
                         hide_details=self.config.hide_routing_details,
                         first_shown=partial(self.outside_queue.observe, queue_wait_ms=route.queue_wait_ms))
         builder = ResponseBuilder(rid, req.model, original) if original is not None else None
+        hide = self.config.hide_routing_details
         if req.stream:
-            events = (response_events(builder, answer.items(), answer.usage) if builder is not None
-                      else answer.sse(body_writer(request.scope)))
+            if kind is MESSAGES:
+                events = message_events(rid, req.model, route.prompt_tokens, answer.items(), answer.usage, hide)
+            elif builder is not None:
+                events = response_events(builder, answer.items(), answer.usage)
+            else:
+                events = answer.sse(body_writer(request.scope))
             return SseResponse(events, answer.close, media_type="text/event-stream", headers=headers)
         try:
             out = await collect_unless_gone(answer, request.receive)
         except ClientGone:
             return Response(status_code=499)  # nobody is there to read it
         except ApiError as exc:
-            return shown(exc, self.config.hide_routing_details).response(headers)
+            return self._shaped(shown(exc, hide), kind, headers)
+        if kind is MESSAGES:
+            return JSONResponse(message_body(rid, req.model, out), headers=headers)
         return JSONResponse(builder.from_chat(out) if builder is not None else out, headers=headers)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """`POST /v1/messages/count_tokens`: the request's prompt rendered and counted by a
+        processor (messages_count.py); refusals in Anthropic's shape, as on /v1/messages."""
+        rid = next(self._ids)
+        REQUEST_ID.set(rid)
+        headers = {"x-request-id": request.headers.get("x-request-id") or rid}
+        lease: Lease | None = None
+        try:
+            check_api_key(presented_key(request.headers), self.config.api_keys)
+            # Counted against the in-flight limit as a generation is: a flood of large counts
+            # must meet the same 429, not starve generation's tokenizing.
+            lease = self.inflight.acquire(1)
+            body = await read_json(request, self.config.max_body_bytes)
+            req = parse(ChatCompletionRequest, messages_chat_body(parse_messages(CountTokensRequest, body)))
+            target = self.mesh.resolve(req.model)
+            if target is None:
+                raise ApiError(404, f"the model {req.model[:200]!r} does not exist", param="model",
+                               code="model_not_found")
+            [msg] = processor_requests(rid, req, target)
+            counting = count_tokens(self.mesh, self.channels, msg, self.failed_processors,
+                                    min(COUNT_TIMEOUT_S, self.config.request_timeout_s))
+            tokens = await unless_gone(counting, request.receive)
+        except ApiError as exc:
+            return self._refuse(exc, rid, COUNT_TOKENS, headers)
+        finally:
+            if lease is not None:
+                lease.release()
+        self.metrics.requests.labels(COUNT_TOKENS.endpoint, "200").inc()
+        return JSONResponse({"input_tokens": tokens}, headers=headers)
+
+    def _session(self, request: Request, user: str | None, kind: Kind) -> common_pb2.SessionRef | None:
+        """The request's agent session (sessions.py); on the Messages API a bad `user` is named
+        as the field the client sent, `metadata.user_id`."""
+        try:
+            return request_session(request.headers, user, self.config.session_from_user)
+        except ApiError as exc:
+            if kind is not MESSAGES or exc.param != "user":
+                raise
+            raise ApiError(400, "metadata.user_id: " + exc.message.removeprefix("user "), param="metadata.user_id",
+                           code=exc.code) from None
 
     def _refuse(self, exc: ApiError, rid: str, kind: Kind, headers: dict[str, str]) -> Response:
         self.metrics.requests.labels(kind.endpoint, str(exc.status)).inc()
@@ -260,4 +343,11 @@ class _Gateway:
             log.warning("request %s: %d %s", rid, exc.status, exc.message)
         else:
             log.info("request %s: %d %s", rid, exc.status, exc.code)
-        return shown(exc, self.config.hide_routing_details).response(headers)
+        return self._shaped(shown(exc, self.config.hide_routing_details), kind, headers)
+
+    @staticmethod
+    def _shaped(exc: ApiError, kind: Kind, headers: dict[str, str]) -> Response:
+        """The error body in the shape of the endpoint's API."""
+        if kind is MESSAGES or kind is COUNT_TOKENS:
+            return exc.anthropic_response(headers)
+        return exc.response(headers)

@@ -1,13 +1,29 @@
-"""The API key check: `Authorization: Bearer <key>`, any of the gateway's keys, when it has some."""
+"""The API key check: `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`), any of the
+gateway's keys, when it has some."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Mapping
 from pathlib import Path
 
 from services.frontend.errors import ApiError
 from services.mesh.config_error import ConfigError
+
+
+# Anthropic's clients send the key in this header instead of Authorization.
+X_API_KEY = "x-api-key"
+
+
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The credential a request presents, as an Authorization header: that header when it is
+    there, else `x-api-key` as a bearer token (so one check serves both clients)."""
+    authorization = headers.get("authorization")
+    if authorization is not None:
+        return authorization
+    key = headers.get(X_API_KEY)
+    return None if key is None else f"Bearer {key}"
 
 
 def check_api_key(header: str | None, api_keys: tuple[str, ...]) -> int | None:

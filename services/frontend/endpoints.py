@@ -34,22 +34,25 @@ RESPONSES = Kind("responses", ChatCompletionRequest, "response", "response", "re
 
 
 def processor_requests(rid: str, req: GenerationRequest, target: ModelTarget | None = None, explain: bool = False,
-                       qos: common_pb2.Qos | None = None) -> list[processor_pb2.GenerateRequest]:
+                       qos: common_pb2.Qos | None = None,
+                       session: common_pb2.SessionRef | None = None) -> list[processor_pb2.GenerateRequest]:
     """One GenerateRequest per prompt (chat: one); each numbers its choices after the previous ones.
     `target` is what `req.model` names (MeshView.resolve): the processors get its base model and
     its LoRA adapter (None: `req.model` is a base model). `explain` asks each processor for the
-    router's reasons (the x-kvmesh-route header); `qos` is what admission weighs (frontend/qos.py)."""
+    router's reasons (the x-kvmesh-route header); `qos` is what admission weighs (frontend/qos.py);
+    `session` the agent session it belongs to (frontend/sessions.py)."""
     sampling = _sampling(req)
     target = target or ModelTarget(req.model)
     if isinstance(req, ChatCompletionRequest):
-        msg = _request(rid, req, target, sampling, 0, explain, qos)
+        msg = _request(rid, req, target, sampling, 0, explain, qos, session)
         _chat_input(req, msg.chat)
         return [msg]
     assert isinstance(req, CompletionRequest)
     out = []
     for i, prompt in enumerate(req.prompts()):
         # Only the first prompt's routing reaches the headers (as x-kvmesh-worker): only it is explained.
-        msg = _request(rid if i == 0 else f"{rid}-p{i}", req, target, sampling, i * req.n, explain and i == 0, qos)
+        msg = _request(rid if i == 0 else f"{rid}-p{i}", req, target, sampling, i * req.n, explain and i == 0, qos,
+                       session)
         if isinstance(prompt, str):
             msg.text = prompt
         else:
@@ -105,10 +108,11 @@ def _message(m: ChatMessageIn) -> processor_pb2.ChatMessage:
 
 
 def _request(rid: str, req: GenerationRequest, target: ModelTarget, sampling: common_pb2.SamplingParams,
-             choice_offset: int, explain: bool, qos: common_pb2.Qos | None) -> processor_pb2.GenerateRequest:
+             choice_offset: int, explain: bool, qos: common_pb2.Qos | None,
+             session: common_pb2.SessionRef | None) -> processor_pb2.GenerateRequest:
     return processor_pb2.GenerateRequest(request_id=rid, model=target.base, lora_name=target.lora_name,
                                          sampling=sampling, n=req.n, stop=req.stop_list(), choice_offset=choice_offset,
-                                         explain=explain, qos=qos)
+                                         explain=explain, qos=qos, session=session)
 
 
 def _sampling(req: GenerationRequest) -> common_pb2.SamplingParams:

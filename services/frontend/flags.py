@@ -39,6 +39,9 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     g.add_argument("--allow-runtime-lora", action="store_true",
                    help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read adapter paths on "
                         "the workers' machines; without this flag they answer 403)")
+    g.add_argument("--session-from-user", action="store_true",
+                   help="a request without an x-session-id header is in the agent session its `user` field names "
+                        "(Anthropic's metadata.user_id on /v1/messages)")
     g.add_argument("--max-body-bytes", type=positive_int, default=FrontendConfig.max_body_bytes)
     g.add_argument("--max-inflight", type=positive_int, default=FrontendConfig.max_inflight,
                    help="concurrent requests before 429")
@@ -52,4 +55,5 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
                                             max_body_bytes=args.max_body_bytes, max_inflight=args.max_inflight,
                                             hide_routing_details=args.hide_routing_details,
                                             metrics_port=args.metrics_port, allow_explain=args.allow_explain,
-                                            allow_runtime_lora=args.allow_runtime_lora))
+                                            allow_runtime_lora=args.allow_runtime_lora,
+                                            session_from_user=args.session_from_user))

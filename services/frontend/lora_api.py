@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from services.frontend import openapi
 from services.frontend.agent_schemas import valid_unicode
-from services.frontend.auth import check_api_key
+from services.frontend.auth import check_api_key, presented_key
 from services.frontend.body import read_json
 from services.frontend.errors import ApiError
 from services.frontend.lora_admin import LoraAdmin, LoraOutcome, LoraResult
@@ -135,7 +135,7 @@ def add_lora_routes(app: FastAPI, mesh: MeshView, admin: LoraAdmin, api_keys: tu
     async def load_lora_adapter(request: Request) -> Response:
         """Loads a LoRA adapter on the workers of its base model (vLLM's endpoint)."""
         try:
-            check_api_key(request.headers.get("authorization"), api_keys)
+            check_api_key(presented_key(request.headers), api_keys)
             check_runtime_lora(allow_runtime)
             req = _parse(LoadLoraAdapterRequest, await read_json(request, max_body_bytes))
             if req.load_inplace:
@@ -154,7 +154,7 @@ def add_lora_routes(app: FastAPI, mesh: MeshView, admin: LoraAdmin, api_keys: tu
     async def unload_lora_adapter(request: Request) -> Response:
         """Unloads a LoRA adapter from every worker that knows it (vLLM's endpoint)."""
         try:
-            check_api_key(request.headers.get("authorization"), api_keys)
+            check_api_key(presented_key(request.headers), api_keys)
             check_runtime_lora(allow_runtime)
             req = _parse(UnloadLoraAdapterRequest, await read_json(request, max_body_bytes))
             return answer(await admin.unload(req.lora_name))
@@ -165,7 +165,7 @@ def add_lora_routes(app: FastAPI, mesh: MeshView, admin: LoraAdmin, api_keys: tu
     async def models(request: Request) -> JSONResponse:
         """The served base models and their LoRA adapters (each with its `parent`)."""
         try:
-            check_api_key(request.headers.get("authorization"), api_keys)
+            check_api_key(presented_key(request.headers), api_keys)
         except ApiError as exc:
             return exc.response()
         return JSONResponse({"object": "list", "data": model_cards(mesh, admin.paths)})

@@ -15,7 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from services.frontend.errors import ErrorBody
+from services.frontend.errors import AnthropicErrorBody, ErrorBody
 
 _REF = "#/components/schemas/{model}"
 
@@ -26,6 +26,12 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
                         (401, "missing or wrong API key"), (404, "unknown model"), (413, "body over the limit"),
                         (429, "overloaded; retry after Retry-After seconds"),
                         (503, "no worker available; retry after Retry-After seconds"))
+}
+
+
+# The same statuses on the Messages API, with Anthropic's error body (errors.py).
+ANTHROPIC_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": AnthropicErrorBody, "description": answer["description"]} for status, answer in ERROR_RESPONSES.items()
 }
 
 

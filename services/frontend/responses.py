@@ -27,6 +27,8 @@ class ChoiceAccumulator:
 
     text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
+    # The stop string that ended it (vLLM's `stop_reason`), when one did.
+    stop_sequence: str | None = None
     tokens: list[processor_pb2.ChoiceDelta] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     # Tool calls by index: id, name and the arguments' pieces.

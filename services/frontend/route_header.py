@@ -29,6 +29,11 @@ services/routing/cost_function.py):
 
 (one line in the header, cut here after `;`).
 
+A request of an agent session (x-session-id) says in the first section what its binding did,
+`session=new` (bound nowhere yet), `bound` (sent to its worker), `moved` (its worker outweighed,
+gone or excluded: bound anew here) or `parent` (a sub-agent placed with its parent's worker
+preferred): `mode=kv session=bound; chosen=...` (services/routing/session_bindings.py).
+
 There is no runner-up section when only one worker could take the request; `round-robin` and
 `random` weigh nothing and say only `mode=...; chosen=<id>`, and the chosen worker's `adapter`
 (for a LoRA request), `kv_source` and `accuracy`.
@@ -40,6 +45,7 @@ from urllib.parse import quote
 
 from gen.kvmesh.v1 import common_pb2
 from services.kv_protocol.tier import host_terms
+from services.routing.explanation import session_route_name
 from services.routing.worker_adapters import adapter_terms
 
 EXPLAIN_HEADER = "x-kvmesh-explain"
@@ -55,6 +61,8 @@ def wants_explanation(value: str | None) -> bool:
 def route_header(explanation: common_pb2.RouteExplanation) -> str:
     """The header's value (format in the module docstring)."""
     lora = f" lora={lora_text(explanation.lora_name)}" if explanation.lora_name else ""
+    if explanation.session:
+        lora += f" session={session_route_name(explanation.session)}"
     sections = [f"mode={explanation.mode}{lora}"]
     weighed = explanation.mode == "kv"
     for role, candidate in zip(("chosen", "runner-up"), explanation.candidates):

@@ -125,6 +125,8 @@ class GenerationRequest(_Strict):
     structured_outputs: StructuredOutputsIn | None = None
     # vLLM's: lower is served sooner (the mesh's queue bands; services/routing/admission/).
     priority: Annotated[int, Field(ge=-(2**31), le=INT32_MAX), Integral] | None = None
+    # OpenAI's end-user id: the agent session's id with --session-from-user (frontend/sessions.py).
+    user: Annotated[str, Field(max_length=256), AfterValidator(valid_unicode)] | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -13,10 +13,11 @@ from services.contract.worker_roles import RoleName
 from services.routing.admission.admission_metrics import AdmissionMetrics
 from services.routing.admission.gate import Admission
 from services.routing.admission.tenant_policy import PolicyFile
-from services.routing.flags import add_router_flags, admission_config, router_config
+from services.routing.flags import add_router_flags, admission_config, router_config, session_config
 from services.routing.router import Router
 from services.routing.router_metrics import KvTruthMetrics, RouterMetrics
 from services.routing.servicer import RouterServicer
+from services.routing.session_store import follow_sessions
 from services.routing.worker_pool import SYNC_TIMEOUT_S, WorkerPool
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, ROUTER, InstanceInfo, new_instance_id
 from services.mesh.flags import (
@@ -72,6 +73,7 @@ def main() -> None:
     setup_logging(mesh.log_level, ROUTER, mesh.log_format)
     config = router_config(args)
     admission = admission_config(args)
+    sessions = session_config(args)
     policies = validated(lambda: PolicyFile(admission.tenant_policies))
     exit_if_checking(args)
 
@@ -90,7 +92,8 @@ def main() -> None:
         gate = Admission(pools[RoleName.DECODE], admission, AdmissionMetrics(registry), policies,
                          routers=lambda: max(1, len(routers.instances)))
         runner.watch(asyncio.create_task(gate.follow_policies(), name="tenant policies"), "tenant policies")
-        servicer = RouterServicer(Router(pools, config, RouterMetrics(registry), gate), tracing)
+        bindings = await follow_sessions(runner, mesh.namespace, sessions)
+        servicer = RouterServicer(Router(pools, config, RouterMetrics(registry), gate, bindings), tracing)
         binding = ServiceBinding(router_pb2_grpc.add_RouterServicer_to_server, servicer,
                                  router_pb2.DESCRIPTOR.services_by_name["Router"].full_name)
         port, _ = await runner.serve_grpc([binding], args.port)

@@ -13,7 +13,8 @@ from services.contract.worker_roles import RoleName
 from services.routing.admission.admission_metrics import AdmissionMetrics
 from services.routing.admission.gate import Admission
 from services.routing.admission.tenant_policy import PolicyFile
-from services.routing.flags import add_router_flags, admission_config, router_config
+from services.routing.flags import add_router_flags, admission_config, router_config, session_config
+from services.routing.session_store import follow_sessions
 from services.routing.router import Router
 from services.routing.router_metrics import KvTruthMetrics, RouterMetrics
 from services.routing.worker_pool import SYNC_TIMEOUT_S, WorkerPool
@@ -54,7 +55,7 @@ def parser() -> FlagParser:
 
 
 async def _routing(runner: ServiceRunner, args: argparse.Namespace, registry: CollectorRegistry,
-                   tracing: Tracing) -> Routes:
+                   tracing: Tracing, namespace: str) -> Routes:
     """The routers over sessions, or (`--routing local`) this process's own decode pool index,
     synced with the workers' caches before the processor registers (as a router does)."""
     if args.routing == "service":
@@ -74,7 +75,8 @@ async def _routing(runner: ServiceRunner, args: argparse.Namespace, registry: Co
                      validated(lambda: PolicyFile(args.tenant_policies)),
                      routers=lambda: max(1, len(processors.instances)))
     runner.watch(asyncio.create_task(gate.follow_policies(), name="tenant policies"), "tenant policies")
-    router = Router({RoleName.DECODE: pool}, config, RouterMetrics(registry), gate)
+    bindings = await follow_sessions(runner, namespace, session_config(args))
+    router = Router({RoleName.DECODE: pool}, config, RouterMetrics(registry), gate, bindings)
     return LocalRouter(router, tracing)
 
 
@@ -94,7 +96,7 @@ def main() -> None:
         tokenizer = ModelTokenizer(model.model_dir)
         await runner.connect_store()
         registry = CollectorRegistry()
-        routers = await _routing(runner, args, registry, tracing)
+        routers = await _routing(runner, args, registry, tracing, mesh.namespace)
         parsers = validated(lambda: OutputParsers(tokenizer.hf, args.tool_call_parser, args.reasoning_parser))
         servicer = ProcessorServicer(config, tokenizer, routers, runner.sessions, ProcessorMetrics(registry), tracing,
                                      parsers)

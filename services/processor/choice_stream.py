@@ -103,7 +103,7 @@ RouteFn = Callable[[str, list[int], list[str]], Awaitable[RouteChoice]]
 @dataclass(frozen=True)
 class ChoiceSpec:
     """What one choice generates: its id and index, the prompt, its sampling and stop strings,
-    and the LoRA adapter it is generated with."""
+    and the LoRA adapter and agent session it is generated with."""
 
     rid: str
     index: int
@@ -112,6 +112,9 @@ class ChoiceSpec:
     stops: Sequence[str]
     # The LoRA adapter it runs with ("" for the base model): every worker it moves to gets it too.
     lora_name: str = ""
+    # The agent session it belongs to (None: none); each worker it runs on is told how long to
+    # keep the session's blocks, as the routing that chose that worker said.
+    session: common_pb2.SessionRef | None = None
 
 
 @dataclass(frozen=True)
@@ -236,9 +239,13 @@ class ChoiceStream:
             sampling.min_tokens = max(0, spec.sampling.min_tokens - done)
         # A moved request gets a fresh engine id: the old worker may still hold the old one.
         rid = spec.rid if len(self.tried) == 1 else f"{spec.rid}~{len(self.tried) - 1}"
+        session = None
+        if spec.session is not None:
+            session = common_pb2.SessionRef(id=spec.session.id, parent_id=spec.session.parent_id,
+                                            retain_ms=route.session_retain_ms)
         return worker_pb2.WorkerGenerateRequest(request_id=rid, token_ids=spec.prompt + self.generated,
                                                 sampling=sampling, prefix_hit_rate=route.prefix_hit_rate,
-                                                resumed_tokens=done, lora_name=spec.lora_name)
+                                                resumed_tokens=done, lora_name=spec.lora_name, session=session)
 
     async def _from_worker(self, route: RouteChoice, detok: Detokenizer,
                            stopper: StopStrings) -> AsyncIterator[ChoiceEvent]:
@@ -336,6 +343,8 @@ class ChoiceStream:
             delta.finish_reason = finish
         else:
             self._fill(delta, out, ids, finish)
+        if stopped and delta.finish_reason == STOP:  # not a tool call the parser found before it
+            delta.stop_sequence = stopper.matched
         delta.token_ids.extend(ids)
         if want_logprobs:
             tokenizer = self.ctx.tokenizer

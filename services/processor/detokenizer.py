@@ -144,12 +144,15 @@ class StreamDetokenizer:
 class StopStrings:
     """Finds the first stop string in streamed text, holding back what could begin one."""
 
-    __slots__ = ("_hold", "_pending", "_stops")
+    __slots__ = ("_hold", "_pending", "_stops", "matched")
 
     def __init__(self, stops: list[str]) -> None:
         self._stops = [s for s in stops if s]
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._pending = ""
+        # The stop string found, once `push` says it stopped (the earliest in the text; the first
+        # listed of those starting there).
+        self.matched = ""
 
     @property
     def active(self) -> bool:
@@ -161,8 +164,10 @@ class StopStrings:
         if not self._stops:
             return text, False
         self._pending += text
-        cut = min((i for i in (self._pending.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, n) for n, i in enumerate(self._pending.find(s) for s in self._stops) if i >= 0]
+        if found:
+            cut, which = min(found)
+            self.matched = self._stops[which]
             out, self._pending = self._pending[:cut], ""
             return out, True
         safe = len(self._pending) - self._hold

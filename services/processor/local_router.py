@@ -22,7 +22,7 @@ from services.mesh.tracing import TRACING_OFF, Tracing
 from services.routing.route_query import NoWorker, Route, RouteQuery, UnknownPool
 from services.routing.router import Router
 from services.routing.router_client import Admit, Held, NoWorkerError, RouteChoice, RoutingUnavailable, routing_error
-from services.routing.wire import qos_of, role_of
+from services.routing.wire import qos_of, role_of, session_of
 
 
 class LocalRouter:
@@ -33,11 +33,13 @@ class LocalRouter:
         self._tracing = tracing
 
     async def route(self, request_id: str, model: str, token_ids: Sequence[int], role: common_pb2.WorkerRole,
-                    exclude: Sequence[str] = (), explain: bool = False, lora_name: str = "") -> RouteChoice:
+                    exclude: Sequence[str] = (), explain: bool = False, lora_name: str = "",
+                    session: common_pb2.SessionRef | None = None) -> RouteChoice:
         name = role_of(role)
         if name is None:
             raise _unknown_role(role)
-        query = RouteQuery(request_id, model, token_ids, name, frozenset(exclude), explain, lora_name=lora_name)
+        query = RouteQuery(request_id, model, token_ids, name, frozenset(exclude), explain, lora_name=lora_name,
+                           session=session_of(session) if session is not None else None)
         try:
             with self._tracing.span("route") as span:
                 return _choice(self._router.decide(query, span), request_id)
@@ -47,10 +49,12 @@ class LocalRouter:
             raise _unknown_role(role) from exc
 
     async def admit(self, request_id: str, model: str, token_ids: Sequence[int], admit: Admit,
-                    explain: bool = False, exclude: Sequence[str] = (), lora_name: str = "") -> tuple[RouteChoice, Held]:
+                    explain: bool = False, exclude: Sequence[str] = (), lora_name: str = "",
+                    session: common_pb2.SessionRef | None = None) -> tuple[RouteChoice, Held]:
         query = RouteQuery(request_id, model, token_ids, exclude=frozenset(exclude), explain=explain,
                            qos=qos_of(admit.qos), streams=admit.streams, max_tokens=admit.max_tokens,
-                           queue_timeout_s=admit.queue_timeout_s, lora_name=lora_name)
+                           queue_timeout_s=admit.queue_timeout_s, lora_name=lora_name,
+                           session=session_of(session) if session is not None else None)
         try:
             with self._tracing.span("route") as span:
                 route, ticket = await self._router.admit(query, span)
@@ -69,7 +73,8 @@ def _choice(route: Route, request_id: str) -> RouteChoice:
     explanation = route.explanation.to_proto() if route.explanation is not None else None
     return RouteChoice(worker_id=route.worker_id, address=route.address, overlap_blocks=route.overlap_blocks,
                        prefix_hit_rate=route.prefix_hit_rate, pool_waiting=route.pool_waiting,
-                       explanation=explanation, queue_wait_ms=route.queue_wait_ms, request_id=request_id)
+                       explanation=explanation, queue_wait_ms=route.queue_wait_ms,
+                       session_retain_ms=route.session_retain_ms, request_id=request_id)
 
 
 def _unknown_role(role: int) -> RoutingUnavailable:

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gen.kvmesh.v1 import common_pb2, processor_pb2, processor_pb2_grpc
 from services.mesh.flags import ConfigError
-from services.mesh.grpc_server import as_rpc
+from services.mesh.grpc_server import abort_with, as_rpc
 from services.mesh.hop_latency import HopLatency, hop_latency_histogram
 from services.mesh.session_client import SessionPool
 from services.mesh.session_kind import PROCESSOR_SESSION, CallError, CallInfo, call_info
@@ -128,6 +128,25 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
     async def Session(self, frames: AsyncIterator[processor_pb2.ProcessorSessionDown],  # noqa: N802
                       context: grpc.aio.ServicerContext) -> None:
         await self.sessions.serve(frames, context)
+
+    async def CountTokens(self, request: processor_pb2.GenerateRequest,  # noqa: N802
+                          context: grpc.aio.ServicerContext) -> processor_pb2.CountTokensResponse:
+        """The request's prompt tokens, rendered and tokenized as `generate` would, not run."""
+        REQUEST_ID.set(request.request_id)
+        if request.model != self._config.served_model_name:
+            await abort_with(context, CallError(common_pb2.OUTCOME_MODEL_NOT_SERVED,
+                                                f"model {request.model[:200]!r} is not served here"))
+        if self.inflight >= self._config.max_inflight:
+            await abort_with(context, CallError(common_pb2.OUTCOME_OVERLOADED, "processor overloaded"))
+        self.inflight += 1  # a large prompt's tokenizing (in a thread) is work in flight too
+        try:
+            check_request(request, self._tok.max_model_len)
+            tokens = await self._tokenize(request)
+        except PromptError as exc:
+            await abort_with(context, _refused(exc))
+        finally:
+            self.inflight -= 1
+        return processor_pb2.CountTokensResponse(input_tokens=len(tokens))
 
     async def generate(self, request: processor_pb2.GenerateRequest,
                        call: CallInfo) -> AsyncIterator[processor_pb2.GenerateResponse]:
@@ -236,14 +255,14 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
     # -- routing and generation --------------------------------------------------------------
 
     async def _route(self, rid: str, tokens: list[int], tried: list[str], explain: bool = False,
-                     lora_name: str = "") -> RouteChoice:
+                     lora_name: str = "", session: common_pb2.SessionRef | None = None) -> RouteChoice:
         """A decode worker for the tokens (one that knows `lora_name`, when the request names an
         adapter), avoiding the ones tried and the ones seen failing."""
         exclude = self._failed.excluding(tried)
         try:
             return await self._routers.route(rid, self._config.served_model_name, tokens,
                                              common_pb2.WORKER_ROLE_DECODE, exclude, explain=explain,
-                                             lora_name=lora_name)
+                                             lora_name=lora_name, session=session)
         except RoutingError as exc:
             raise _routing_failure(exc) from exc
 
@@ -256,7 +275,8 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
                         call: CallInfo) -> AsyncIterator[processor_pb2.GenerateResponse]:
         # Every routing of the request (retries and migrations too) explains itself when asked, so
         # the explanation announced is always that of the worker announced.
-        route_fn = partial(self._route, explain=request.explain, lora_name=request.lora_name)
+        session = request.session if request.session.id else None
+        route_fn = partial(self._route, explain=request.explain, lora_name=request.lora_name, session=session)
         n = max(request.n, 1)
         # A takeover from a failed processor runs only the choices the client has not finished.
         resumed = {r.index: list(r.token_ids) for r in request.resume}
@@ -282,7 +302,8 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         exclude = self._failed.current()
         try:
             return await self._routers.admit(rid, self._config.served_model_name, tokens, admit, request.explain,
-                                             exclude, lora_name=request.lora_name)
+                                             exclude, lora_name=request.lora_name,
+                                             session=request.session if request.session.id else None)
         except Overloaded as exc:
             raise exc.error from None  # the refusal as the router gave it: status, reason, Retry-After
         except RoutingError as exc:
@@ -301,7 +322,8 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         stops = tuple(request.stop)
         choices = [
             ChoiceStream(spec=ChoiceSpec(f"{rid}-{i}" if n > 1 else rid, request.choice_offset + i, tokens,
-                                         _choice_sampling(sampling, i), stops, request.lora_name),
+                                         _choice_sampling(sampling, i), stops, request.lora_name,
+                                         request.session if request.session.id else None),
                          ctx=ctx).run(route, resumed.get(request.choice_offset + i, []))
             for i in running
         ]

@@ -4,6 +4,7 @@ The seed rule (`--cost-model seed`, the default; NVIDIA Dynamo's KV router's old
 block-count cost, which dynamo_cost.py implements for `--cost-model dynamo`), per candidate worker:
 
     logit = 2 * overlap_ratio - gpu_cache_usage - normalized_waiting - 2 * lora_weight * min(0.25, load_s / prefill_s)
+            + session_bonus
 
 where overlap_ratio is the share of the prompt's tokens the worker already caches and
 normalized_waiting its queue length over the longest queue among the candidates. A block the
@@ -28,6 +29,10 @@ one before it loads (worker_adapters.py): its load counts 2 s more and its cap d
 a last resort. lora_weight is `--lora-weight` (default 1; 0 weighs no adapter:
 adapter-blind routing among the workers that know it). Only workers that know the adapter are
 candidates at all (router.py).
+
+session_bonus is `--session-weight` (default 1) on the worker the request's agent session is bound
+to (or, for a sub-agent bound nowhere yet, its parent's), 0 elsewhere (session_bindings.py): a soft
+binding the load terms outweigh only when that worker is much busier than another.
 
 The best logit wins; among equal logits the worker caching the fewest blocks (so new prefixes spread over
 the pool's cache), then chance. With a temperature > 0 the choice is sampled from softmax(logit / T).
@@ -122,6 +127,9 @@ class Candidate:
     adapter_slots_busy: bool = False
     # Prefilling the whole prompt there, from its reported prefill cost (None: it reports none).
     prompt_prefill_s: float | None = None
+    # The request's agent session is bound here (or its parent's, for a sub-agent): the soft
+    # preference, added to the logit (session_bindings.py; 0 elsewhere).
+    session_bonus: float = 0.0
 
     def cached_blocks(self) -> float:
         return self.overlap_blocks + self.host_credit * self.host_overlap_blocks
@@ -172,7 +180,7 @@ def logits(candidates: Sequence[Candidate], block_size: int, num_tokens: int, w:
         normalized_waiting = c.waiting() / max_waiting if max_waiting else 0.0
         cached = overlap_ratio(c.cached_blocks(), block_size, num_tokens)
         out.append(w.overlap * cached - w.cache_usage * c.cache_usage() - w.waiting * normalized_waiting
-                   - adapter_penalty(c, num_tokens, w))
+                   - adapter_penalty(c, num_tokens, w) + c.session_bonus)
     return out
 
 

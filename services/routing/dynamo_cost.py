@@ -130,7 +130,10 @@ def adapter_load_blocks(c: Candidate, block_size: int, num_tokens: int) -> float
 
 
 def costs(candidates: Sequence[Candidate], block_size: int, num_tokens: int, config: DynamoCostConfig) -> list[float]:
-    return [breakdown(c, block_size, num_tokens, config).cost for c in candidates]
+    # An agent session's bound worker (session_bindings.py): `session_bonus` whole prompts of
+    # prefill off its cost, kvmesh's as the adapter term is.
+    return [breakdown(c, block_size, num_tokens, config).cost
+            - config.prefill_load_scale * c.session_bonus * num_tokens / block_size for c in candidates]
 
 
 def terms(candidates: Sequence[Candidate], block_size: int, num_tokens: int, config: DynamoCostConfig) -> list[Terms]:

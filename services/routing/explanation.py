@@ -6,7 +6,8 @@
   `adapter=load:0.120s`, what loading it would take), then where the router's numbers of its
   cache come from and how right they were lately (`kv_source=events accuracy=0.969`, its
   `Provenance`; accuracy only once it has a sample) (`log_line`); the adapter's name leads
-  (`lora=NAME`);
+  (`lora=NAME`), then, for a request of an agent session, what its binding did
+  (`session=new|bound|moved|parent`, session_bindings.py);
 - attributes of the router's `route` span, for the winner and the runner-up (`span_attributes`);
 - `RouteResponse.explanation` when the caller asked to `explain` (`to_proto`), which the gateway
   renders as its `x-kvmesh-route` header.
@@ -67,6 +68,8 @@ class Explanation:
     # adapter there as the decision weighed it (resident, or what loading it takes).
     lora_name: str = ""
     adapters: Mapping[str, AdapterView] = field(default_factory=dict)
+    # What the request's agent session did to the choice (unspecified: no session).
+    session: common_pb2.SessionRoute = common_pb2.SESSION_ROUTE_UNSPECIFIED
 
     @property
     def runner_up(self) -> Terms | None:
@@ -74,6 +77,8 @@ class Explanation:
 
     def log_line(self) -> str:
         lora = f" lora={self.lora_name}" if self.lora_name else ""
+        if self.session:
+            lora += f" session={session_route_name(self.session)}"
         if not self.ranked:
             return f"{self.mode} mode{lora} chose {self.chosen}{self._told(self.chosen)}"
         return (f"{self.mode} mode{lora} chose {self.chosen} among {len(self.ranked)}: "
@@ -90,6 +95,8 @@ class Explanation:
                                           "kvmesh.route.candidates": len(self.ranked)}
         if self.lora_name:
             out["kvmesh.route.lora_name"] = self.lora_name
+        if self.session:
+            out["kvmesh.route.session"] = session_route_name(self.session)
         for prefix, t in (("kvmesh.route", self.ranked[0] if self.ranked else None),
                           ("kvmesh.route.runner_up", self.runner_up)):
             if t is not None:
@@ -112,7 +119,8 @@ class Explanation:
                 worker_id=t.worker_id, overlap_blocks=t.overlap_blocks, cache_usage=t.cache_usage, waiting=t.waiting,
                 logit=t.logit, host_overlap_blocks=t.host_overlap_blocks, host_credit=t.host_credit))
                 for t in self.ranked]
-        return common_pb2.RouteExplanation(mode=self.mode, candidates=candidates, lora_name=self.lora_name)
+        return common_pb2.RouteExplanation(mode=self.mode, candidates=candidates, lora_name=self.lora_name,
+                                           session=self.session)
 
     def _provenance_of(self, candidate: common_pb2.RouteCandidate) -> common_pb2.RouteCandidate:
         adapter = self.adapters.get(candidate.worker_id)
@@ -124,12 +132,18 @@ class Explanation:
 
 
 def explain(mode: str, chosen: str, terms: Sequence[Terms], provenance: Mapping[str, Provenance] | None = None,
-            lora_name: str = "", adapters: Mapping[str, AdapterView] | None = None) -> Explanation:
+            lora_name: str = "", adapters: Mapping[str, AdapterView] | None = None,
+            session: common_pb2.SessionRoute = common_pb2.SESSION_ROUTE_UNSPECIFIED) -> Explanation:
     """The explanation of a pick from the mode's terms (in any order), with each worker's
     `provenance` where the caller has it, and for a request of LoRA adapter `lora_name`, that
     adapter on each worker (`adapters`)."""
     return Explanation(mode, chosen, ranked(terms, chosen) if terms else (), provenance or {}, lora_name,
-                       adapters or {})
+                       adapters or {}, session)
+
+
+def session_route_name(route: common_pb2.SessionRoute) -> str:
+    """`new`, `bound`, `moved` or `parent`: how the header, logs and metrics name a session's route."""
+    return common_pb2.SessionRoute.Name(route).removeprefix("SESSION_ROUTE_").lower()
 
 
 def _describe(t: Terms) -> str:

@@ -11,10 +11,12 @@ from services.routing.config import RouterConfig
 from services.routing.kv_truth import KvEventsMode, KvTruthConfig
 from services.routing.cost_function import COST_MODELS, CostModel, CostWeights
 from services.routing.pickers import ROUTER_MODES
+from services.routing.session_bindings import AFFINITIES, Affinity, SessionConfig
 
 _WEIGHTS = CostWeights()
 _ADMISSION = AdmissionConfig()
 _TRUTH = KvTruthConfig()
+_SESSIONS = SessionConfig()
 
 
 def add_router_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -69,7 +71,21 @@ def add_router_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     g.add_argument("--index-accuracy-floor", type=non_negative_float, default=_TRUTH.index_accuracy_floor,
                    help="a worker whose recent index accuracy falls under this (0..1) is predicted until its "
                         "events agree again")
+    g.add_argument("--session-affinity", choices=AFFINITIES, default=_SESSIONS.affinity.value,
+                   help="agent sessions (x-session-id): soft = prefer the worker a session is bound to (the load terms "
+                        "can outweigh it), hard = keep to it while it serves, off = plain kv routing; a binding "
+                        "also asks the worker to keep the session's blocks for --session-ttl")
+    g.add_argument("--session-ttl", type=positive_float, default=_SESSIONS.ttl_s,
+                   help="seconds a session stays bound to its worker after its last request (and its blocks kept)")
+    g.add_argument("--session-weight", type=non_negative_float, default=_SESSIONS.weight,
+                   help="soft affinity: the bound worker's bonus (seed rule: logit; dynamo rule: whole prompts of "
+                        "prefill)")
     return g
+
+
+def session_config(args: argparse.Namespace) -> SessionConfig:
+    return validated(lambda: SessionConfig(affinity=Affinity(args.session_affinity), ttl_s=args.session_ttl,
+                                           weight=args.session_weight))
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from services.contract.worker_roles import RoleName
 from services.routing.explanation import Explanation
+from services.routing.session_bindings import SessionKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,8 @@ class RouteQuery:
     # The LoRA adapter of `model` it runs with ("" for the base model): its blocks hash with the
     # adapter's seed (services/kv_protocol/hashing.py), and only workers knowing it are candidates.
     lora_name: str = ""
+    # The agent session it belongs to (session_bindings.py); None: none.
+    session: SessionKey | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +75,8 @@ class Route:
     explanation: Explanation | None = None
     # How long admission kept the request waiting for a worker with room.
     queue_wait_ms: int = 0
+    # A session's request: how long the worker should keep the session's blocks (0: not at all).
+    session_retain_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,8 @@ from services.routing.route_query import Matches, NoWorker, Route, RouteQuery, U
 from services.routing.router_metrics import RouterMetrics
 from services.routing.worker_pool import WorkerPool, WorkerState
 from services.mesh.discovery import InstanceInfo
+from services.routing.session_bindings import Preference, SessionBindings
+from gen.kvmesh.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +62,12 @@ REPORTED_ROLES = frozenset({RoleName.DECODE})
 
 class Router:
     def __init__(self, pools: Mapping[RoleName, WorkerPool], config: RouterConfig, metrics: RouterMetrics,
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None, sessions: SessionBindings | None = None) -> None:
         self._pools = pools
+        # Agent sessions' bindings to workers (decode pool only); None: sessions are ignored.
+        self._sessions = sessions if sessions is not None and sessions.active else None
+        if self._sessions is not None:
+            metrics.session_bindings.set_function(self._sessions.live)
         # The decode pool's queue and admission, for the requests that go through it.
         self._admission = admission
         self._metrics = metrics
@@ -204,7 +210,11 @@ class Router:
         """`eligible`: the workers an admitted request may take (those with room), when any is."""
         started = time.perf_counter()
         pool, candidates = self._candidates(query)
-        if eligible is not None:
+        preference = self._session_preference(query, candidates)
+        if preference is not None and preference.only:
+            # Hard affinity: its worker alone, with room or not (it waits in the worker's queue).
+            candidates = [w for w in candidates if w.info.instance_id == preference.worker_id]
+        elif eligible is not None:
             candidates = [w for w in candidates if eligible(w)] or candidates
         block_size = pool.block_size(query.model) or candidates[0].info.block_size
         tokens, lora = query.token_ids, query.lora_name
@@ -214,8 +224,9 @@ class Router:
         credits = host_credits(candidates, overlaps, host_overlaps, block_size, self._host_weight)
         adapters = {w.info.instance_id: w.adapter(lora) for w in candidates} if lora else {}
         context = PickContext(overlaps, block_size, len(tokens), pool.index.block_count, host_overlaps, credits,
-                              adapters)
+                              adapters, *self._session_terms(preference))
         chosen = self._picker.pick(candidates, context)
+        session_route, retain_ms = self._bind(query, chosen.info.instance_id, preference)
         # Explained only when someone looks: the terms cost a second pass over the candidates. Taken
         # before the pending work below is added, so they are the numbers the pick weighed.
         explanation = None
@@ -223,7 +234,7 @@ class Router:
             provenance = {w.info.instance_id: Provenance(pool.kv_source(w.info.instance_id),
                                                          pool.accuracy.recent(w.info.instance_id)) for w in candidates}
             explanation = explain(self._mode, chosen.info.instance_id, self._picker.terms(candidates, context),
-                                  provenance, lora, adapters)
+                                  provenance, lora, adapters, session_route)
         # The pool's queue as this request finds it (the disaggregation rule's prefill queue size).
         pool_waiting = sum(w.load.num_requests_waiting + len(w.pending) for w in candidates)
         wid = chosen.info.instance_id
@@ -244,7 +255,30 @@ class Router:
         if explanation is not None:
             self._tell(query, pool, span, hit, explanation)
         return Route(wid, chosen.info.address, overlap, host_overlap, hit, pool_waiting,
-                     explanation if query.explain else None)
+                     explanation if query.explain else None, session_retain_ms=retain_ms)
+
+    # -- agent sessions ----------------------------------------------------------------------
+
+    def _session_preference(self, query: RouteQuery, candidates: Sequence[WorkerState]) -> Preference | None:
+        """What the query's session asks of this decision (None: no session, or sessions off)."""
+        if self._sessions is None or query.session is None or query.role is not RoleName.DECODE:
+            return None
+        return self._sessions.preference(query.session, (w.info.instance_id for w in candidates))
+
+    def _session_terms(self, preference: Preference | None) -> tuple[str | None, float]:
+        if preference is None or preference.worker_id is None or self._sessions is None:
+            return None, 0.0
+        return preference.worker_id, self._sessions.config.weight
+
+    def _bind(self, query: RouteQuery, worker_id: str,
+              preference: Preference | None) -> tuple[common_pb2.SessionRoute, int]:
+        """Binds the query's session to the chosen worker: the route it took, and how long the
+        worker should keep the session's blocks."""
+        if preference is None or query.session is None or self._sessions is None:
+            return common_pb2.SESSION_ROUTE_UNSPECIFIED, 0
+        route = self._sessions.bind(query.session, worker_id, preference)
+        self._metrics.record_session(route)
+        return route, self._sessions.config.retain_ms
 
     def _tell(self, query: RouteQuery, pool: WorkerPool, span: Span, hit: float, explanation: Explanation) -> None:
         """The decision's terms in the DEBUG log and the caller's span."""

@@ -109,6 +109,8 @@ class RouteChoice:
     explanation: common_pb2.RouteExplanation | None = None
     # How long admission kept the request waiting for a worker with room.
     queue_wait_ms: int = 0
+    # A session's request: how long the worker should keep the session's blocks (0: not at all).
+    session_retain_ms: int = 0
     # Who decided, for `Routes.report`: the request id it was asked with and the router's
     # address ("" for a processor routing in-process).
     request_id: str = field(default="", compare=False)
@@ -117,8 +119,8 @@ class RouteChoice:
     @classmethod
     def of(cls, reply: router_pb2.RouteResponse, request_id: str = "", router: str = "") -> RouteChoice:
         return cls(reply.worker_id, reply.address, reply.overlap_blocks, reply.prefix_hit_rate, reply.pool_waiting,
-                   reply.explanation if reply.HasField("explanation") else None, reply.queue_wait_ms, request_id,
-                   router)
+                   reply.explanation if reply.HasField("explanation") else None, reply.queue_wait_ms,
+                   reply.session_retain_ms, request_id, router)
 
 
 class Members(Protocol):
@@ -132,13 +134,16 @@ class Routes(Protocol):
     """What routes a request: the routers over sessions (RouterClient), or an in-process index."""
 
     async def route(self, request_id: str, model: str, token_ids: Sequence[int], role: common_pb2.WorkerRole,
-                    exclude: Sequence[str] = (), explain: bool = False, lora_name: str = "") -> RouteChoice:
+                    exclude: Sequence[str] = (), explain: bool = False, lora_name: str = "",
+                    session: common_pb2.SessionRef | None = None) -> RouteChoice:
         """A worker of the `role` pool for the prompt, run with LoRA adapter `lora_name` of
-        `model` ("" for the base model): only workers knowing the adapter are candidates."""
+        `model` ("" for the base model): only workers knowing the adapter are candidates; of the
+        agent `session` (None: none), whose binding the router weighs and renews."""
         ...
 
     async def admit(self, request_id: str, model: str, token_ids: Sequence[int], admit: Admit,
-                    explain: bool = False, exclude: Sequence[str] = (), lora_name: str = "") -> tuple[RouteChoice, Held]:
+                    explain: bool = False, exclude: Sequence[str] = (), lora_name: str = "",
+                    session: common_pb2.SessionRef | None = None) -> tuple[RouteChoice, Held]:
         """A decode worker for a new request, through admission: it may wait, or be refused
         (`Overloaded`); the place it holds is released by the caller at the request's end."""
         ...
@@ -215,9 +220,11 @@ class RouterClient:
             self._sessions.get(ROUTER_SESSION, router).open(router_pb2.RouteRequest(feedback=pending), self._timeout_s)
 
     async def route(self, request_id: str, model: str, token_ids: Sequence[int], role: common_pb2.WorkerRole,
-                    exclude: Sequence[str] = (), explain: bool = False, lora_name: str = "") -> RouteChoice:
+                    exclude: Sequence[str] = (), explain: bool = False, lora_name: str = "",
+                    session: common_pb2.SessionRef | None = None) -> RouteChoice:
         request = router_pb2.RouteRequest(request_id=request_id, model=model, token_ids=token_ids, role=role,
-                                          exclude_worker_ids=exclude, explain=explain, lora_name=lora_name)
+                                          exclude_worker_ids=exclude, explain=explain, lora_name=lora_name,
+                                          session=session)
         # The router's span joins the caller's trace (None when the caller traces nothing).
         metadata = outgoing_metadata()
 
@@ -228,11 +235,12 @@ class RouterClient:
         return (await self._ask(request_id, ask))[0]
 
     async def admit(self, request_id: str, model: str, token_ids: Sequence[int], admit: Admit,
-                    explain: bool = False, exclude: Sequence[str] = (), lora_name: str = "") -> tuple[RouteChoice, Held]:
+                    explain: bool = False, exclude: Sequence[str] = (), lora_name: str = "",
+                    session: common_pb2.SessionRef | None = None) -> tuple[RouteChoice, Held]:
         queue_ms = max(1, int(admit.queue_timeout_s * 1000))
         request = router_pb2.RouteRequest(request_id=request_id, model=model, token_ids=token_ids,
                                           role=common_pb2.WORKER_ROLE_DECODE, explain=explain, hold=True,
-                                          exclude_worker_ids=exclude, lora_name=lora_name,
+                                          exclude_worker_ids=exclude, lora_name=lora_name, session=session,
                                           qos=admit.qos, streams=admit.streams, max_tokens=admit.max_tokens,
                                           queue_timeout_ms=queue_ms)
         metadata = outgoing_metadata()

@@ -1,10 +1,13 @@
 """The router's Prometheus series: decisions, their latency, the share of prompts found cached,
-how right its index was about each worker (index_accuracy.py), and where LoRA adapters' requests
-went (resident or not)."""
+how right its index was about each worker (index_accuracy.py), where LoRA adapters' requests
+went (resident or not), and what agent sessions' bindings did (session_bindings.py)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gen.kvmesh.v1 import common_pb2
+from services.routing.explanation import session_route_name
 
 # Adapter names a router labels its series with at most; the routes of any further one count
 # under `OTHER_ADAPTERS`. Adapters are only those some worker knows, but workers may be told of
@@ -74,6 +77,18 @@ class RouterMetrics:
             "sent a request of it lately) or had to load it", ["lora_name", "resident"], registry=registry,
         )
         self._adapter_labels: set[str] = set()
+        self.session_routes = Counter(
+            "kvmesh_router_session_routes",
+            "requests of an agent session routed, by what its binding did: new (no binding), bound (to its worker), "
+            "moved (that worker outweighed, gone or excluded: bound anew), parent (a sub-agent placed with its "
+            "parent's worker preferred)", ["route"], registry=registry,
+        )
+        self.session_bindings = Gauge("kvmesh_router_session_bindings",
+                                      "agent sessions this router knows bound to a worker (its own and other "
+                                      "replicas', through etcd)", registry=registry)
+
+    def record_session(self, route: common_pb2.SessionRoute) -> None:
+        self.session_routes.labels(session_route_name(route)).inc()
 
     def record_lora(self, lora_name: str, resident: bool) -> None:
         """A request of adapter `lora_name` routed to a worker that held it resident, or not."""

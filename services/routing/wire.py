@@ -6,6 +6,7 @@ from __future__ import annotations
 from gen.kvmesh.v1 import common_pb2, router_pb2
 from services.contract.worker_roles import RoleName, role_name
 from services.routing.route_query import Matches, Qos, Route, RouteQuery
+from services.routing.session_bindings import SessionKey
 
 
 def role_of(role: common_pb2.WorkerRole) -> RoleName | None:
@@ -23,14 +24,20 @@ def query_of(request: router_pb2.RouteRequest, role: RoleName) -> RouteQuery:
     return RouteQuery(request.request_id, request.model, request.token_ids, role,
                       frozenset(request.exclude_worker_ids), request.explain, qos_of(request.qos),
                       request.streams, request.max_tokens,
-                      request.queue_timeout_ms / 1000 if request.queue_timeout_ms else None, request.lora_name)
+                      request.queue_timeout_ms / 1000 if request.queue_timeout_ms else None, request.lora_name,
+                      session_of(request.session))
+
+
+def session_of(session: common_pb2.SessionRef) -> SessionKey | None:
+    """The session a wire request names (None: none)."""
+    return SessionKey(session.id, session.parent_id) if session.id else None
 
 
 def response_of(route: Route) -> router_pb2.RouteResponse:
     reply = router_pb2.RouteResponse(worker_id=route.worker_id, address=route.address,
                                      overlap_blocks=route.overlap_blocks, prefix_hit_rate=route.prefix_hit_rate,
                                      pool_waiting=route.pool_waiting, host_overlap_blocks=route.host_overlap_blocks,
-                                     queue_wait_ms=route.queue_wait_ms)
+                                     queue_wait_ms=route.queue_wait_ms, session_retain_ms=route.session_retain_ms)
     if route.explanation is not None:
         reply.explanation.CopyFrom(route.explanation.to_proto())
     return reply

@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass, field
 
 from services.engines.base import Engine
-from services.engines.mocker.engine import MockerConfig, MockerEngine
+from services.engines.mocker.config import MockerConfig
+from services.engines.mocker.engine import MockerEngine
 from services.engines.mocker.kv_transfer import NixlKvEndpoint, nixl_metadata_key
 from services.engines.mocker.timing import TimingModel
 from services.mesh.etcd_store import KeyValueStore
@@ -58,6 +59,7 @@ def _mocker(config: EngineConfig, instance_id: str, store: KeyValueStore, namesp
             host_kv_blocks=config.host_kv_blocks,
             host_kv_gbps=config.host_kv_gbps,
             lora=config.lora,
+            session_pin_blocks=config.session_pin_blocks,
         ),
         kv_endpoint=endpoint,
     )

@@ -11,7 +11,7 @@ import argparse
 from dataclasses import dataclass
 
 from services.engines.lora import LORA_OFF, LoraConfig, LoraModule
-from services.engines.mocker.engine import MockerConfig
+from services.engines.mocker.config import MockerConfig
 from services.mesh.flags import (
     ConfigError,
     ModelRef,
@@ -34,6 +34,7 @@ DEFAULT_TIMING = DEFAULT_PRESET
 DEFAULT_NUM_GPU_BLOCKS = MockerConfig.num_gpu_blocks
 DEFAULT_KV_BYTES_PER_TOKEN = MockerConfig.kv_bytes_per_token
 DEFAULT_HOST_KV_GBPS = MockerConfig.host_kv_gbps
+DEFAULT_SESSION_PIN_BLOCKS = MockerConfig.session_pin_blocks
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class EngineConfig:
     host_kv_blocks: int = 0
     host_kv_gbps: float = DEFAULT_HOST_KV_GBPS
     lora: LoraConfig = LORA_OFF
+    # Device blocks the mocker keeps pinned for idle agent sessions (-1: a quarter of the device).
+    session_pin_blocks: int = DEFAULT_SESSION_PIN_BLOCKS
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -85,6 +88,9 @@ class EngineConfig:
             raise ConfigError(f"--host-kv-gbps must be > 0, got {self.host_kv_gbps}")
         if self.engine == "vllm" and self.host_kv_blocks:
             self._check_vllm_host_tier()
+        if self.session_pin_blocks < -1:
+            raise ConfigError(f"--session-pin-blocks must be >= 0, or -1 for a quarter of the device's blocks; "
+                              f"got {self.session_pin_blocks}")
         if self.engine == "vllm" and self.lora.enabled:
             from services.engines.vllm_lora import vllm_max_lora_rank
 
@@ -132,6 +138,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     g.add_argument("--host-kv-gbps", type=positive_float, default=DEFAULT_HOST_KV_GBPS,
                    help="mocker: host -> device bandwidth of a load-back, GB/s (its timing, and what the "
                         "router weighs its host hits by)")
+    g.add_argument("--session-pin-blocks", type=int, default=DEFAULT_SESSION_PIN_BLOCKS, metavar="N",
+                   help="mocker: device KV blocks kept pinned for idle agent sessions between their requests "
+                        "(-1 = a quarter of --num-gpu-blocks; 0 = none); past it the least recently active "
+                        "sessions' blocks become evictable, kept in the host tier when there is one")
     g.add_argument("--stream-interval-ms", type=non_negative_float, default=DEFAULT_INTERVAL_S * 1000,
                    help="a stream sends at most one message per this many ms; faster tokens ride together "
                         "(0: send each engine output at once)")
@@ -179,6 +189,7 @@ def engine_config(args: argparse.Namespace, advertise_host: str = "127.0.0.1") -
         host_kv_blocks=args.host_kv_blocks,
         host_kv_gbps=args.host_kv_gbps,
         lora=lora_config(args),
+        session_pin_blocks=args.session_pin_blocks,
     ))
 
 

@@ -49,6 +49,7 @@ from services.engines.base import (
     Engine,
     EngineOutput,
     EngineRequest,
+    SessionRetention,
     FinishReason,
     LoadSnapshot,
     RowTap,
@@ -184,8 +185,11 @@ def request_from_proto(request: worker_pb2.WorkerGenerateRequest) -> EngineReque
     if request.resumed_tokens >= len(request.token_ids):
         raise bad_request(f"resumed_tokens ({request.resumed_tokens}) must be fewer than the tokens sent "
                           f"({len(request.token_ids)})")
+    session = None
+    if request.session.id and request.session.retain_ms:
+        session = SessionRetention(request.session.id, request.session.retain_ms / 1000)
     return EngineRequest(request.request_id, list(request.token_ids), sampling_from_proto(request.sampling),
-                         resumed_tokens=request.resumed_tokens, lora_name=request.lora_name)
+                         resumed_tokens=request.resumed_tokens, lora_name=request.lora_name, session=session)
 
 
 def generate_attributes(request: worker_pb2.WorkerGenerateRequest, worker_id: str) -> dict[str, str | int]:

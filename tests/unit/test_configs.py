@@ -59,6 +59,7 @@ def test_flags_left_out_give_exactly_the_config_defaults() -> None:
     """A default is declared once: the launcher's flags fall back to the configs' own defaults."""
     from services.routing.admission.gate import AdmissionConfig
     from services.launch.config import load
+    from services.routing.session_bindings import SessionConfig
 
     cfg = load(["--engine", "mocker"])
     truth = RouterConfig().kv_truth
@@ -72,7 +73,10 @@ def test_flags_left_out_give_exactly_the_config_defaults() -> None:
                                "--max-queue-wait", str(AdmissionConfig().max_queue_wait_s),
                                "--kv-events", truth.kv_events.value, "--prediction-ttl", str(truth.prediction_ttl_s),
                                "--prediction-max-blocks", str(truth.prediction_max_blocks),
-                               "--index-accuracy-floor", str(truth.index_accuracy_floor))
+                               "--index-accuracy-floor", str(truth.index_accuracy_floor),
+                               "--session-affinity", SessionConfig().affinity.value,
+                               "--session-ttl", str(SessionConfig().ttl_s),
+                               "--session-weight", str(SessionConfig().weight))
     engine = dict(zip(cfg.engine_argv[::2], cfg.engine_argv[1::2], strict=True))
     assert engine["--num-gpu-blocks"] == str(EngineConfig("mocker", demo(), 16).num_gpu_blocks) == "16384"
     assert engine["--timing"] == EngineConfig("mocker", demo(), 16).timing == "h100-8b"

@@ -240,3 +240,10 @@ def test_a_prompt_whose_text_ends_in_a_replacement_character_does_not_leak_into_
     ids = tok.encode("blocks of every worker").ids
     streamed = _streamed(StreamDetokenizer(tok, prompt), ids, [])
     assert "router" not in streamed and streamed.strip().endswith("worker"), streamed
+
+
+def test_stop_strings_name_the_one_that_matched_first_in_the_text() -> None:
+    s = StopStrings(["world", "lo w"])
+    assert s.push("hel") == ("", False) and s.matched == ""
+    assert s.push("lo world") == ("hel", True)
+    assert s.matched == "lo w"  # earlier in the text than "world"

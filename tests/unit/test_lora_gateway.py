@@ -90,7 +90,8 @@ def test_the_processor_gets_the_base_model_and_the_adapter_and_the_client_model_
 async def gateway(mesh: MeshView, admin: LoraAdmin | None = None, keys: tuple[str, ...] = ()
                   ) -> AsyncIterator[httpx.AsyncClient]:
     admin = admin or LoraAdmin(mesh, ChannelPool(), view_wait_s=0.1)
-    app = create_app(FrontendConfig(api_keys=keys, allow_runtime_lora=True), mesh, FrontendMetrics(), admin)
+    app = create_app(FrontendConfig(api_keys=keys, allow_runtime_lora=True), mesh, FrontendMetrics(), admin,
+                     ChannelPool())
     headers = {"authorization": f"Bearer {KEY}"} if keys else {}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw", headers=headers) as c:
         yield c
@@ -308,7 +309,8 @@ def test_a_load_only_prefill_workers_took_serves_no_request() -> None:
 
 async def test_run_time_loading_is_a_403_naming_the_flag_unless_the_gateway_allows_it() -> None:
     mesh = mesh_of(worker("w1", adapters=("alpha",)))
-    app = create_app(FrontendConfig(), mesh, FrontendMetrics(), LoraAdmin(mesh, ChannelPool()))
+    channels = ChannelPool()
+    app = create_app(FrontendConfig(), mesh, FrontendMetrics(), LoraAdmin(mesh, channels), channels)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
         for path, body in (("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/x"}),
                            ("/v1/unload_lora_adapter", {"lora_name": "alpha"})):

@@ -13,6 +13,14 @@ class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
     WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
 
+class SessionRoute(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SESSION_ROUTE_UNSPECIFIED: _ClassVar[SessionRoute]
+    SESSION_ROUTE_NEW: _ClassVar[SessionRoute]
+    SESSION_ROUTE_BOUND: _ClassVar[SessionRoute]
+    SESSION_ROUTE_MOVED: _ClassVar[SessionRoute]
+    SESSION_ROUTE_PARENT: _ClassVar[SessionRoute]
+
 class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     OUTCOME_OK: _ClassVar[Outcome]
@@ -49,6 +57,11 @@ class Overload(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 WORKER_ROLE_UNSPECIFIED: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
 WORKER_ROLE_PREFILL: WorkerRole
+SESSION_ROUTE_UNSPECIFIED: SessionRoute
+SESSION_ROUTE_NEW: SessionRoute
+SESSION_ROUTE_BOUND: SessionRoute
+SESSION_ROUTE_MOVED: SessionRoute
+SESSION_ROUTE_PARENT: SessionRoute
 OUTCOME_OK: Outcome
 OUTCOME_PEER_GONE: Outcome
 OUTCOME_PEER_DRAINING: Outcome
@@ -176,14 +189,26 @@ class PrefillLocation(_message.Message):
     def __init__(self, site: _Optional[_Union[PrefillLocation.Site, str]] = ..., prefill_worker_id: _Optional[str] = ...) -> None: ...
 
 class RouteExplanation(_message.Message):
-    __slots__ = ("mode", "candidates", "lora_name")
+    __slots__ = ("mode", "candidates", "lora_name", "session")
     MODE_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     mode: str
     candidates: _containers.RepeatedCompositeFieldContainer[RouteCandidate]
     lora_name: str
-    def __init__(self, mode: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    session: SessionRoute
+    def __init__(self, mode: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ..., lora_name: _Optional[str] = ..., session: _Optional[_Union[SessionRoute, str]] = ...) -> None: ...
+
+class SessionRef(_message.Message):
+    __slots__ = ("id", "parent_id", "retain_ms")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_MS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    parent_id: str
+    retain_ms: int
+    def __init__(self, id: _Optional[str] = ..., parent_id: _Optional[str] = ..., retain_ms: _Optional[int] = ...) -> None: ...
 
 class RouteCandidate(_message.Message):
     __slots__ = ("worker_id", "overlap_blocks", "cache_usage", "waiting", "logit", "host_overlap_blocks", "host_credit", "kv_source", "recent_accuracy", "adapter_resident", "adapter_load_s")

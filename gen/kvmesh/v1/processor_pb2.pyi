@@ -92,7 +92,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "chat", "text", "tokens", "sampling", "n", "stop", "choice_offset", "resume", "explain", "qos", "lora_name")
+    __slots__ = ("request_id", "model", "chat", "text", "tokens", "sampling", "n", "stop", "choice_offset", "resume", "explain", "qos", "lora_name", "session")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class GenerateRequest(_message.Message):
     EXPLAIN_FIELD_NUMBER: _ClassVar[int]
     QOS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     chat: ChatInput
@@ -119,7 +120,14 @@ class GenerateRequest(_message.Message):
     explain: bool
     qos: _common_pb2.Qos
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., text: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., choice_offset: _Optional[int] = ..., resume: _Optional[_Iterable[_Union[ResumedChoice, _Mapping]]] = ..., explain: _Optional[bool] = ..., qos: _Optional[_Union[_common_pb2.Qos, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    session: _common_pb2.SessionRef
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., text: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., choice_offset: _Optional[int] = ..., resume: _Optional[_Iterable[_Union[ResumedChoice, _Mapping]]] = ..., explain: _Optional[bool] = ..., qos: _Optional[_Union[_common_pb2.Qos, _Mapping]] = ..., lora_name: _Optional[str] = ..., session: _Optional[_Union[_common_pb2.SessionRef, _Mapping]] = ...) -> None: ...
+
+class CountTokensResponse(_message.Message):
+    __slots__ = ("input_tokens",)
+    INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    input_tokens: int
+    def __init__(self, input_tokens: _Optional[int] = ...) -> None: ...
 
 class ResumedChoice(_message.Message):
     __slots__ = ("index", "token_ids")
@@ -144,7 +152,7 @@ class RouteInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prefill: _Optional[_Union[_common_pb2.PrefillLocation, _Mapping]] = ..., explanation: _Optional[_Union[_common_pb2.RouteExplanation, _Mapping]] = ..., queue_wait_ms: _Optional[int] = ...) -> None: ...
 
 class ChoiceDelta(_message.Message):
-    __slots__ = ("index", "text", "token_ids", "finish_reason", "logprobs", "token_texts", "reasoning", "tool_calls")
+    __slots__ = ("index", "text", "token_ids", "finish_reason", "logprobs", "token_texts", "reasoning", "tool_calls", "stop_sequence")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +161,7 @@ class ChoiceDelta(_message.Message):
     TOKEN_TEXTS_FIELD_NUMBER: _ClassVar[int]
     REASONING_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    STOP_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     index: int
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -161,7 +170,8 @@ class ChoiceDelta(_message.Message):
     token_texts: _containers.RepeatedScalarFieldContainer[str]
     reasoning: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
-    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., token_texts: _Optional[_Iterable[str]] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ...) -> None: ...
+    stop_sequence: str
+    def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., token_texts: _Optional[_Iterable[str]] = ..., reasoning: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., stop_sequence: _Optional[str] = ...) -> None: ...
 
 class ToolCallDelta(_message.Message):
     __slots__ = ("index", "id", "name", "arguments")

@@ -45,6 +45,11 @@ class ProcessorStub:
                 request_serializer=kvmesh_dot_v1_dot_processor__pb2.ProcessorSessionDown.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_processor__pb2.ProcessorSessionUp.FromString,
                 _registered_method=True)
+        self.CountTokens = channel.unary_unary(
+                '/kvmesh.v1.Processor/CountTokens',
+                request_serializer=kvmesh_dot_v1_dot_processor__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_processor__pb2.CountTokensResponse.FromString,
+                _registered_method=True)
 
 
 class ProcessorServicer:
@@ -64,6 +69,14 @@ class ProcessorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CountTokens(self, request, context):
+        """The prompt tokens a request would have, rendered and tokenized exactly as Generate would
+        (chat template, tools and all), without running it (Anthropic's count_tokens).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ProcessorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +89,11 @@ def add_ProcessorServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=kvmesh_dot_v1_dot_processor__pb2.ProcessorSessionDown.FromString,
                     response_serializer=kvmesh_dot_v1_dot_processor__pb2.ProcessorSessionUp.SerializeToString,
+            ),
+            'CountTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.CountTokens,
+                    request_deserializer=kvmesh_dot_v1_dot_processor__pb2.GenerateRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_processor__pb2.CountTokensResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +151,33 @@ class Processor:
             '/kvmesh.v1.Processor/Session',
             kvmesh_dot_v1_dot_processor__pb2.ProcessorSessionDown.SerializeToString,
             kvmesh_dot_v1_dot_processor__pb2.ProcessorSessionUp.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CountTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Processor/CountTokens',
+            kvmesh_dot_v1_dot_processor__pb2.GenerateRequest.SerializeToString,
+            kvmesh_dot_v1_dot_processor__pb2.CountTokensResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "model", "token_ids", "role", "exclude_worker_ids", "explain", "hold", "qos", "streams", "max_tokens", "queue_timeout_ms", "feedback", "lora_name")
+    __slots__ = ("request_id", "model", "token_ids", "role", "exclude_worker_ids", "explain", "hold", "qos", "streams", "max_tokens", "queue_timeout_ms", "feedback", "lora_name", "session")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class RouteRequest(_message.Message):
     QUEUE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     FEEDBACK_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -35,7 +36,8 @@ class RouteRequest(_message.Message):
     queue_timeout_ms: int
     feedback: _containers.RepeatedCompositeFieldContainer[RouteFeedback]
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., explain: _Optional[bool] = ..., hold: _Optional[bool] = ..., qos: _Optional[_Union[_common_pb2.Qos, _Mapping]] = ..., streams: _Optional[int] = ..., max_tokens: _Optional[int] = ..., queue_timeout_ms: _Optional[int] = ..., feedback: _Optional[_Iterable[_Union[RouteFeedback, _Mapping]]] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    session: _common_pb2.SessionRef
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., exclude_worker_ids: _Optional[_Iterable[str]] = ..., explain: _Optional[bool] = ..., hold: _Optional[bool] = ..., qos: _Optional[_Union[_common_pb2.Qos, _Mapping]] = ..., streams: _Optional[int] = ..., max_tokens: _Optional[int] = ..., queue_timeout_ms: _Optional[int] = ..., feedback: _Optional[_Iterable[_Union[RouteFeedback, _Mapping]]] = ..., lora_name: _Optional[str] = ..., session: _Optional[_Union[_common_pb2.SessionRef, _Mapping]] = ...) -> None: ...
 
 class RouteFeedback(_message.Message):
     __slots__ = ("request_id", "worker_id", "cached_tokens", "prompt_tokens")
@@ -50,7 +52,7 @@ class RouteFeedback(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("worker_id", "address", "overlap_blocks", "prefix_hit_rate", "pool_waiting", "explanation", "host_overlap_blocks", "queued", "queue_wait_ms")
+    __slots__ = ("worker_id", "address", "overlap_blocks", "prefix_hit_rate", "pool_waiting", "explanation", "host_overlap_blocks", "queued", "queue_wait_ms", "session_retain_ms")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +62,7 @@ class RouteResponse(_message.Message):
     HOST_OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     QUEUE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_RETAIN_MS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     overlap_blocks: int
@@ -69,7 +72,8 @@ class RouteResponse(_message.Message):
     host_overlap_blocks: int
     queued: bool
     queue_wait_ms: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., pool_waiting: _Optional[int] = ..., explanation: _Optional[_Union[_common_pb2.RouteExplanation, _Mapping]] = ..., host_overlap_blocks: _Optional[int] = ..., queued: _Optional[bool] = ..., queue_wait_ms: _Optional[int] = ...) -> None: ...
+    session_retain_ms: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., pool_waiting: _Optional[int] = ..., explanation: _Optional[_Union[_common_pb2.RouteExplanation, _Mapping]] = ..., host_overlap_blocks: _Optional[int] = ..., queued: _Optional[bool] = ..., queue_wait_ms: _Optional[int] = ..., session_retain_ms: _Optional[int] = ...) -> None: ...
 
 class FindMatchesRequest(_message.Message):
     __slots__ = ("model", "token_ids", "role", "lora_name")

@@ -134,20 +134,22 @@ class ReleaseKvResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "prefix_hit_rate", "resumed_tokens", "lora_name")
+    __slots__ = ("request_id", "token_ids", "sampling", "prefix_hit_rate", "resumed_tokens", "lora_name", "session")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     prefix_hit_rate: float
     resumed_tokens: int
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefix_hit_rate: _Optional[float] = ..., resumed_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    session: _common_pb2.SessionRef
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefix_hit_rate: _Optional[float] = ..., resumed_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., session: _Optional[_Union[_common_pb2.SessionRef, _Mapping]] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "prompt_tokens", "cached_tokens", "prefill")

@@ -14,6 +14,16 @@ so no index node is ever left empty in between (an empty node would drop everyth
 A block is moved to host only while its parent is still cached somewhere: a block whose prefix is
 gone can never be hit again.
 
+Session pins (session_pins.py decides what to pin; this module keeps the rules of a pinned block):
+a pinned device block is cached and, while nobody references it, neither free nor evictable: it
+stays off the LRU, so `allocate` fails rather than evict it (the pin budget keeps pins from
+crowding out running requests; the engine demotes pins when nothing else can make progress). A
+pin is always a run of a chain from its root, so a pinned block's parent is pinned too. A
+protected host block is kept out of the host tier's LRU drop; protection too covers runs from the
+root, so a protected block's parent is never dropped from host memory under it. Unpinned and
+unprotected blocks join their LRU at the newest end, children before parents, so a chain still
+leaves each tier tail first.
+
 LoRA adapters: the engine hashes an adapter's blocks with the adapter's seed (`adapter_seed`), so
 their chained hashes differ from the base model's and every other adapter's and a lookup here
 never matches across adapters. Each cached block remembers its adapter, in both tiers, only so
@@ -74,16 +84,21 @@ class BlockManager:
         "_emit",
         "_hash_of",
         "_host",
+        "_host_lru",
+        "_idle_pinned",
         "_local_of",
         "_lora_of",
         "_lru",
         "_never_used",
         "_parent_of",
+        "_pins",
+        "_protect",
         "_refs",
         "block_size",
         "host_blocks",
         "host_hit_blocks",
         "num_blocks",
+        "pinned_blocks",
     )
 
     def __init__(self, num_blocks: int, block_size: int, emit: Callable[[KvEventData], None],
@@ -102,15 +117,29 @@ class BlockManager:
         self._refs: list[int] = [0] * num_blocks
         # Cached blocks with no reference, oldest first: the eviction order.
         self._lru: OrderedDict[int, None] = OrderedDict()
-        # The host tier: block hash -> (parent hash, local hash, adapter), oldest first.
-        self._host: OrderedDict[SequenceHash, _HostEntry] = OrderedDict()
+        # The host tier: block hash -> (parent hash, local hash, adapter); and those of its blocks
+        # that may be dropped (not protected by a session), oldest first: the drop order.
+        self._host: dict[SequenceHash, _HostEntry] = {}
+        self._host_lru: OrderedDict[SequenceHash, None] = OrderedDict()
         self.host_hit_blocks = 0
+        # Session pins on each device block; blocks with a pin, and those of them nobody references.
+        self._pins: list[int] = [0] * num_blocks
+        self.pinned_blocks = 0
+        self._idle_pinned = 0
+        # Session protections on each host-tier hash (whether the block is in host memory yet or not).
+        self._protect: dict[SequenceHash, int] = {}
 
     # -- queries -------------------------------------------------------------------------------
 
     @property
     def active_blocks(self) -> int:
-        return self.num_blocks - len(self._never_used) - len(self._lru)
+        """Blocks running requests hold (pinned blocks nobody references are not counted)."""
+        return self.num_blocks - len(self._never_used) - len(self._lru) - self._idle_pinned
+
+    @property
+    def idle_pinned_blocks(self) -> int:
+        """Pinned blocks no running request references: a session's kept history."""
+        return self._idle_pinned
 
     @property
     def free_blocks(self) -> int:
@@ -119,6 +148,11 @@ class BlockManager:
     @property
     def host_active_blocks(self) -> int:
         return len(self._host)
+
+    @property
+    def host_protected_blocks(self) -> int:
+        """Host-tier blocks a session protects from the drop."""
+        return len(self._host) - len(self._host_lru)
 
     def cached_prefix_blocks(self, chain: Sequence[SequenceHash]) -> int:
         return _run_held(self._by_hash, chain, 0)
@@ -149,6 +183,7 @@ class BlockManager:
         loaded = [chain[i] for i in range(hit, hit + self.host_prefix_blocks(chain, hit))]
         for h in loaded:
             del self._host[h]
+            self._host_lru.pop(h, None)
         evicted: list[_Evicted] = []
         for _ in range(needed):
             blocks.append(self._take_block(evicted))
@@ -180,6 +215,7 @@ class BlockManager:
         self._lora_of[block] = lora_name
         self._emit(KvStored(parent_hash, ((chain_hash, local_hash),), lora_name=lora_name))
         if self._host.pop(chain_hash, None) is not None:
+            self._host_lru.pop(chain_hash, None)
             self._emit(KvRemoved((chain_hash,), Tier.HOST))
 
     def free(self, blocks: list[int]) -> None:
@@ -191,14 +227,105 @@ class BlockManager:
                 continue
             if self._hash_of[block] == NO_HASH:
                 self._never_used.append(block)
+            elif self._pins[block]:
+                self._idle_pinned += 1  # kept by a session: off the LRU
             else:
                 self._lru[block] = None
+
+    # -- session pins --------------------------------------------------------------------------
+
+    def pin(self, chain: Sequence[SequenceHash]) -> list[int]:
+        """Pins the run of `chain` cached on the device from its root; returns the pinned blocks."""
+        blocks: list[int] = []
+        for h in chain:
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+            pins = self._pins[block]
+            self._pins[block] = pins + 1
+            if not pins:
+                self.pinned_blocks += 1
+                if not self._refs[block]:
+                    del self._lru[block]
+                    self._idle_pinned += 1
+        return blocks
+
+    def unpin(self, blocks: Sequence[int]) -> None:
+        """Drops one pin from each block; one nobody else keeps becomes evictable again, tail first."""
+        for block in reversed(blocks):
+            pins = self._pins[block] - 1
+            self._pins[block] = pins
+            if not pins:
+                self.pinned_blocks -= 1
+                if not self._refs[block]:
+                    self._idle_pinned -= 1
+                    self._lru[block] = None
+
+    def protect(self, chain: Sequence[SequenceHash]) -> None:
+        """Keeps `chain` (a run from its root), whatever of it is or comes to be in the host tier,
+        out of the host tier's drop until `unprotect`."""
+        protect, host_lru = self._protect, self._host_lru
+        for h in chain:
+            count = protect.get(h, 0)
+            protect[h] = count + 1
+            if not count:
+                host_lru.pop(h, None)
+
+    def unprotect(self, chain: Sequence[SequenceHash]) -> None:
+        protect, host_lru = self._protect, self._host_lru
+        for h in reversed(chain):  # children first: a chain still leaves host memory tail first
+            count = protect[h] - 1
+            if count:
+                protect[h] = count
+                continue
+            del protect[h]
+            if h in self._host:
+                host_lru[h] = None
+
+    def prefetch(self, chain: list[SequenceHash], max_blocks: int) -> int:
+        """Loads up to `max_blocks` of the part of `chain`'s prefix that continues in host memory
+        back onto the device ahead of its request's admission; returns how many. Only into blocks
+        free now: it never waits, and the device prefix it continues is held while room is made."""
+        hit = self.cached_prefix_blocks(chain)
+        n = min(self.host_prefix_blocks(chain, hit), max_blocks)
+        if n <= 0:
+            return 0
+        n = min(n, self.free_blocks - sum(1 for h in chain[:hit] if self._by_hash[h] in self._lru))
+        if n <= 0:
+            return 0
+        held = [self._ref_cached(self._by_hash[h]) for h in chain[:hit]]
+        loaded = chain[hit:hit + n]
+        entries = [self._host.pop(h) for h in loaded]  # out before an eviction below could drop them
+        for h in loaded:
+            self._host_lru.pop(h, None)
+        evicted: list[_Evicted] = []
+        blocks = [self._take_block(evicted) for _ in range(n)]
+        self._evict(evicted)
+        for block, h, (parent, local, lora) in zip(blocks, loaded, entries, strict=True):
+            self._by_hash[h] = block
+            self._hash_of[block] = h
+            self._parent_of[block] = parent
+            self._local_of[block] = local
+            self._lora_of[block] = lora
+        # One chain, one adapter: stored on the device before the host copies are removed.
+        self._emit(KvStored(entries[0][0], tuple((h, e[1]) for h, e in zip(loaded, entries, strict=True)),
+                            lora_name=entries[0][2]))
+        self._emit(KvRemoved(tuple(loaded), Tier.HOST))
+        self.host_hit_blocks += n
+        self.free(held + blocks)
+        return n
 
     # -- internals -----------------------------------------------------------------------------
 
     def _ref_cached(self, block: int) -> int:
-        self._lru.pop(block, None)
-        self._refs[block] += 1
+        refs = self._refs[block]
+        if not refs:
+            if self._pins[block]:
+                self._idle_pinned -= 1
+            else:
+                self._lru.pop(block, None)
+        self._refs[block] = refs + 1
         return block
 
     def _take_block(self, evicted: list[_Evicted]) -> int:
@@ -225,7 +352,7 @@ class BlockManager:
         """Keeps blocks the device evicted in host memory, stored there before the device removal is
         reported; room is made by dropping the host tier's oldest blocks for good. One stored event
         per chain, parents first (an engine evicts a chain tail first)."""
-        host = self._host
+        host, host_lru, protect = self._host, self._host_lru, self._protect
         kept: list[_Evicted] = []
         present = {h for h, _, _, _ in evicted}
         for entry in _parents_first(evicted):
@@ -234,8 +361,11 @@ class BlockManager:
                 kept.append(entry)
             else:
                 present.discard(entry[0])  # its prefix is gone: it could never be hit again
-        kept = kept[:self.host_blocks]  # more than the tier holds: the chain heads stay
-        dropped = [host.popitem(last=False)[0] for _ in range(len(host) + len(kept) - self.host_blocks)]
+        # More than the tier can take (protected blocks cannot make room): the chain heads stay.
+        kept = kept[:self.host_blocks - (len(host) - len(host_lru))]
+        dropped = [host_lru.popitem(last=False)[0] for _ in range(len(host) + len(kept) - self.host_blocks)]
+        for h in dropped:
+            del host[h]
         if dropped:
             self._emit(KvRemoved(tuple(dropped), Tier.HOST))
             gone = set(dropped)  # a dropped block's children lose their prefix with it
@@ -259,6 +389,8 @@ class BlockManager:
         # it left the device: a head dropped before its tail would strand the tail.
         for block_hash, parent, local, lora in reversed(kept):
             host[block_hash] = (parent, local, lora)
+            if block_hash not in protect:
+                host_lru[block_hash] = None
 
     def _cache_full_blocks(self, blocks: list[int], chain: list[SequenceHash], locals_: list[LocalBlockHash],
                            start: int, lora_name: str) -> None:
@@ -279,5 +411,7 @@ class BlockManager:
             self._emit(KvStored(parent, tuple(stored), lora_name=lora_name))
             # Recomputed although a copy sat in host memory past a gap in the prefix: one tier.
             stale = [h for h, _ in stored if self._host.pop(h, None) is not None] if self._host else []
+            for h in stale:
+                self._host_lru.pop(h, None)
             if stale:
                 self._emit(KvRemoved(tuple(stale), Tier.HOST))

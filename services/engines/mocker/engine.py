@@ -5,6 +5,10 @@ the same continuation and a request moved mid-stream goes on exactly. Everything
 admission under a token budget, prefix-cache hits, eviction, preemption when the cache is full,
 KV events and load — is real bookkeeping.
 
+Agent sessions (`EngineRequest.session`): a session's blocks are pinned between its requests,
+within `MockerConfig.session_pin_blocks` on the device and else protected in the host tier, and
+brought back from the host tier as its next request arrives (session_pins.py).
+
 LoRA adapters (`MockerConfig.lora`): a request holds its adapter (`AdapterSet.use`) for its whole
 life; a load stalls the engine's step (adapter_loads.py). An adapter's blocks are hashed with its
 seed (`adapter_seed`), so its cache never serves the base model or another adapter.
@@ -17,12 +21,9 @@ import logging
 from collections import deque
 from collections.abc import AsyncGenerator
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from services.kv_protocol.hashing import (
-    KV_HASH_SEED,
-    LocalBlockHash,
-    SequenceHash,
     adapter_seed,
     chain_from,
     chain_hash,
@@ -41,55 +42,18 @@ from services.engines.base import (
     RowTap,
     UnsupportedFieldError,
 )
-from services.engines.lora import LORA_OFF, AdapterError, AdapterErrorKind, AdapterSet, LoraConfig
+from services.engines.lora import AdapterError, AdapterErrorKind, AdapterSet
 from services.engines.mocker.adapter_loads import SimulatedAdapterLoader
 from services.engines.mocker.block_manager import BlockManager
+from services.engines.mocker.config import MockerConfig
 from services.engines.model_facts import read_model_facts
 from services.engines.output_channel import OutputChannel
 from services.engines.mocker.output_tokens import OutputTokens
 from services.engines.mocker.kv_transfer import KvTransferError, NixlKvEndpoint, check_pull_adapter
-from services.engines.mocker.timing import TimingModel
+from services.engines.mocker.sequence import Seq
+from services.engines.mocker.session_pins import SessionPins
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class MockerConfig:
-    model_dir: str
-    served_model_name: str
-    block_size: int = 16
-    num_gpu_blocks: int = 16384
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    timing: TimingModel = field(default_factory=TimingModel)
-    # Synthetic KV size moved between prefill and decode workers (an 8B model holds ~128 KiB).
-    kv_bytes_per_token: int = 4096
-    # The host-memory tier below the device cache, in blocks (0: none), and the host -> device
-    # link a load-back crosses (GB/s; a PCIe 5.0 x16 link moves about 50 in practice).
-    host_kv_blocks: int = 0
-    host_kv_gbps: float = 50.0
-    # LoRA adapters (--enable-lora, --lora-modules, --max-loras, --max-lora-rank).
-    lora: LoraConfig = LORA_OFF
-
-
-@dataclass(eq=False, slots=True)
-class _Seq:
-    request: EngineRequest
-    tokens: list[int]
-    prompt_len: int
-    digest: int
-    out: OutputChannel
-    # Seeds the local hashes of its blocks: `adapter_seed` of its LoRA adapter.
-    hash_seed: int = KV_HASH_SEED
-    blocks: list[int] = field(default_factory=list)
-    # Chained hashes of the full blocks of `tokens`, grown as decode fills blocks.
-    chain: list[SequenceHash] = field(default_factory=list)
-    locals_: list[LocalBlockHash] = field(default_factory=list)
-    cached_tokens: int = 0
-    generated: int = 0
-    done: bool = False
-    # The prompt's KV came from a prefill worker: admitting it costs no prefill compute.
-    remote_kv: bool = False
 
 
 class MockerEngine(Engine):
@@ -104,8 +68,12 @@ class MockerEngine(Engine):
         self._tokens = OutputTokens.of_vocab(vocab)
         self.blocks = BlockManager(config.num_gpu_blocks, config.block_size, self.emit_kv_event,
                                    config.host_kv_blocks)
-        self._waiting: deque[_Seq] = deque()
-        self._running: list[_Seq] = []
+        # Half the host tier at most holds sessions' blocks: the rest stays a cache for everyone.
+        self.sessions = SessionPins(self.blocks, config.pin_budget, config.host_kv_blocks // 2)
+        # When the host -> device link is free of prefetches already started (engine clock).
+        self._link_free_at = 0.0
+        self._waiting: deque[Seq] = deque()
+        self._running: list[Seq] = []
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._prompt_tokens_seen = 0
@@ -145,7 +113,9 @@ class MockerEngine(Engine):
 
     def load(self) -> LoadSnapshot:
         total = self.config.num_gpu_blocks
-        active = self.blocks.active_blocks
+        # Sessions' pinned blocks count as used: no new request can take them, and a router that
+        # saw that room free would send work here only for it to wait.
+        active = self.blocks.active_blocks + self.blocks.idle_pinned_blocks
         seen = self._prompt_tokens_seen
         return LoadSnapshot(
             request_active_slots=len(self._running),
@@ -157,6 +127,7 @@ class MockerEngine(Engine):
             gpu_prefix_cache_hit_rate=self._prompt_tokens_hit / seen if seen else 0.0,
             host_tier=self._host_tier_load(),
             prefill_cost=self._prefill_cost(),
+            sessions=self.sessions.load(),
         )
 
     def _host_tier_load(self) -> HostTierLoad | None:
@@ -189,7 +160,7 @@ class MockerEngine(Engine):
 
     async def generate(self, request: EngineRequest, tap: RowTap | None = None) -> AsyncGenerator[EngineOutput, None]:
         self._check(request)
-        seq = _Seq(
+        seq = Seq(
             request=request,
             tokens=list(request.token_ids),
             prompt_len=len(request.token_ids),
@@ -206,6 +177,8 @@ class MockerEngine(Engine):
                     raise KvTransferError("this worker was started without KV transfer (--kv-transfer nixl)")
                 self.record_kv_transfer(*await self.kv_endpoint.pull(request.kv_pull))
                 seq.remote_kv = True
+            if request.session is not None and not seq.remote_kv:
+                self._prefetch(seq)
             self._waiting.append(seq)
             self._wake.set()
             try:
@@ -217,6 +190,26 @@ class MockerEngine(Engine):
             finally:
                 if not seq.done:
                     self._finish(seq, FinishReason.ABORT)
+
+    def _prefetch(self, seq: Seq) -> None:
+        """A session's request arrived: its prefix in host memory starts moving to the device now,
+        so the transfer overlaps its wait in the queue (the link carries one prefetch at a time)."""
+        session = seq.request.session
+        assert session is not None
+        self._hash_prompt(seq)
+        now = asyncio.get_running_loop().time()
+        loaded = self.sessions.arrived(session.session_id, seq.chain, session.retain_s, now)
+        if loaded:
+            nbytes = loaded * self.config.block_size * self.config.kv_bytes_per_token
+            self._link_free_at = max(now, self._link_free_at) + self.config.timing.load_seconds(
+                nbytes, self.config.host_kv_gbps)
+            seq.kv_ready_at = self._link_free_at
+
+    def _hash_prompt(self, seq: Seq) -> None:
+        bs = self.config.block_size
+        if not seq.chain and len(seq.tokens) >= bs:
+            seq.locals_ = local_block_hashes(seq.tokens, bs, seq.hash_seed)
+            seq.chain = chain_from(seq.locals_)
 
     def _check(self, request: EngineRequest) -> None:
         """Refuses a request this engine cannot serve as asked, before it takes anything."""
@@ -249,13 +242,20 @@ class MockerEngine(Engine):
         loop = asyncio.get_running_loop()
         step_end: float | None = None
         while True:
+            self.sessions.expire(loop.time())  # a heap peek, nothing when no pin is due
             if not self._waiting and not self._running and not self._adapter_loads.queued:
                 self._wake.clear()
                 step_end = None  # idle: the next step starts its own clock
-                await self._wake.wait()
+                # Idle with pins: woken by their next expiry too, so it is not left to the next request.
+                expiry = self.sessions.next_expiry()
+                try:
+                    async with asyncio.timeout_at(expiry):
+                        await self._wake.wait()
+                except TimeoutError:
+                    continue
             decode_seqs = len(self._running)
             context = sum(len(seq.tokens) for seq in self._running) if self._charges_context else 0
-            admitted, prompts, loaded_blocks = self._admit()
+            admitted, prompts, loaded_blocks, kv_ready_at = self._admit()
             timing = self.config.timing
             # Adapters load while the step is set up: every sequence in it waits for them.
             duration = timing.step_seconds(prompts, decode_seqs, context) + self._adapter_loads.start_step()
@@ -263,6 +263,8 @@ class MockerEngine(Engine):
                 kv_bytes = loaded_blocks * self.config.block_size * self.config.kv_bytes_per_token
                 duration += timing.load_seconds(kv_bytes, self.config.host_kv_gbps)
             now = loop.time()
+            if kv_ready_at:  # a prefetch not done yet by this step's start holds the step for the rest
+                duration += max(0.0, kv_ready_at - (now if step_end is None else max(now, step_end)))
             # Back-to-back steps keep the engine's own clock: a step ends `duration` after the
             # previous one ended, not after this process got round to starting it, so time the
             # event loop spent elsewhere (streaming the last step's tokens) does not stretch the
@@ -275,19 +277,19 @@ class MockerEngine(Engine):
             self._adapter_loads.end_step()
             self._emit_tokens(admitted)
 
-    def _admit(self) -> tuple[list[_Seq], list[int], int]:
+    def _admit(self) -> tuple[list[Seq], list[int], int, float]:
         """Admits waiting sequences; returns them, the uncached tokens of each prompt the step
-        computes, and the blocks it loads back from the host tier."""
-        admitted: list[_Seq] = []
+        computes, the blocks it loads back from the host tier, and when the last of their
+        prefetches is done (0.0: none pending)."""
+        admitted: list[Seq] = []
         budget = self.config.max_num_batched_tokens
         used = loaded = 0
+        ready_at = 0.0
         prompts: list[int] = []
         while self._waiting and len(self._running) + len(admitted) < self.config.max_num_seqs:
             seq = self._waiting[0]
             bs = self.config.block_size
-            if not seq.chain and len(seq.tokens) >= bs:
-                seq.locals_ = local_block_hashes(seq.tokens, bs, seq.hash_seed)
-                seq.chain = chain_from(seq.locals_)
+            self._hash_prompt(seq)
             chain = seq.chain
             if seq.remote_kv:
                 uncached = 0
@@ -298,9 +300,15 @@ class MockerEngine(Engine):
             if used and used + uncached > budget:
                 break
             allocation = self.blocks.allocate(chain, seq.locals_, len(seq.tokens), seq.request.lora_name)
+            # Nothing running will free blocks: pins give way rather than leave the queue stuck.
+            while allocation is None and not self._running and not admitted and self.sessions.yield_device():
+                allocation = self.blocks.allocate(chain, seq.locals_, len(seq.tokens), seq.request.lora_name)
             if allocation is None:
                 break
             self._waiting.popleft()
+            if seq.request.session is not None:
+                self.sessions.started(seq.request.session.session_id)
+                ready_at = max(ready_at, seq.kv_ready_at)
             seq.blocks, hit_blocks, host_blocks = allocation
             reused = hit_blocks + host_blocks
             if seq.generated == 0:
@@ -314,16 +322,16 @@ class MockerEngine(Engine):
                 used += computed
                 loaded += host_blocks
             admitted.append(seq)
-        return admitted, prompts, loaded
+        return admitted, prompts, loaded, ready_at
 
-    def _emit_tokens(self, admitted: list[_Seq]) -> None:
+    def _emit_tokens(self, admitted: list[Seq]) -> None:
         running = self._running
         running.extend(admitted)
-        still: list[_Seq] = []
+        still: list[Seq] = []
         for seq in running:
             if seq.done:
                 continue
-            if not self._grow(seq):
+            if not self._grow(seq) and not self._grow_past_pins(seq):
                 self._preempt(seq)
                 continue
             token = self._tokens.at(seq.digest, seq.request.resumed_tokens + seq.generated)
@@ -337,7 +345,7 @@ class MockerEngine(Engine):
                 self._release(seq)
         self._running = still
 
-    def _grow(self, seq: _Seq) -> bool:
+    def _grow(self, seq: Seq) -> bool:
         """Makes room for one more token; caches the block the previous token filled."""
         bs = self.config.block_size
         n = len(seq.tokens)
@@ -354,7 +362,14 @@ class MockerEngine(Engine):
             seq.blocks.append(block)
         return True
 
-    def _preempt(self, seq: _Seq) -> None:
+    def _grow_past_pins(self, seq: Seq) -> bool:
+        """Out of blocks: pins give way, least recently active first, before a sequence is preempted."""
+        while self.sessions.yield_device():
+            if self._grow(seq):
+                return True
+        return False
+
+    def _preempt(self, seq: Seq) -> None:
         """Out of blocks: give this sequence's back and recompute it later, as vLLM does."""
         log.debug("preempting %s", seq.request.request_id)
         self.blocks.free(seq.blocks)
@@ -362,7 +377,7 @@ class MockerEngine(Engine):
         seq.remote_kv = False  # its pulled KV is gone with the blocks: recomputed on readmission
         self._waiting.appendleft(seq)
 
-    def _finish_reason(self, seq: _Seq, token: int) -> FinishReason | None:
+    def _finish_reason(self, seq: Seq, token: int) -> FinishReason | None:
         sampling = seq.request.sampling
         if seq.generated >= sampling.max_tokens:
             return FinishReason.LENGTH
@@ -370,12 +385,16 @@ class MockerEngine(Engine):
             return FinishReason.STOP
         return None
 
-    def _release(self, seq: _Seq) -> None:
+    def _release(self, seq: Seq) -> None:
         seq.done = True
+        session = seq.request.session
+        if session is not None and seq.blocks and seq.generated:
+            # Pinned before the blocks are freed, so they never pass through the LRU.
+            self.sessions.kept(session.session_id, seq.chain, session.retain_s, asyncio.get_running_loop().time())
         self.blocks.free(seq.blocks)
         seq.blocks = []
 
-    def _finish(self, seq: _Seq, reason: FinishReason) -> None:
+    def _finish(self, seq: Seq, reason: FinishReason) -> None:
         if seq.done:
             return
         if seq in self._running:

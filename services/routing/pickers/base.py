@@ -37,6 +37,10 @@ class PickContext:
     # Per worker id, the request's LoRA adapter there (worker_adapters.py); empty for the base
     # model. Worked out once per decision, by the router, as the host credits are.
     adapters: Mapping[str, AdapterView] = field(default_factory=dict)
+    # The worker the request's agent session prefers (its binding, or its parent's), and by how
+    # much (session_bindings.py): None, for a request of no session or one bound nowhere.
+    session_worker: str | None = None
+    session_weight: float = 0.0
 
 
 class Picker(Protocol):

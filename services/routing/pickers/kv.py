@@ -75,7 +75,8 @@ def candidate(worker: WorkerState, context: PickContext) -> Candidate:
         indexed_blocks=context.indexed_blocks(worker_id), host_overlap_blocks=context.host_overlaps.get(worker_id, 0),
         host_credit=context.host_credits.get(worker_id, 0.0), adapter_load_s=load_s,
         adapter_slots_busy=busy,
-        prompt_prefill_s=prompt_prefill_s(load, context.num_tokens) if load_s > 0 else None)
+        prompt_prefill_s=prompt_prefill_s(load, context.num_tokens) if load_s > 0 else None,
+        session_bonus=context.session_weight if worker_id == context.session_worker else 0.0)
 
 
 def prompt_prefill_s(load: worker_pb2.LoadMetrics, num_tokens: int) -> float | None:

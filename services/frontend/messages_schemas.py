@@ -1,0 +1,336 @@
+"""Request bodies of Anthropic's Messages API (`POST /v1/messages` and `/v1/messages/count_tokens`).
+
+The chat path's rule (schemas.py), in Anthropic's names: known fields are strict (JSON types,
+bounds of the protobuf fields they travel in, valid Unicode) and every nested object forbids keys
+it does not know (inside a content block or a tool an unknown key changes what the model is asked);
+unknown top-level fields pass and are ignored. What the mesh cannot honour is refused by name
+before validation (`refuse_unsupported`), so the 400 says what is not served rather than which
+key a block of another type lacks: image and document blocks (a text model), server tools (a tool
+with a `type` other than `custom`), `cache_control` other than `{type: ephemeral[, ttl]}` (accepted
+as a no-op: the mesh's prefix cache needs no breakpoints), `container`, `mcp_servers`,
+`context_management`, `inference_geo`, and a `service_tier` other than auto or standard_only.
+Every refusal's message opens with the field's path (`messages.0.content.1.type: ...`): Anthropic's
+error body has no `param` of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from services.contract.request_limits import MAX_STOP_CHARS, MAX_STOP_STRINGS, UINT32_MAX
+from services.frontend.agent_schemas import FunctionName, Text, valid_unicode
+from services.frontend.errors import ApiError
+from services.frontend.schemas import INT32_MAX, Integral, TokenCount, UnitFloat
+
+# Content block types the mesh reads; every other Anthropic block type is refused by name.
+BLOCK_TYPES = frozenset({"text", "tool_use", "tool_result", "thinking", "redacted_thinking"})
+# Why a known block type is not served (anything else: "unknown content block type").
+_UNSERVED_BLOCKS = {
+    "image": "this model takes text only",
+    "document": "this model takes text only",
+    "search_result": "search result blocks are not supported",
+    "container_upload": "the mesh has no containers",
+}
+_SERVER_BLOCK = "server tool blocks are not supported: the mesh runs no server tools"
+# Top-level fields that ask for what the mesh does not have (None: refused whatever the value).
+_REFUSED: dict[str, tuple[str, Any]] = {
+    "container": ("the mesh has no containers", None),
+    "mcp_servers": ("MCP servers are not supported: send client tools", None),
+    "context_management": ("context management is not supported: send the context to use", None),
+    "inference_geo": ("the mesh does not choose a geography", None),
+    "service_tier": ("only auto and standard_only are served", lambda v: v not in ("auto", "standard_only", None)),
+}
+ToolId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,256}$")]
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(valid_unicode)]
+
+
+class _Closed(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class CacheControl(_Closed):
+    """A prompt-cache breakpoint: accepted and ignored (every prefix is cached without one)."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlock(_Closed):
+    type: Literal["text"]
+    text: Text
+    cache_control: CacheControl | None = None
+    # Citations an earlier answer carried: nothing the model reads.
+    citations: list[dict[str, Any]] | None = None
+
+
+class ToolUseBlock(_Closed):
+    type: Literal["tool_use"]
+    id: ToolId
+    name: FunctionName
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class ToolResultBlock(_Closed):
+    type: Literal["tool_result"]
+    tool_use_id: ToolId
+    content: Text | list[TextBlock] | None = None
+    is_error: bool = False
+    cache_control: CacheControl | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(block.text for block in self.content)
+
+
+class ThinkingBlock(_Closed):
+    type: Literal["thinking"]
+    thinking: Text
+    # Anthropic's proof that it wrote the block; the mesh neither makes nor checks one.
+    signature: str = ""
+    cache_control: CacheControl | None = None
+
+
+class RedactedThinkingBlock(_Closed):
+    """Encrypted reasoning from Anthropic's models: nothing another model can read (dropped)."""
+
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+                  Field(discriminator="type")]
+
+
+class MessageIn(_Closed):
+    role: Literal["user", "assistant"]
+    content: Text | list[Block]
+
+
+class Metadata(_Closed):
+    # The agent session's id with --session-from-user (frontend/sessions.py), as OpenAI's `user`.
+    user_id: Annotated[str, Field(max_length=256), AfterValidator(valid_unicode)] | None = None
+
+
+class CustomTool(_Closed):
+    name: FunctionName
+    description: Text | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: CacheControl | None = None
+    strict: bool | None = None
+    # Tool input streams as it is generated whatever this says.
+    eager_input_streaming: bool | None = None
+    defer_loading: Literal[False] | None = None
+
+
+class _ToolChoiceBase(_Closed):
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceAuto(_ToolChoiceBase):
+    type: Literal["auto"]
+
+
+class ToolChoiceAny(_ToolChoiceBase):
+    type: Literal["any"]
+
+
+class ToolChoiceTool(_ToolChoiceBase):
+    type: Literal["tool"]
+    name: FunctionName
+
+
+class ToolChoiceNone(_Closed):
+    type: Literal["none"]
+
+
+ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")]
+
+
+class ThinkingEnabled(_Closed):
+    type: Literal["enabled"]
+    # Anthropic's bounds (>= 1024, < max_tokens); the whole output is bounded by max_tokens.
+    budget_tokens: Annotated[int, Field(ge=1024, le=UINT32_MAX), Integral]
+    display: Literal["summarized"] | None = None
+
+
+class ThinkingDisabled(_Closed):
+    type: Literal["disabled"]
+
+
+class ThinkingAdaptive(_Closed):
+    """The model decides: its chat template's default."""
+
+    type: Literal["adaptive"]
+    display: Literal["summarized"] | None = None
+
+
+Thinking = Annotated[ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive, Field(discriminator="type")]
+
+
+class JsonOutputFormat(_Closed):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Closed):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    # The template's reasoning_effort; the two levels above high have no counterpart there.
+    effort: Literal["low", "medium", "high"] | None = None
+    format: JsonOutputFormat | None = None
+
+
+class CountTokensRequest(BaseModel):
+    """What `/v1/messages/count_tokens` takes: the prompt of a message, without sampling."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: Annotated[str, Field(min_length=1), AfterValidator(valid_unicode)]
+    messages: Annotated[list[MessageIn], Field(min_length=1)]
+    system: Text | list[TextBlock] | None = None
+    tools: Annotated[list[CustomTool], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    # The structured-outputs beta's name for output_config.format, which some clients still send.
+    output_format: JsonOutputFormat | None = None
+    cache_control: CacheControl | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """`POST /v1/messages`: a message to generate, whole or streamed."""
+
+    max_tokens: TokenCount
+    metadata: Metadata | None = None
+    stop_sequences: Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stream: bool = False
+    # Anthropic's range, narrower than OpenAI's 0-2.
+    temperature: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    top_p: UnitFloat | None = None
+    top_k: Annotated[int, Field(ge=0, le=INT32_MAX), Integral] | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None
+
+
+def parse_messages(model: type[CountTokensRequest], body: object) -> CountTokensRequest:
+    """The validated request, or a 400 whose message opens with the offending field's path."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    refuse_unsupported(body)
+    try:
+        req = model.model_validate(body)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False)
+        telling = [e for e in errors if e["type"] not in _TYPE_ERRORS] or errors
+        # The deepest error: inside `content: str | list[block]`, a list's error in a block is the
+        # one to name, not the str branch's "not a string".
+        error = max(telling, key=lambda e: len(e["loc"]))
+        param = _param(error["loc"])
+        raise refused(param, error["msg"], "invalid_value") from None
+    if isinstance(req, MessagesRequest) and isinstance(req.thinking, ThinkingEnabled) \
+            and req.thinking.budget_tokens >= req.max_tokens:
+        raise refused("thinking.budget_tokens", "must be less than max_tokens", "invalid_value")
+    return req
+
+
+def refused(param: str | None, reason: str, code: str) -> ApiError:
+    return ApiError(400, f"{param}: {reason}" if param else reason, param=param, code=code)
+
+
+def refuse_unsupported(body: dict) -> None:
+    """A 400 naming what the mesh cannot honour (see the module's docstring)."""
+    for name, (reason, refuses) in _REFUSED.items():
+        if name in body and body[name] is not None and (refuses is None or refuses(body[name])):
+            raise refused(name, reason, "unsupported_parameter")
+    _refuse_cache_control(body.get("cache_control"), "cache_control")
+    system = body.get("system")
+    for j, block in enumerate(system if isinstance(system, list) else ()):
+        _refuse_block(block, f"system.{j}", ("text",))
+    messages = body.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else ()):
+        content = message.get("content") if isinstance(message, dict) else None
+        role = message.get("role") if isinstance(message, dict) else None
+        for j, block in enumerate(content if isinstance(content, list) else ()):
+            where = f"messages.{i}.content.{j}"
+            _refuse_block(block, where, BLOCK_TYPES)
+            misplaced = _MISPLACED.get(role) if isinstance(role, str) else None
+            if isinstance(block, dict) and block.get("type") == misplaced:
+                # Dropped, the turn would render as something else than the client sent.
+                article = "an" if role == "assistant" else "a"
+                raise refused(f"{where}.type", f"{misplaced} blocks are not allowed in {article} {role} message",
+                              "invalid_value")
+            inner = block.get("content") if isinstance(block, dict) and block.get("type") == "tool_result" else None
+            for k, part in enumerate(inner if isinstance(inner, list) else ()):
+                _refuse_block(part, f"{where}.content.{k}", ("text",))
+    tools = body.get("tools")
+    for i, tool in enumerate(tools if isinstance(tools, list) else ()):
+        if isinstance(tool, dict):
+            kind = tool.get("type")
+            if kind not in (None, "custom"):
+                raise refused(f"tools.{i}.type", f"server tools ({str(kind)[:60]}) are not supported: the mesh runs "
+                                                  f"client tools only (a tool with name and input_schema)",
+                              "unsupported_parameter")
+            _refuse_cache_control(tool.get("cache_control"), f"tools.{i}.cache_control")
+
+
+# The block a turn of each role cannot hold: the model's tool calls come from the assistant, their
+# results from the user.
+_MISPLACED = {"user": "tool_use", "assistant": "tool_result"}
+
+
+def _refuse_block(block: object, where: str, served: frozenset[str] | tuple[str, ...]) -> None:
+    if not isinstance(block, dict):
+        return  # validation names it
+    kind = block.get("type")
+    if isinstance(kind, str) and kind not in served:
+        if kind in _UNSERVED_BLOCKS:
+            reason = f"{kind} blocks are not supported: {_UNSERVED_BLOCKS[kind]}"
+        elif kind in BLOCK_TYPES:
+            reason = f"{kind} blocks are not allowed here"
+        elif kind.endswith("_tool_result") or kind == "server_tool_use":
+            reason = _SERVER_BLOCK
+        else:
+            reason = f"unknown content block type {kind[:60]!r}"
+        raise refused(f"{where}.type", reason, "unsupported_content")
+    _refuse_cache_control(block.get("cache_control"), f"{where}.cache_control")
+
+
+def _refuse_cache_control(value: object, where: str) -> None:
+    """`{type: ephemeral[, ttl]}` is a no-op; any other kind of breakpoint is refused by name
+    (validation checks the ttl's values)."""
+    if value is None:
+        return
+    if not isinstance(value, dict) or value.get("type") != "ephemeral" or not set(value) <= {"type", "ttl"}:
+        raise refused(where, "only {type: ephemeral, ttl} is accepted (a no-op: every prefix is cached)",
+                      "unsupported_parameter")
+
+
+# As schemas.py: the error that passed the type check says more than a union's type mismatches.
+_TYPE_ERRORS = frozenset({"string_type", "int_type", "float_type", "bool_type", "list_type", "dict_type",
+                          "model_type", "none_required", "literal_error", "model_attributes_type"})
+_TAGS = BLOCK_TYPES | {"auto", "any", "tool", "none", "enabled", "disabled", "adaptive"}
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    """`messages.0.content.1.input`: field names and indexes, without pydantic's union tags
+    (a discriminated union's tag follows the index or field it chose for)."""
+    parts: list[str] = []
+    tag_dropped = False  # one tag per choice: a field named as its block's tag (`text`) stays
+    for p in loc:
+        if isinstance(p, str) and (any(c in p for c in "[(") or p in {"str", "int", "float", "bool", "none"}):
+            continue
+        if (isinstance(p, str) and p in _TAGS and not tag_dropped and parts and parts[-1] not in ("type",)
+                and _is_tagged(parts[-1])):
+            tag_dropped = True
+            continue
+        tag_dropped = False
+        parts.append(str(p))
+    return ".".join(parts) or None
+
+
+def _is_tagged(previous: str) -> bool:
+    """Whether the part before is where a discriminated union chose (a list index, or one of
+    the fields whose value is such a union)."""
+    return previous.isdigit() or previous in ("tool_choice", "thinking")

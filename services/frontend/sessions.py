@@ -1,0 +1,48 @@
+"""Which agent session a request belongs to, read at the edge.
+
+A session is named by the `x-session-id` header; where the gateway runs with `--session-from-user`,
+a request without the header is in the session its body's `user` names (OpenAI's field; the
+Messages API's `metadata.user_id` arrives as the same field). A sub-agent names its parent
+session in `x-parent-session-id`: it is placed where the parent's prefix is (the router's
+session bindings, services/routing/session_bindings.py). Ids travel into etcd keys and logs, so
+they are short printable ASCII; anything else is a 400 naming the header or field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from gen.kvmesh.v1 import common_pb2
+from services.frontend.errors import ApiError
+
+SESSION_HEADER = "x-session-id"
+PARENT_SESSION_HEADER = "x-parent-session-id"
+# Long enough for agents' own ids (Claude Code's metadata.user_id is about 160 characters).
+MAX_SESSION_CHARS = 256
+
+
+def request_session(headers: Mapping[str, str], user: str | None, from_user: bool) -> common_pb2.SessionRef | None:
+    """The request's session (None: it belongs to none). `user`: the body's `user` field, the
+    session id when `from_user` (--session-from-user) and no header names one."""
+    session_id = headers.get(SESSION_HEADER)
+    where = SESSION_HEADER
+    if session_id is None and from_user and user:
+        session_id, where = user, "user"
+    parent = headers.get(PARENT_SESSION_HEADER)
+    if session_id is None:
+        if parent is not None:
+            raise ApiError(400, f"{PARENT_SESSION_HEADER} needs {SESSION_HEADER}: a sub-agent's own session",
+                           param=PARENT_SESSION_HEADER, code="invalid_value")
+        return None
+    session = common_pb2.SessionRef(id=_checked(session_id, where))
+    if parent is not None:
+        session.parent_id = _checked(parent, PARENT_SESSION_HEADER)
+    return session
+
+
+def _checked(value: str, where: str) -> str:
+    text = value.strip()
+    if not text or len(text) > MAX_SESSION_CHARS or not text.isascii() or not text.isprintable() or "/" in text:
+        raise ApiError(400, f"{where} must be 1-{MAX_SESSION_CHARS} printable ASCII characters without '/', "
+                            f"got {value[:80]!r}", param=where, code="invalid_value")
+    return text
