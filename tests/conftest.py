@@ -60,13 +60,23 @@ def vllm_client(vllm_mesh: Mesh) -> openai.OpenAI:
     return openai.OpenAI(base_url=vllm_mesh.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def vllm_disagg_mesh(etcd: Etcd) -> Iterator[Mesh]:
-    """1 prefill + 1 decode vLLM worker; prompts of more than 128 uncached tokens prefill remotely.
+# The adapters the disaggregated vLLM mesh serves from its start (tests/e2e/test_lora_vllm.py).
+LORA_A, LORA_B = "demo-lora-a", "demo-lora-b"
+# Prompts of more than this many uncached tokens prefill on the disaggregated mesh's prefill worker.
+MAX_LOCAL_PREFILL = 128
 
-    Module-scoped: vLLM engines with the NIXL connector keep about half a core busy while idle,
-    which would slow every test after them."""
+
+@pytest.fixture(scope="session")
+def vllm_disagg_mesh(etcd: Etcd) -> Iterator[Mesh]:
+    """1 prefill + 1 decode vLLM worker over NIXL, serving the demo LoRA adapters: the
+    disaggregated checks (test_disagg_vllm) and the LoRA ones (test_lora_vllm) share its two
+    engine starts. Prompts of more than MAX_LOCAL_PREFILL uncached tokens prefill remotely."""
+    from services.tools.make_demo_adapter import ensure_demo_adapters
+
+    served = dict(module.split("=", 1) for module in ensure_demo_adapters())
     mesh = Mesh.launch(etcd.endpoint, "vllm-disagg", "vllm", "--prefill-workers", "1", "--decode-workers", "1",
-                       "--max-local-prefill-length", "128", "--drain-timeout", str(TEST_DRAIN_S), timeout_s=400)
+                       "--max-local-prefill-length", str(MAX_LOCAL_PREFILL), "--drain-timeout", str(TEST_DRAIN_S),
+                       "--allow-explain", "--allow-runtime-lora",
+                       "--lora-modules", f"{LORA_A}={served[LORA_A]}", f"{LORA_B}={served[LORA_B]}", timeout_s=400)
     yield mesh
     assert mesh.stop() == 0, mesh.launcher.tail()

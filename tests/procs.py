@@ -268,3 +268,26 @@ class EtcdCluster:
             member.stop()
         for d in self.data_dirs:
             shutil.rmtree(d, ignore_errors=True)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
+    try:
+        state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:"))
+    except (OSError, StopIteration):
+        return False
+    return "zombie" not in state
+
+
+def engine_processes(worker_pid: int) -> set[int]:
+    """A vLLM worker's engine processes: its descendants but the reaper it started beside them."""
+    from services.worker.reaper import descendants
+
+    return {p for p in descendants(worker_pid) if "reaper" not in _cmdline(p)}

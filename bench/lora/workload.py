@@ -15,14 +15,13 @@ adapter slots together. Splitting the pool into workers, or holding an adapter o
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-ADAPTER_CONFIG = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
+from services.tools.make_demo_adapter import write_stand_in_adapter
+
 # A rank-8 adapter on every linear layer of an 8B Llama (32 layers; q, k, v, o, gate, up, down: r * (in + out)
 # = 81,920 * r parameters a layer) in bf16.
 LLAMA_8B_LORA_PARAMS_PER_RANK = 32 * 81_920
@@ -76,20 +75,9 @@ class Request:
 
 
 def write_adapters(workload: LoraWorkload, root: Path) -> dict[str, Path]:
-    """Each adapter's directory under `root` (written once, kept between runs): name -> path."""
-    out = {}
-    for name in workload.names():
-        path = root / name
-        path.mkdir(parents=True, exist_ok=True)
-        config = {"peft_type": "LORA", "r": workload.rank, "lora_alpha": 2 * workload.rank, "lora_dropout": 0.0,
-                  "bias": "none", "task_type": "CAUSAL_LM", "base_model_name_or_path": "kvmesh-demo",
-                  "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
-        (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1))
-        weights = path / WEIGHTS_FILE
-        with weights.open("ab") as f:
-            f.truncate(workload.adapter_bytes)  # sparse: the size a load is timed by, no disk blocks
-        out[name] = path
-    return out
+    """Each adapter's directory under `root` (kept between runs, the weights file sparse): name -> path."""
+    return {name: write_stand_in_adapter(root / name, workload.adapter_bytes, workload.rank)
+            for name in workload.names()}
 
 
 def system_prefix(workload: LoraWorkload, adapter_index: int) -> list[int]:

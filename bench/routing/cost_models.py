@@ -1,4 +1,5 @@
-"""The seed's cost model against NVIDIA Dynamo's (`--cost-model seed|dynamo`, both `kv` mode) on two workloads.
+"""The cached-share cost rule against NVIDIA Dynamo's (`--cost-model cached-share|dynamo`, both `kv` mode) on
+two workloads.
 
 - trace: REQUESTS_PER_WINDOW requests of Mooncake's conversation trace, replayed as bench/tiers/run.py replays it
   (its mesh: 4 mocker workers, 4,096 device blocks of 64 tokens each, no host tier; its driver and clock, TIME_SCALE
@@ -9,8 +10,8 @@
 
 Each run gets a fresh mesh, its router seeded with the repeat's number. Figures per run: prefix reuse (the cached
 share of prompt tokens as the workers report it), TTFT p50 and p99, load spread (the busiest worker's requests over
-the mean). The table gives the median and [range] over the repeats, and dynamo/seed as the median [range] of the
-ratios of paired runs (same window or seed). Dynamo "wins" a workload when its reuse ratio is >= 1 and its TTFT p99
+the mean). The table gives the median and [range] over the repeats, and dynamo/cached-share as the median [range] of
+the ratios of paired runs (same window or seed). Dynamo "wins" a workload when its reuse ratio is >= 1 and its TTFT p99
 ratio < 1; it would become the default only by winning both.
 """
 
@@ -36,7 +37,7 @@ from bench.tiers.mooncake_trace import TraceRequest, load
 from services.mesh.discovery import ROUTER
 from services.tools.make_demo_model import DemoModelSpec, ensure_demo_model
 
-MODELS = ("seed", "dynamo")
+MODELS = ("cached-share", "dynamo")
 REPEATS = 2
 REQUESTS_PER_WINDOW = 300  # about 100 s of the trace: 20 s of arrivals at 5x
 PREFIX_REQUESTS = 200  # 10 s of arrivals at 20 req/s
@@ -145,8 +146,8 @@ def prefix_run(cost_model: str, repeat: int) -> Run:
 
 def paired_ratios(runs: Sequence[Run], workload: str, figure: str) -> list[float]:
     by = {(r.model, r.repeat): r.figures()[figure] for r in runs if r.workload == workload}
-    return [by["dynamo", i] / by["seed", i] for i in range(REPEATS)
-            if ("seed", i) in by and ("dynamo", i) in by and by["seed", i]]
+    return [by["dynamo", i] / by["cached-share", i] for i in range(REPEATS)
+            if ("cached-share", i) in by and ("dynamo", i) in by and by["cached-share", i]]
 
 
 def dynamo_wins(runs: Sequence[Run], workload: str) -> bool:
@@ -160,7 +161,7 @@ def run() -> dict:
     trace = load(limit=REPEATS * REQUESTS_PER_WINDOW, max_input_tokens=tiers.MAX_INPUT_TOKENS)
     runs: list[Run] = []
     for repeat in range(REPEATS):
-        for cost_model in MODELS:  # seed and dynamo alternate, so a slow spell of the machine hits both
+        for cost_model in MODELS:  # cached-share and dynamo alternate, so a slow spell of the machine hits both
             print(f"cost models: trace window {repeat}, {cost_model} ...", flush=True)
             runs.append(trace_run(str(model_dir), cost_model, repeat, trace_window(trace, repeat)))
     for repeat in range(REPEATS):
@@ -178,11 +179,11 @@ def run() -> dict:
                          median_range([f["ttft_p50_ms"] for f in figures], "{:.0f}"),
                          median_range([f["ttft_p99_ms"] for f in figures], "{:.0f}"),
                          median_range([f["spread"] for f in figures], "{:.2f}")])
-        rows.append([workload, "dynamo/seed", "", "",
+        rows.append([workload, "dynamo/cached-share", "", "",
                      *(median_range(paired_ratios(runs, workload, f), "{:.2f}")
                        for f in ("reuse", "ttft_p50_ms", "ttft_p99_ms", "spread"))])
     wins = {w: dynamo_wins(runs, w) for w in ("trace", "prefix")}
-    default = "dynamo" if all(wins.values()) else "seed"
+    default = "dynamo" if all(wins.values()) else "cached-share"
     table(f"Cost models, kv mode, {REPEATS} repeats each (median [range]): trace = {REQUESTS_PER_WINDOW}-request "
           f"windows of Mooncake's conversation trace on {tiers.WORKERS} mocker workers at {tiers.TIME_SCALE:g}x; "
           f"prefix = {PREFIX_REQUESTS} shared-prefix requests on {modes.WORKERS} workers at {modes.RATE_PER_S:g} req/s",
@@ -192,15 +193,15 @@ def run() -> dict:
           f"({time.monotonic() - started:.0f} s)", flush=True)
     labels = [f"{w} {m}" for w in ("trace", "prefix") for m in MODELS]
     cells = [[r.figures() for r in runs if f"{r.workload} {r.model}" == label] for label in labels]
-    bar_plot("routing_cost_models", "Seed vs Dynamo cost model: TTFT (median of repeats, ms)", labels,
+    bar_plot("routing_cost_models", "Cached-share vs Dynamo cost model: TTFT (median of repeats, ms)", labels,
              {"p50": [median([f["ttft_p50_ms"] for f in c]) for c in cells],
               "p99": [median([f["ttft_p99_ms"] for f in c]) for c in cells]}, "ms")
     data = {"repeats": REPEATS, "trace_requests_per_window": REQUESTS_PER_WINDOW, "prefix_requests": PREFIX_REQUESTS,
             "runs": [{"workload": r.workload, "model": r.model, "repeat": r.repeat, "done": len(r.ttft_ms),
                       "failures": r.failures, "per_worker": r.per_worker, **r.figures()} for r in runs],
-            "ratios_dynamo_over_seed": {w: {f: paired_ratios(runs, w, f) for f in ("reuse", "ttft_p50_ms", "ttft_p99_ms",
-                                                                               "spread")}
-                                        for w in ("trace", "prefix")},
+            "ratios_dynamo_over_cached_share": {w: {f: paired_ratios(runs, w, f)
+                                                    for f in ("reuse", "ttft_p50_ms", "ttft_p99_ms", "spread")}
+                                                for w in ("trace", "prefix")},
             "dynamo_wins": wins, "default": default}
     save_json("routing_cost_models", data)
     return data

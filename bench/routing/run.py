@@ -1,7 +1,7 @@
 """make bench ARGS="--only routing": how well the router places requests, in parts.
 
 - modes.py: kv against round-robin and random on a prefix-heavy workload.
-- cost_models.py: kv mode's seed cost model against NVIDIA Dynamo's, on the Mooncake trace and shared prefixes.
+- cost_models.py: kv mode's cached-share cost rule against NVIDIA Dynamo's, on the Mooncake trace and shared prefixes.
 - kv_events.py (measured) and kv_events_report.py: KV events on, off, and a worker whose events go silent,
   against Dynamo with and without events.
 """

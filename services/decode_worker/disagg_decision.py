@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.mesh.flags import ConfigError
+from services.config_error import ConfigError
 
 
 @dataclass(frozen=True)

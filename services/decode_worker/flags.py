@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from services.decode_worker.disagg_decision import DisaggConfig
-from services.mesh.flags import non_negative_int, positive_float, validated
+from services.mesh.config_error import validated
+from services.mesh.flags import non_negative_int, positive_float
 
 _DEFAULTS = DisaggConfig()
 

@@ -259,20 +259,22 @@ class Engine(abc.ABC):
 class RowTap:
     """Where an engine may deliver a request's plain outputs itself (see output_channel.py):
     the mocker from its step (OutputChannel), vLLM from its output loop (vllm_row_tap.py).
-    Closed until the consumer opens it; engines that cannot use it ignore it."""
+    Closed until the consumer opens it; engines that cannot use it ignore it. `clock`: what the
+    pacing interval is measured on (the stream's pacing clock, worker/pacing.py)."""
 
-    __slots__ = ("_to", "_interval_s", "_last", "_closed")
+    __slots__ = ("_to", "_interval_s", "_last", "_closed", "_clock")
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._to: Callable[[list[int]], None] | None = None
         self._closed = False
         self._interval_s = 0.0
         self._last = 0.0
+        self._clock = clock
 
     def open(self, to: Callable[[list[int]], None], interval_s: float) -> None:
         """From now on plain outputs may go to `to`: the caller's chain up to it has no buffer."""
         if not self._closed:
-            self._to, self._interval_s, self._last = to, interval_s, time.monotonic()
+            self._to, self._interval_s, self._last = to, interval_s, self._clock()
 
     def close(self) -> None:
         """For good: the chain may buffer outputs from now on (pacing merges them)."""
@@ -284,7 +286,7 @@ class RowTap:
         to = self._to
         if to is None or out.finish_reason is not None or out.logprobs is not None or out.kv_pull is not None:
             return False
-        now = time.monotonic()
+        now = self._clock()
         if now - self._last < self._interval_s:
             self.close()  # outputs come faster than the pacing: they take the chain from now on
             return False

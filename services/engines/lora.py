@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
 
 log = logging.getLogger(__name__)
 

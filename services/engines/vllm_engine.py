@@ -77,8 +77,12 @@ def nixl_transfer_config(advertise_host: str, side_channel_port: int) -> dict[st
     environment, so they are set there before the engine starts."""
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
     os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = advertise_host
-    return {"kv_connector": "NixlConnector", "kv_role": "kv_both",
-            "kv_buffer_device": "cpu" if on_cpu() else "cuda"}
+    config: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                              "kv_buffer_device": "cpu" if on_cpu() else "cuda"}
+    if on_cpu():
+        # NIXL's progress thread spins a core per idle engine; see vllm_nixl.py.
+        config["kv_connector_module_path"] = "services.engines.vllm_nixl"
+    return config
 
 
 def on_cpu() -> bool:

@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+from services.config_error import ConfigError
 from services.engines.lora import Adapter, AdapterError, AdapterErrorKind, AdapterSet, LoraConfig
-from services.mesh.config_error import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from gen.kvmesh.v1 import common_pb2
 from services.frontend import openapi
 from services.frontend.answer import Answer, ClientGone, SseResponse, collect_unless_gone, first_route, unless_gone
 from services.frontend.auth import check_api_key, key_tenant, presented_key
-from services.frontend.qos import OutsideQueue, check_tenant_name, request_qos
+from services.frontend.qos import MAX_TENANT_CHARS, OutsideQueue, request_qos
+from services.frontend.short_names import check_short_name
 from services.frontend.sessions import request_session
 from services.frontend.refusal_memory import RefusalMemory, RequestKind
 from services.frontend.body import read_json
@@ -44,7 +45,7 @@ from services.frontend.responses import prefill_header
 from services.frontend.responses_api import ResponseBuilder, chat_body, response_events
 from services.frontend.schemas import ChatCompletionRequest, CompletionRequest, parse
 from services.mesh.channels import ChannelPool
-from services.mesh.flags import ConfigError
+from services.config_error import ConfigError
 from services.mesh.logs import REQUEST_ID
 from services.mesh.recent_failures import RecentFailures
 
@@ -81,7 +82,7 @@ class FrontendConfig:
         if self.key_tenants and len(self.key_tenants) != len(self.api_keys):
             raise ConfigError("every API key needs its tenant")
         for tenant in self.key_tenants:
-            check_tenant_name(tenant, "--api-key-file: a tenant")
+            check_short_name(tenant, "--api-key-file: a tenant", MAX_TENANT_CHARS)
         if self.tenant_header is not None and not self.tenant_header.strip():
             raise ConfigError("--tenant-header is empty")
         for flag, value in (("--max-body-bytes", self.max_body_bytes), ("--max-inflight", self.max_inflight)):

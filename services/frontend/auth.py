@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from services.frontend.errors import ApiError
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
 
 
 # Anthropic's clients send the key in this header instead of Authorization.

@@ -7,7 +7,8 @@ import os
 
 from services.frontend.app import FrontendConfig
 from services.frontend.auth import load_api_keys
-from services.mesh.flags import port_number, positive_int, validated
+from services.mesh.config_error import validated
+from services.mesh.flags import port_number, positive_int
 
 DEFAULT_HTTP_PORT = 8000
 # API keys travel by environment or file, not argv, so they never show in `ps`.

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 from gen.kvmesh.v1 import common_pb2
 from services.frontend.errors import ApiError
-from services.mesh.config_error import ConfigError
+from services.frontend.short_names import request_name
 from services.mesh.recent_quantile import RecentQuantile
 
 PRIORITY_HEADER = "x-kvmesh-priority"
@@ -35,12 +35,6 @@ class OutsideQueue:
         self._quantile.observe(max(0.0, ttft_s * 1000 - queue_wait_ms))
 
 
-def check_tenant_name(name: str, what: str) -> None:
-    """A tenant name travels into metrics labels and logs: short printable ASCII."""
-    if not name or len(name) > MAX_TENANT_CHARS or not name.isascii() or not name.isprintable():
-        raise ConfigError(f"{what} must be 1-{MAX_TENANT_CHARS} printable ASCII characters, got {name[:80]!r}")
-
-
 def request_qos(headers: Mapping[str, str], body_priority: int | None, tenant: str,
                 tenant_header: str | None, outside_queue_ms: int = 0) -> common_pb2.Qos:
     qos = common_pb2.Qos(tenant=tenant, outside_queue_ms=outside_queue_ms)
@@ -51,12 +45,7 @@ def request_qos(headers: Mapping[str, str], body_priority: int | None, tenant: s
     if (raw := headers.get(OBJECTIVE_HEADER)) is not None:
         qos.ttft_objective_ms = _integer(raw, OBJECTIVE_HEADER, 1, MAX_OBJECTIVE_MS)
     if tenant_header is not None and (named := headers.get(tenant_header)) is not None:
-        named = named.strip()
-        try:
-            check_tenant_name(named, f"the {tenant_header} header")
-        except ConfigError as exc:
-            raise ApiError(400, str(exc), param=tenant_header, code="invalid_value") from None
-        qos.tenant = named
+        qos.tenant = request_name(named, tenant_header, MAX_TENANT_CHARS)
     return qos
 
 

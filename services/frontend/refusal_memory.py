@@ -12,6 +12,7 @@ that moment goes to the mesh again. Another tenant's or band's requests are neve
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.frontend.errors import ApiError
@@ -32,8 +33,9 @@ class _Refusal:
 
 
 class RefusalMemory:
-    def __init__(self, memory_s: float = MEMORY_S) -> None:
+    def __init__(self, memory_s: float = MEMORY_S, clock: Callable[[], float] = time.monotonic) -> None:
         self._memory_s = memory_s
+        self._clock = clock
         self._kinds: dict[RequestKind, _Refusal] = {}
         # Requests answered from memory (the frontend's counter reads it).
         self.answered = 0
@@ -43,7 +45,7 @@ class RefusalMemory:
         refusal = self._kinds.get(kind)
         if refusal is None:
             return None
-        now = time.monotonic()
+        now = self._clock()
         if now >= refusal.until:
             del self._kinds[kind]
             return None
@@ -57,9 +59,9 @@ class RefusalMemory:
         if error.status != 429 or not error.retry_after_ms:
             return
         if len(self._kinds) >= MAX_KINDS:
-            now = time.monotonic()
+            now = self._clock()
             self._kinds = {k: r for k, r in self._kinds.items() if r.until > now}
             while len(self._kinds) >= MAX_KINDS:
                 del self._kinds[next(iter(self._kinds))]
-        now = time.monotonic()
+        now = self._clock()
         self._kinds[kind] = _Refusal(now + min(self._memory_s, error.retry_after_ms / 1000), now, error)

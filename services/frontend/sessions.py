@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from gen.kvmesh.v1 import common_pb2
 from services.frontend.errors import ApiError
+from services.frontend.short_names import request_name
 
 SESSION_HEADER = "x-session-id"
 PARENT_SESSION_HEADER = "x-parent-session-id"
@@ -34,15 +35,7 @@ def request_session(headers: Mapping[str, str], user: str | None, from_user: boo
             raise ApiError(400, f"{PARENT_SESSION_HEADER} needs {SESSION_HEADER}: a sub-agent's own session",
                            param=PARENT_SESSION_HEADER, code="invalid_value")
         return None
-    session = common_pb2.SessionRef(id=_checked(session_id, where))
+    session = common_pb2.SessionRef(id=request_name(session_id, where, MAX_SESSION_CHARS, without="/"))
     if parent is not None:
-        session.parent_id = _checked(parent, PARENT_SESSION_HEADER)
+        session.parent_id = request_name(parent, PARENT_SESSION_HEADER, MAX_SESSION_CHARS, without="/")
     return session
-
-
-def _checked(value: str, where: str) -> str:
-    text = value.strip()
-    if not text or len(text) > MAX_SESSION_CHARS or not text.isascii() or not text.isprintable() or "/" in text:
-        raise ApiError(400, f"{where} must be 1-{MAX_SESSION_CHARS} printable ASCII characters without '/', "
-                            f"got {value[:80]!r}", param=where, code="invalid_value")
-    return text

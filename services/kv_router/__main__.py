@@ -20,6 +20,7 @@ from services.routing.servicer import RouterServicer
 from services.routing.session_store import follow_sessions
 from services.routing.worker_pool import SYNC_TIMEOUT_S, WorkerPool
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, ROUTER, InstanceInfo, new_instance_id
+from services.mesh.config_error import validated
 from services.mesh.flags import (
     FlagParser,
     add_mesh_flags,
@@ -27,7 +28,6 @@ from services.mesh.flags import (
     mesh_config,
     non_negative_float,
     port_number,
-    validated,
 )
 from services.mesh.grpc_server import ServiceBinding
 from services.mesh.logs import setup_logging

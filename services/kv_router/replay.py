@@ -1,7 +1,7 @@
 """Offline replay: build an index from recorded router events, then score recorded queries.
 
     python -m services.kv_router replay --events EVENTS.jsonl --queries QUERIES.jsonl \\
-        --block-size N [--index native|radix|reference] [--out SCORES.jsonl]
+        --block-size N [--index router|native|radix|reference] [--out SCORES.jsonl]
 
 Events use Dynamo's router-event JSON; the last stdout line is one JSON object of measurements.
 `blocks_per_s` counts only applying decoded events to the index (as a router does with events
@@ -14,10 +14,13 @@ process gives back when the index is dropped, over the blocks it held (`peak_rss
 decoded events and passing buffers). The native index unmaps its large arrays and trims the C
 heap when dropped, so the same measure holds for it.
 
-`--index native` is the router's index in C (services/routing/native/, built at install);
-`--index radix` the Python radix tree the router falls back to where the C one was not built;
-`--index reference` the naive reference index: the benchmark's baseline, and a check that they
-all give the same scores for the same trace.
+`--index router` (the default) is the index a router serves with, chosen as the router chooses it
+(index_choice.py: the native one, else the Python radix tree; `KVMESH_INDEX=python` forces it);
+`--index native` the router's index in C (services/routing/native/, built at install), and an
+error where it was not built; `--index radix` the Python radix tree the router falls back to where
+the C one was not built; `--index reference` the naive reference index: the benchmark's
+baseline, and a check that they all give the same scores for the same trace. The summary's
+`index` names the one that ran (`native` or `radix` for `router`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import msgspec
 from services.mesh.flags import FlagParser
 from services.kv_protocol.hashing import SequenceHash, local_block_hashes
 from services.profiles.stats import percentile
+from services.routing.index_choice import new_index
 from services.routing.kv_index import EventError, KvIndex, StoredBlock
 from services.routing.radix_tree import RadixTree
 from services.routing.reference_index import ReferenceIndex
@@ -53,7 +57,8 @@ def native_index() -> KvIndex:
     return NativeRadixTree()
 
 
-INDEXES: dict[str, Callable[[], KvIndex]] = {"native": native_index, "radix": RadixTree, "reference": ReferenceIndex}
+INDEXES: dict[str, Callable[[], KvIndex]] = {"router": new_index, "native": native_index, "radix": RadixTree,
+                                             "reference": ReferenceIndex}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -61,9 +66,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--events", type=Path, required=True)
     p.add_argument("--queries", type=Path, required=True)
     p.add_argument("--block-size", type=int, required=True)
-    p.add_argument("--index", choices=tuple(INDEXES), default="radix",
-                   help="the index to replay through: the router's index in C (native), the Python radix tree it "
-                        "falls back to (radix), or the naive reference")
+    p.add_argument("--index", choices=tuple(INDEXES), default="router",
+                   help="the index to replay through: the one a router serves with (router: native where built, "
+                        "else radix), the router's index in C (native), the Python radix tree it falls back to "
+                        "(radix), or the naive reference")
     p.add_argument("--out", type=Path, default=None, help="write per-query scores here (JSONL)")
     return p
 
@@ -119,6 +125,9 @@ def main(argv: list[str]) -> None:
     if args.block_size <= 0:
         raise SystemExit("error: --block-size must be > 0")
     tree = INDEXES[args.index]()
+    index = args.index
+    if index == "router":  # the summary names the one the router's choice gave
+        index = "radix" if isinstance(tree, RadixTree) else "native"
     decode = msgspec.json.Decoder()
     events = blocks = 0
     apply_s = decode_s = 0.0
@@ -169,7 +178,7 @@ def main(argv: list[str]) -> None:
     gc.collect()
     index_bytes = (holding_rss - rss_mb("VmRSS")) * 1024 * 1024
     summary = {
-        "index": args.index,
+        "index": index,
         "events_applied": events,
         "blocks_applied": blocks,
         "blocks_held": held,

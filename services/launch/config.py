@@ -29,9 +29,10 @@ import yaml
 from services.decode_worker.flags import add_disagg_flags
 from services.frontend.flags import add_frontend_flags
 from services.routing.flags import add_router_flags
+from services.config_error import ConfigError
+from services.mesh.config_error import validated
 from services.mesh.flags import (
     DEFAULT_ETCD,
-    ConfigError,
     FlagParser,
     MeshConfig,
     add_mesh_flags,
@@ -41,7 +42,6 @@ from services.mesh.flags import (
     non_negative_int,
     positive_float,
     positive_int,
-    validated,
 )
 from services.mesh.net import free_port
 from services.mesh.tls import TlsConfig

@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Callable
 from pathlib import Path
 
+from services.engines.cpu_cores import bind_env, core_shares, host_cores
 from services.launch.children import Child, child_env, python_module
 from services.launch.config import LaunchConfig
 from services.launch.console import Console
@@ -35,6 +36,8 @@ def plan_children(cfg: LaunchConfig, etcd: str, model: str, console: Console | N
         children += [switchable_worker(cfg, common, model, RoleName.PREFILL, env) for _ in range(cfg.prefill_workers)]
     else:
         children += _fixed_workers(cfg, common, model, env)
+    if cfg.engine == "vllm":
+        _share_cores([c for c in children if c.component.endswith("-worker")])
     if cfg.planner != "off":
         children.append(_child("planner", python_module("services.planner", *common, *_connector_argv(cfg),
                                                          *cfg.planner_argv), env))
@@ -92,6 +95,15 @@ def switchable_worker(cfg: LaunchConfig, common: list[str], model: str, role: Ro
     argv = [*_engine_argv(cfg, common, model), *cfg.disagg_argv, "--kv-transfer", "nixl", "--remote-prefill",
             "--switchable", "--start-as", role]
     return _child(f"{role}-worker", python_module("services.decode_worker", *argv), env, required=True)
+
+
+def _share_cores(workers: list[Child]) -> None:
+    """Each vLLM worker started here binds its engine to a share of this host's cores (see
+    services/engines/cpu_cores.py); workers the planner starts later keep vLLM's default."""
+    if not workers:
+        return
+    for child, share in zip(workers, core_shares(host_cores(), len(workers)), strict=True):
+        child.env = {**(child.env or child_env()), **bind_env(share)}
 
 
 def _connector_argv(cfg: LaunchConfig) -> list[str]:

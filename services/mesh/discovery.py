@@ -13,13 +13,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from services.mesh.etcd_store import KeyValueStore, StoreUnavailable, WatchNotConfirmed
+from services.mesh.etcd_store import KeyValue, KeyValueStore, WatchEvent
+from services.mesh.prefix_follow import follow_prefix
 from services.mesh.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
-
-# Watches in a row etcd may leave unconfirmed before it is worth a WARNING.
-UNCONFIRMED_WARN = 3
 
 FRONTEND = "frontend"
 PROCESSOR = "processor"
@@ -165,37 +163,23 @@ class ComponentView:
         return True
 
     async def _run(self) -> None:
-        backoff = 0.2
-        unconfirmed = 0  # watches in a row etcd did not confirm in time
-        while True:
-            try:
-                items, revision = await self._store.get_prefix(self._prefix)
-                self._replace({kv.key[len(self._prefix):]: kv.value for kv in items})
-                self._synced.set()
-                backoff = 0.2
-                async for event in self._store.watch_prefix(self._prefix, revision + 1):
-                    unconfirmed = 0
-                    instance_id = event.key[len(self._prefix):]
-                    if event.deleted:
-                        self._depart(instance_id, observed=True)
-                    else:
-                        self._upsert(instance_id, event.value)
-            except WatchNotConfirmed as exc:
-                # Routine once on a busy machine; not when etcd keeps not confirming.
-                unconfirmed += 1
-                log.log(logging.INFO if unconfirmed < UNCONFIRMED_WARN else logging.WARNING, "%s (%d in a row); relisting",
-                        exc, unconfirmed)
-            except StoreUnavailable as exc:
-                log.warning("watch on %s broke (%s); relisting", self._prefix, exc)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+        await follow_prefix(self._store, self._prefix, self._listed, self._watched)
 
-    def _replace(self, raw: dict[str, bytes]) -> None:
+    def _listed(self, items: list[KeyValue]) -> None:
+        raw = {kv.key[len(self._prefix):]: kv.value for kv in items}
         for instance_id in list(self.instances):
             if instance_id not in raw:
                 self._depart(instance_id, observed=False)
         for instance_id, value in raw.items():
             self._upsert(instance_id, value)
+        self._synced.set()
+
+    def _watched(self, event: WatchEvent) -> None:
+        instance_id = event.key[len(self._prefix):]
+        if event.deleted:
+            self._depart(instance_id, observed=True)
+        else:
+            self._upsert(instance_id, event.value)
 
     def _upsert(self, instance_id: str, value: bytes) -> None:
         try:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import NoReturn
 
-from services.mesh.config_error import ConfigError, die
+from services.config_error import ConfigError
+from services.mesh.config_error import die, validated
 from services.mesh.tls import TlsConfig, tls_config, tls_flag_defaults
 
 DEFAULT_ETCD = "http://127.0.0.1:2379"
@@ -25,8 +26,6 @@ DEFAULT_LOG_LEVEL = "INFO"
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("text", "json")
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -168,14 +167,6 @@ def model_ref(args: argparse.Namespace) -> ModelRef:
 
     model = Path(args.model) if args.model else ensure_demo_model()
     return validated(lambda: ModelRef(str(model.resolve()), args.served_model_name or model.resolve().name))
-
-
-def validated(build: Callable[[], T]) -> T:
-    """Builds a config, exiting with its one-line reason when a setting cannot work."""
-    try:
-        return build()
-    except ConfigError as exc:
-        die(str(exc))
 
 
 def forward_flags(args: argparse.Namespace, actions: Iterable[argparse.Action], skip: Iterable[str] = ()) -> list[str]:

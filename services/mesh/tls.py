@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
 
 CERT_ENV, KEY_ENV, CA_ENV = "KVMESH_TLS_CERT", "KVMESH_TLS_KEY", "KVMESH_TLS_CA"
 SERVER_NAME_ENV = "KVMESH_TLS_SERVER_NAME"

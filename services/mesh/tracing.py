@@ -40,7 +40,8 @@ from opentelemetry.context import Context
 from opentelemetry.trace import INVALID_SPAN, NoOpTracer, Span, SpanKind, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from services.mesh.config_error import ConfigError, die
+from services.config_error import ConfigError
+from services.mesh.config_error import validated
 from services.mesh.session_kind import CallInfo
 
 if TYPE_CHECKING:
@@ -225,9 +226,6 @@ def _exporter(name: str, protocol: str) -> SpanExporter:
 def start_tracing(runner: TeardownOwner) -> Tracing:
     """The process's tracing, shut down by the runner after everything acquired later: call it
     first in `assemble`. A bad OTEL_* setting exits like a bad flag."""
-    try:
-        tracing = build_tracing(runner.component)
-    except ConfigError as exc:
-        die(str(exc))
+    tracing = validated(lambda: build_tracing(runner.component))
     runner.on_teardown("export the last traces", tracing.shutdown, SHUTDOWN_TIMEOUT_S + 1)
     return tracing

@@ -56,7 +56,7 @@ def check_connector_flags(args: argparse.Namespace) -> None:
     if args.connector == "local" and not args.launcher:
         die("--connector local needs --launcher HOST:PORT (services.launch --planner local passes it)")
     if args.connector == "kubernetes":
-        from services.mesh.flags import validated
+        from services.mesh.config_error import validated
         from services.planner.connectors.kubernetes import KubernetesTarget
 
         validated(lambda: KubernetesTarget(args.k8s_namespace, args.k8s_prefill_deployment, args.k8s_decode_deployment))

@@ -11,8 +11,9 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from services.mesh.config_error import ConfigError
-from services.mesh.flags import non_negative_float, non_negative_int, positive_float, positive_int, validated
+from services.config_error import ConfigError
+from services.mesh.config_error import validated
+from services.mesh.flags import non_negative_float, non_negative_int, positive_float, positive_int
 from services.planner.policy import Limits, Slo
 from services.profiles.cost_model import CostModel, ProfileError
 from services.profiles.profile_file import DEFAULT_PRESET, load_profile, preset_names

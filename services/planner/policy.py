@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
 from services.profiles.cost_model import CostModel
 from services.planner.model import Calibration, Prediction, Traffic, predict
 from services.planner.pools import ROLES, PoolSizes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
 from services.contract.worker_roles import RoleName
 
 ROLES = (RoleName.PREFILL, RoleName.DECODE)

@@ -19,6 +19,7 @@ from services.routing.router import Router
 from services.routing.router_metrics import KvTruthMetrics, RouterMetrics
 from services.routing.worker_pool import SYNC_TIMEOUT_S, WorkerPool
 from services.mesh.discovery import DECODE_WORKER, PROCESSOR, ROUTER, InstanceInfo, new_instance_id
+from services.mesh.config_error import validated
 from services.mesh.flags import (
     FlagParser,
     add_mesh_flags,
@@ -27,7 +28,6 @@ from services.mesh.flags import (
     mesh_config,
     model_ref,
     port_number,
-    validated,
 )
 from services.mesh.grpc_server import ServiceBinding
 from services.mesh.logs import setup_logging

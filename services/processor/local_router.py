@@ -39,7 +39,7 @@ class LocalRouter:
         if name is None:
             raise _unknown_role(role)
         query = RouteQuery(request_id, model, token_ids, name, frozenset(exclude), explain, lora_name=lora_name,
-                           session=session_of(session) if session is not None else None)
+                           session=session_of(session))
         try:
             with self._tracing.span("route") as span:
                 return _choice(self._router.decide(query, span), request_id)
@@ -54,7 +54,7 @@ class LocalRouter:
         query = RouteQuery(request_id, model, token_ids, exclude=frozenset(exclude), explain=explain,
                            qos=qos_of(admit.qos), streams=admit.streams, max_tokens=admit.max_tokens,
                            queue_timeout_s=admit.queue_timeout_s, lora_name=lora_name,
-                           session=session_of(session) if session is not None else None)
+                           session=session_of(session))
         try:
             with self._tracing.span("route") as span:
                 route, ticket = await self._router.admit(query, span)

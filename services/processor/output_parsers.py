@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gen.kvmesh.v1 import processor_pb2
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
 from services.processor.chat_render import openai_tools
 
 Mode = processor_pb2.ToolChoice.Mode

@@ -26,7 +26,7 @@ from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gen.kvmesh.v1 import common_pb2, processor_pb2, processor_pb2_grpc
-from services.mesh.flags import ConfigError
+from services.config_error import ConfigError
 from services.mesh.grpc_server import abort_with, as_rpc
 from services.mesh.hop_latency import HopLatency, hop_latency_histogram
 from services.mesh.session_client import SessionPool
@@ -275,8 +275,8 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
                         call: CallInfo) -> AsyncIterator[processor_pb2.GenerateResponse]:
         # Every routing of the request (retries and migrations too) explains itself when asked, so
         # the explanation announced is always that of the worker announced.
-        session = request.session if request.session.id else None
-        route_fn = partial(self._route, explain=request.explain, lora_name=request.lora_name, session=session)
+        route_fn = partial(self._route, explain=request.explain, lora_name=request.lora_name,
+                           session=_session(request))
         n = max(request.n, 1)
         # A takeover from a failed processor runs only the choices the client has not finished.
         resumed = {r.index: list(r.token_ids) for r in request.resume}
@@ -303,7 +303,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         try:
             return await self._routers.admit(rid, self._config.served_model_name, tokens, admit, request.explain,
                                              exclude, lora_name=request.lora_name,
-                                             session=request.session if request.session.id else None)
+                                             session=_session(request))
         except Overloaded as exc:
             raise exc.error from None  # the refusal as the router gave it: status, reason, Retry-After
         except RoutingError as exc:
@@ -322,8 +322,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         stops = tuple(request.stop)
         choices = [
             ChoiceStream(spec=ChoiceSpec(f"{rid}-{i}" if n > 1 else rid, request.choice_offset + i, tokens,
-                                         _choice_sampling(sampling, i), stops, request.lora_name,
-                                         request.session if request.session.id else None),
+                                         _choice_sampling(sampling, i), stops, request.lora_name, _session(request)),
                          ctx=ctx).run(route, resumed.get(request.choice_offset + i, []))
             for i in running
         ]
@@ -371,6 +370,11 @@ def _routing_failure(exc: RoutingError) -> ChoiceFailure:
     if isinstance(exc, NoWorkerError):
         return ChoiceFailure(common_pb2.OUTCOME_NO_WORKER, f"no decode worker can take the request: {exc}")
     return ChoiceFailure(common_pb2.OUTCOME_NO_WORKER, str(exc))
+
+
+def _session(request: processor_pb2.GenerateRequest) -> common_pb2.SessionRef | None:
+    """The agent session the request belongs to (None: none)."""
+    return request.session if request.session.id else None
 
 
 def _is_large(request: processor_pb2.GenerateRequest) -> bool:

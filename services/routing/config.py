@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
 from services.routing.cost_function import CostModel, CostWeights
 from services.routing.kv_truth import KvTruthConfig
 from services.routing.pickers import ROUTER_MODES

@@ -1,7 +1,9 @@
 """The KV-aware cost function: prefer cached prefixes, avoid full caches and long queues.
 
-The seed rule (`--cost-model seed`, the default; NVIDIA Dynamo's KV router's older one, before its
-block-count cost, which dynamo_cost.py implements for `--cost-model dynamo`), per candidate worker:
+The cached-share rule (`--cost-model cached-share`, the default: the share of the prompt a worker
+caches, against the share of its cache in use and its share of the longest queue; NVIDIA Dynamo's
+KV router's older rule, before its block-count cost, which dynamo_cost.py implements for
+`--cost-model dynamo`), per candidate worker:
 
     logit = 2 * overlap_ratio - gpu_cache_usage - normalized_waiting - 2 * lora_weight * min(0.25, load_s / prefill_s)
             + session_bonus
@@ -52,14 +54,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
 
 
 class CostModel(StrEnum):
     """The rule a `kv` router scores workers with (`--cost-model`)."""
 
-    # This module's: cached share against cache usage and queue.
-    SEED = "seed"
+    # This module's: cached share of the prompt against cache usage and queue.
+    CACHED_SHARE = "cached-share"
     # NVIDIA Dynamo's: blocks to prefill plus blocks to decode (dynamo_cost.py).
     DYNAMO = "dynamo"
 
@@ -86,9 +88,9 @@ class CostWeights:
     host_overlap: float | None = None
     # Carried here, not beside it in RouterConfig, because the picker is built from these
     # settings alone.
-    model: CostModel = CostModel.SEED
+    model: CostModel = CostModel.CACHED_SHARE
     # The Dynamo rule's weight of prefill blocks against decode blocks (its other parameters keep
-    # Dynamo's defaults: dynamo_cost.DynamoCostConfig); the seed rule ignores it.
+    # Dynamo's defaults: dynamo_cost.DynamoCostConfig); the cached-share rule ignores it.
     prefill_load_scale: float = 1.0
     # Weight of loading the request's LoRA adapter, in both rules (0: adapter-blind).
     lora: float = 1.0
@@ -185,7 +187,7 @@ def logits(candidates: Sequence[Candidate], block_size: int, num_tokens: int, w:
 
 
 def adapter_penalty(c: Candidate, num_tokens: int, w: CostWeights) -> float:
-    """The seed rule's LoRA term: overlap weight * lora weight * min(LORA_LOAD_CAP, load_s / prefill_s)."""
+    """The cached-share rule's LoRA term: overlap weight * lora weight * min(LORA_LOAD_CAP, load_s / prefill_s)."""
     if c.adapter_load_s <= 0 or w.lora == 0:
         return 0.0
     cap = LORA_LOAD_CAP * (2 if c.adapter_slots_busy else 1)

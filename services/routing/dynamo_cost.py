@@ -1,4 +1,5 @@
-"""NVIDIA Dynamo 1.7's worker cost, beside the seed's (`--cost-model dynamo`): the cheapest worker wins.
+"""NVIDIA Dynamo 1.7's worker cost, beside the cached-share rule (`--cost-model dynamo`): the cheapest
+worker wins.
 
 The rule, per candidate worker, in KV blocks (lower is better):
 
@@ -11,8 +12,8 @@ The rule, per candidate worker, in KV blocks (lower is better):
     adapter_load_blocks = load_s / block_prefill_s
 
 Dynamo's defaults: prefill_load_scale 1, overlap_score_credit 1, host_cache_hit_weight 0.75 (kvmesh's
-`--host-overlap-weight`, when given, replaces it, as it replaces the seed's derived host credit).
-With temperature 0 the lowest cost wins, exact ties at random; with T > 0 the costs are first
+`--host-overlap-weight`, when given, replaces it, as it replaces the cached-share rule's derived
+host credit). With temperature 0 the lowest cost wins, exact ties at random; with T > 0 the costs are first
 scaled onto [0, 1] by the candidates' range, c' = (c - min) / (max - min), and the choice sampled
 from softmax(-c' / T) (all costs equal: uniform). Scaling makes T mean the same whatever the
 block counts; it is Dynamo's too.
@@ -22,15 +23,15 @@ the worker holds it resident, else its estimate, `LoraAdapterState.load_s`) coun
 whose prefill takes as long there (block_prefill_s: the prompt's prefill at the worker's reported
 `PrefillCost` over its blocks, else cost_function.FALLBACK_PREFILL_S_PER_TOKEN * block size),
 added after the cached credit, which takes nothing off a load. lora_weight is `--lora-weight`
-(default 1, 0: adapter-blind). Uncapped, unlike the seed's term: blocks of load weigh against
-blocks of queue directly, so a holder keeps an adapter's requests until its queued blocks exceed
+(default 1, 0: adapter-blind). Uncapped, unlike the cached-share rule's term: blocks of load weigh
+against blocks of queue directly, so a holder keeps an adapter's requests until its queued blocks exceed
 a non-holder's by the load's. An adapter this router sent a request of to the worker lately
 counts as resident there (worker_adapters.py), as its pending blocks count as queued.
 
 How each of Dynamo's terms maps onto what a kvmesh router knows (worker_pb2.LoadMetrics, and the
 requests it dispatched since the worker's last report, WorkerState.pending):
 - prompt_blocks: the prompt's tokens / block size (a fraction for a partial last block, as Dynamo).
-- device / host overlap blocks: the index's `find_matches_by_tier`, as the seed model reads them.
+- device / host overlap blocks: the index's `find_matches_by_tier`, as the cached-share rule reads them.
 - queued_prefill_blocks (Dynamo: prompt work already on the worker, until its first token):
   the uncached blocks of the requests this router dispatched but the worker has not reported
   (`pending_blocks`, exact), plus the worker's reported waiting requests at the mean blocks of a
@@ -47,13 +48,14 @@ Dynamo's disk tier, shared cache, overlap-credit decay and per-request decode we
 
 For `explain`, each candidate's logit is the negated cost, so the best logit is still the pick.
 
-The default stays `seed`: Dynamo's rule would have to win on prefix reuse and TTFT p99 on both of
-bench/routing/cost_models.py's workloads, and won on neither (two repeats each; the table is in
+The default stays `cached-share`: Dynamo's rule would have to win on prefix reuse and TTFT p99 on
+both of bench/routing/cost_models.py's workloads, and won on neither (two repeats each; the table is in
 bench/results/routing_cost_models.json). On Mooncake's conversation trace it cut TTFT (p50 x0.91,
 p99 x0.80) but reused less (x0.89); on the shared-prefix workload it reused less (x0.97) and its
 TTFT p99 was x2.6: counting a running request's held blocks as decode cost, block for block
 against prefill, it sends a prompt away from the worker caching 2,048 of its 2,304 tokens once
-that worker runs two more requests than an idle one, where the seed waits for the cached worker.
+that worker runs two more requests than an idle one, where the cached-share rule waits for the
+cached worker.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
 from services.routing.cost_function import Candidate, Terms
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from services.mesh.flags import non_negative_float, non_negative_int, positive_float, positive_int, validated
+from services.mesh.config_error import validated
+from services.mesh.flags import non_negative_float, non_negative_int, positive_float, positive_int
 from services.routing.admission.gate import AdmissionConfig
 from services.routing.config import RouterConfig
 from services.routing.kv_truth import KvEventsMode, KvTruthConfig
@@ -38,8 +39,9 @@ def add_router_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
                         "against recomputing it)")
     # Left out (None), these three fall back to the config's defaults in the launcher's children too.
     g.add_argument("--cost-model", choices=COST_MODELS, default=None,
-                   help=f"kv mode's rule: seed (cached share vs cache usage vs queue) or dynamo (NVIDIA Dynamo's "
-                        f"blocks to prefill + blocks to decode, lowest wins); default {_WEIGHTS.model.value}")
+                   help=f"kv mode's rule: cached-share (the share of the prompt a worker caches vs its cache usage vs "
+                        f"its queue, highest wins) or dynamo (NVIDIA Dynamo's blocks to prefill + blocks to decode, "
+                        f"lowest wins); default {_WEIGHTS.model.value}")
     g.add_argument("--prefill-load-scale", type=non_negative_float, default=None,
                    help=f"dynamo cost model: weight of the prefill blocks against the decode blocks "
                         f"(default {_WEIGHTS.prefill_load_scale:g})")
@@ -78,7 +80,7 @@ def add_router_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     g.add_argument("--session-ttl", type=positive_float, default=_SESSIONS.ttl_s,
                    help="seconds a session stays bound to its worker after its last request (and its blocks kept)")
     g.add_argument("--session-weight", type=non_negative_float, default=_SESSIONS.weight,
-                   help="soft affinity: the bound worker's bonus (seed rule: logit; dynamo rule: whole prompts of "
+                   help="soft affinity: the bound worker's bonus (cached-share rule: logit; dynamo rule: whole prompts of "
                         "prefill)")
     return g
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
 from services.routing.kv_source import DEFAULT_ACCURACY_FLOOR
 from services.routing.predicted_cache import DEFAULT_MAX_BLOCKS, DEFAULT_TTL_S
 

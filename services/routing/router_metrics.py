@@ -18,8 +18,10 @@ OTHER_ADAPTERS = "_other"
 
 class KvTruthMetrics:
     """Whether the router's view of each worker's cache can be trusted, and where it comes from
-    (worker_pool.py, kv_event_follower.py, kv_source.py). One per registry: a process builds it
-    once and gives it to each of its pools."""
+    (worker_pool.py, kv_event_follower.py, kv_source.py), and how current its view of each
+    worker's load is: the load reports it heard, and the requests it sent that they do not count
+    yet (its pending ones, which routing adds to the worker's queue). One per registry: a process
+    builds it once and gives it to each of its pools."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.event_errors = Counter("kvmesh_router_kv_event_errors", "KV events the index could not apply, per kind",
@@ -30,13 +32,19 @@ class KvTruthMetrics:
                             "1 = predicted from the prompts routed to it", ["worker_id"], registry=registry)
         self.source_switches = Counter("kvmesh_router_kv_source_switches", "switches of a worker's cache source",
                                        ["worker_id", "source", "reason"], registry=registry)
+        self.load_reports = Counter("kvmesh_router_load_reports", "load reports heard from the worker",
+                                    ["worker_id"], registry=registry)
+        self.pending = Gauge("kvmesh_router_pending_requests", "requests sent to the worker that its load reports "
+                             "do not count yet", ["worker_id"], registry=registry)
 
     def forget(self, worker_id: str) -> None:
-        """A worker that left: its gauge goes (counters stay, as Prometheus counters do)."""
-        try:
-            self.source.remove(worker_id)
-        except KeyError:
-            pass
+        """A worker that left: its load series and its source gauge go (the KV counters stay, as
+        Prometheus counters do)."""
+        for metric in (self.source, self.load_reports, self.pending):
+            try:
+                metric.remove(worker_id)
+            except KeyError:
+                pass
 
 
 class RouterMetrics:

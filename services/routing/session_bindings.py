@@ -5,9 +5,9 @@ minutes in between: by then other traffic may have evicted the history, or moved
 tier, and load alone may send the turn elsewhere. So a request of a session (`SessionKey`, from
 the gateway's `x-session-id`) is bound to the worker the router chose for it, for `ttl_s` after
 its last request, and the session's next request:
-- `soft` (the default): gets `weight` added to that worker's score (the seed rule's logit; in the
-  Dynamo rule, that many whole prompts of prefill off its cost): a strong preference the load
-  terms can still outweigh when the worker is overloaded;
+- `soft` (the default): gets `weight` added to that worker's score (the cached-share rule's logit;
+  in the Dynamo rule, that many whole prompts of prefill off its cost): a strong preference the
+  load terms can still outweigh when the worker is overloaded;
 - `hard`: goes to that worker alone, while it is a candidate (alive, serving the model and the
   adapter, not excluded by a retry);
 - either way, a session whose worker is gone, excluded or outweighed is bound anew where it went
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from gen.kvmesh.v1 import common_pb2
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
 
 # Sessions one router remembers at most; past it the least recently used binding is forgotten.
 MAX_BINDINGS = 100_000
@@ -58,7 +58,7 @@ class SessionConfig:
     affinity: Affinity = Affinity.SOFT
     # How long after its last request a session stays bound (and its blocks kept).
     ttl_s: float = 300.0
-    # The soft preference, in the cost rule's units (seed: logit; dynamo: whole prompts of prefill).
+    # The soft preference, in the cost rule's units (cached-share: logit; dynamo: whole prompts of prefill).
     weight: float = 1.0
 
     def __post_init__(self) -> None:
@@ -192,8 +192,9 @@ class SessionBindings:
         now = self._clock()
         return sum(1 for b in self._bindings.values() if b.expires_at > now)
 
-    def forget(self, session_id: str, expires_at: float | None = None) -> None:
-        """Drops a binding (its etcd key expired or was deleted); `expires_at`: only if not renewed since."""
+    def forget(self, session_id: str, within_s: float | None = None) -> None:
+        """Drops a binding (its etcd key expired or was deleted); `within_s`: only if it runs out
+        within that many seconds from now (by this router's clock): not one renewed since."""
         held = self._bindings.get(session_id)
-        if held is not None and (expires_at is None or held.expires_at <= expires_at):
+        if held is not None and (within_s is None or held.expires_at <= self._clock() + within_s):
             del self._bindings[session_id]

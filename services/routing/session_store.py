@@ -12,7 +12,9 @@ is written again only once its etcd copy is `refresh_s` older than its expiry (s
 may see an expiry up to `refresh_s` early: they then bind the session anew, usually to the same
 worker, its prefix being cached there). etcd away: routing goes on from memory; the writes wait
 (bounded: the latest per session) and go when it is back. The watch follows the other replicas'
-bindings into `SessionBindings.learn`; a broken watch is set up again from a fresh listing.
+bindings into `SessionBindings.learn` (mesh/prefix_follow.py: a broken watch is set up again from
+a fresh listing). An expiry is wall-clock time, as every process reads it; this store reads it by
+the bindings' own clock (`SessionBindings(clock=...)`), never one of its own.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import asyncio
 import itertools
 import json
 import logging
-import time
 
-from services.mesh.etcd_store import KeyValueStore, StoreUnavailable, WatchNotConfirmed
+from services.mesh.etcd_store import KeyValue, KeyValueStore, StoreUnavailable, WatchEvent
+from services.mesh.prefix_follow import follow_prefix
 from services.mesh.service_runner import ServiceRunner
 from services.routing.session_bindings import MAX_BINDINGS, Binding, SessionBindings, SessionConfig
 
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 
 # Most bindings written per etcd round; the rest wait for the next one.
 WRITE_BATCH = 256
+# The longest wait before writing again after etcd refused a write.
 BACKOFF_MAX_S = 5.0
 
 
@@ -78,7 +81,7 @@ class SessionStore:
 
     async def run(self) -> None:
         """Follows etcd and writes this router's bindings, until cancelled."""
-        await asyncio.gather(self._follow(), self._write())
+        await asyncio.gather(follow_prefix(self._store, self._prefix, self._listed, self._watched), self._write())
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -116,27 +119,18 @@ class SessionStore:
 
     # -- following -------------------------------------------------------------------------------
 
-    async def _follow(self) -> None:
-        backoff = 0.2
-        while True:
-            try:
-                items, revision = await self._store.get_prefix(self._prefix)
-                for kv in items:
-                    self._learn(kv.key, kv.value)
-                async for event in self._store.watch_prefix(self._prefix, revision + 1):
-                    backoff = 0.2  # reset once the watch works, not on every listing: no relisting storm
-                    session_id = event.key[len(self._prefix):]
-                    if event.deleted:
-                        self._written.pop(session_id, None)
-                        self._bindings.forget(session_id, expires_at=_soon(self.refresh_s))
-                    else:
-                        self._learn(event.key, event.value)
-            except WatchNotConfirmed as exc:
-                log.info("session bindings: %s; relisting", exc)
-            except StoreUnavailable as exc:
-                log.warning("watch on %s broke (%s); relisting", self._prefix, exc)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX_S)
+    def _listed(self, items: list[KeyValue]) -> None:
+        for kv in items:
+            self._learn(kv.key, kv.value)
+
+    def _watched(self, event: WatchEvent) -> None:
+        if not event.deleted:
+            self._learn(event.key, event.value)
+            return
+        session_id = event.key[len(self._prefix):]
+        self._written.pop(session_id, None)
+        # Forgotten only if it ran out (or nearly): not one renewed since.
+        self._bindings.forget(session_id, within_s=self.refresh_s)
 
     def _learn(self, key: str, value: bytes) -> None:
         binding = decode(value)
@@ -149,11 +143,6 @@ class SessionStore:
             # wrote, so our next binding of the session must be written whatever its age.
             self._written.pop(session_id, None)
         self._bindings.learn(session_id, binding)
-
-
-def _soon(slack_s: float) -> float:
-    """A deleted key's binding is forgotten only if it ran out (or nearly): not one renewed since."""
-    return time.time() + slack_s
 
 
 async def follow_sessions(runner: ServiceRunner, namespace: str, config: SessionConfig) -> SessionBindings | None:

@@ -28,9 +28,9 @@ def query_of(request: router_pb2.RouteRequest, role: RoleName) -> RouteQuery:
                       session_of(request.session))
 
 
-def session_of(session: common_pb2.SessionRef) -> SessionKey | None:
-    """The session a wire request names (None: none)."""
-    return SessionKey(session.id, session.parent_id) if session.id else None
+def session_of(session: common_pb2.SessionRef | None) -> SessionKey | None:
+    """The session a wire request names (None: none, or no SessionRef at all)."""
+    return SessionKey(session.id, session.parent_id) if session is not None and session.id else None
 
 
 def response_of(route: Route) -> router_pb2.RouteResponse:

@@ -147,11 +147,11 @@ class WorkerPool:
             scores = self.predicted.scores(predicted, local_hashes)
             ttl_s = self.predicted.ttl_s
             for w in predicted:
-                indexed = device.pop(w, 0) if self._sources.index_still_warm(w, ttl_s) else 0
-                device.pop(w, None)
+                indexed = device.pop(w, 0)
                 host.pop(w, None)
-                if max(indexed, scores.get(w, 0)):
-                    device[w] = max(indexed, scores.get(w, 0))
+                best = max(indexed if self._sources.index_still_warm(w, ttl_s) else 0, scores.get(w, 0))
+                if best:
+                    device[w] = best
         return device, host
 
     def index_score(self, instance_id: str, local_hashes: Sequence[LocalBlockHash]) -> int | None:
@@ -168,9 +168,12 @@ class WorkerPool:
         self._sources.agreement(instance_id, ratio)
 
     def routed(self, instance_id: str, local_hashes: Sequence[LocalBlockHash]) -> None:
-        """A prompt was sent to the worker: where its cache is predicted, its blocks are now. Only
-        there (or with every worker predicted): recording costs about as much as hashing the
-        prompt, which a worker whose events are healthy does not need."""
+        """A prompt was sent to the worker (and counted pending there: the `pending` gauge says
+        how many are until its next load report): where its cache is predicted, its blocks are
+        now. Only there (or with every worker predicted): recording costs about as much as
+        hashing the prompt, which a worker whose events are healthy does not need."""
+        if (state := self.workers.get(instance_id)) is not None:
+            self._metrics.pending.labels(instance_id).set(len(state.pending))
         if self._sources.predicted(instance_id):
             self.predicted.routed(instance_id, local_hashes)
 
@@ -270,6 +273,8 @@ class WorkerPool:
         state = self.workers[instance_id]
         publishes = state.info.kv_events
         self._metrics.source.labels(instance_id).set(0)
+        self._metrics.load_reports.labels(instance_id)  # at 0 until its first report
+        self._metrics.pending.labels(instance_id).set(0)
         self._sources.add(instance_id, publishes)
         self._load_tasks[instance_id] = loop.create_task(self._follow_metrics(instance_id), name=f"metrics-{instance_id}")
         if publishes and not self._sources.router_off:
@@ -306,6 +311,8 @@ class WorkerPool:
             try:
                 async for load in stub.SubscribeMetrics(worker_pb2.SubscribeMetricsRequest()):
                     state.observe_load(load)
+                    self._metrics.load_reports.labels(instance_id).inc()
+                    self._metrics.pending.labels(instance_id).set(len(state.pending))
                     self._load_changed(instance_id)
             except grpc.aio.AioRpcError as exc:
                 log.debug("metrics stream of %s broke: %s", instance_id, exc.code())

@@ -7,6 +7,9 @@ output differs from the base model's and from the other adapter's.
 
     python -m services.tools.make_demo_adapter            # the demo model and both adapters
     python -m services.tools.make_demo_adapter --out DIR --seed 7 --model MODEL_DIR
+
+`write_stand_in_adapter` writes the other kind the tests and benchmarks use: the same files with no
+weights in them (a sparse weights file of a chosen size), all the mocker reads of an adapter.
 """
 
 from __future__ import annotations
@@ -91,29 +94,46 @@ def _weights(model_dir: Path, spec: AdapterSpec) -> dict:
     return tensors
 
 
+def _config(rank: int, lora_alpha: int, base_model: str) -> str:
+    """An adapter's adapter_config.json, as PEFT writes it."""
+    return json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": rank, "lora_alpha": lora_alpha, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": list(TARGET_MODULES), "fan_in_fan_out": False, "inference_mode": True,
+        "modules_to_save": None, "use_rslora": False, "use_dora": False,
+    }, indent=1)
+
+
 def write_demo_adapter(out: Path, model_dir: Path, spec: AdapterSpec = AdapterSpec()) -> Path:
     """Builds the adapter into a temp dir and renames it into place, so a crash leaves no half adapter."""
     from safetensors.torch import save_file
 
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": model_dir.name,
-        "r": spec.rank, "lora_alpha": spec.lora_alpha, "lora_dropout": 0.0, "bias": "none",
-        "target_modules": list(TARGET_MODULES), "fan_in_fan_out": False, "inference_mode": True,
-        "modules_to_save": None, "use_rslora": False, "use_dora": False,
-    }
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
         staging = Path(tmp) / "adapter"
         staging.mkdir()
         save_file(_weights(model_dir, spec), str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1))
+        (staging / ADAPTER_CONFIG).write_text(_config(spec.rank, spec.lora_alpha, model_dir.name))
         try:
             os.rename(staging, out)
         except OSError:
             # Another process (a sibling worker started at the same time) finished first.
             if not (out / ADAPTER_CONFIG).exists():
                 raise
+    return out
+
+
+def write_stand_in_adapter(out: Path, size_bytes: int = 4096, rank: int = 8,
+                           base_model: str = DEMO_MODEL_DIR.name) -> Path:
+    """An adapter in PEFT's layout with no weights in it: its config (rank `rank`, alpha twice
+    that, every linear layer) and a sparse weights file of `size_bytes` (no disk blocks). The
+    mocker reads no more of an adapter (the rank, and the size its load time comes from); vLLM
+    cannot load it. Written into `out` (created, or kept and rewritten: idempotent)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / ADAPTER_CONFIG).write_text(_config(rank, 2 * rank, base_model))
+    with (out / ADAPTER_WEIGHTS).open("ab") as f:
+        f.truncate(size_bytes)
     return out
 
 

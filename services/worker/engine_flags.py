@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 from services.engines.lora import LORA_OFF, LoraConfig, LoraModule
 from services.engines.mocker.config import MockerConfig
+from services.config_error import ConfigError
+from services.mesh.config_error import validated
 from services.mesh.flags import (
-    ConfigError,
     ModelRef,
     add_model_flags,
     model_ref,
@@ -21,7 +22,6 @@ from services.mesh.flags import (
     non_negative_int,
     positive_float,
     positive_int,
-    validated,
 )
 from services.profiles.cost_model import ProfileError
 from services.profiles.profile_file import DEFAULT_PRESET, load_profile, preset_names

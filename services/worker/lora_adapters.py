@@ -69,16 +69,6 @@ def check_startup_adapters(config: LoraConfig) -> None:
         read_adapter(module.name, module.path, config.max_lora_rank, int_id=0)
 
 
-def register_startup_adapters(engine: Engine, config: LoraConfig) -> None:
-    """Makes every `--lora-modules` adapter known to the engine (each is loaded on its first
-    request). Raises AdapterError for one the engine cannot use: the caller stops the worker."""
-    if not config.modules:
-        return
-    adapters = adapter_set(engine)
-    for module in config.modules:
-        adapters.register(module.name, module.path)
-
-
 async def register_runtime_adapters(engine: Engine, store: KeyValueStore, namespace: str, model: str) -> None:
     """Makes the adapters loaded at run time through a gateway (kept in etcd, see
     services/frontend/lora_admin.py) known to a worker of `model` that starts after the load. One

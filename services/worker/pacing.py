@@ -44,24 +44,26 @@ def merged(outputs: deque[EngineOutput]) -> EngineOutput:
 
 
 async def paced(outputs: AsyncIterator[EngineOutput], interval_s: float,
-                on_merge: Callable[[], None] = lambda: None) -> AsyncGenerator[EngineOutput, None]:
+                on_merge: Callable[[], None] = lambda: None,
+                clock: Callable[[], float] = time.monotonic) -> AsyncGenerator[EngineOutput, None]:
     """The engine's outputs, merged so that at most one goes out per `interval_s`.
 
     While outputs come at least `interval_s` apart (a GPU's decode steps), each goes out as it
     comes, read straight from the engine: there is nothing to merge, and a task in between would
     cost two task switches per token. The first output that comes early hands the stream to
     `_pumped`, which holds it and merges what follows until the interval has passed; `on_merge`
-    runs first (from then on outputs wait in a buffer here: a row tap must close)."""
+    runs first (from then on outputs wait in a buffer here: a row tap must close). `clock`: what
+    the interval is measured on; its seconds are the event loop's (a paced wait is a loop timeout)."""
     async with aclosing(outputs) if isinstance(outputs, AsyncGenerator) else nullcontext():
         last_sent = float("-inf")
         while True:
             out = await anext(outputs, None)
             if out is None:
                 return
-            now = time.monotonic()
+            now = clock()
             if out.finish_reason is None and now - last_sent < interval_s:
                 on_merge()
-                async for merged_out in _pumped(outputs, interval_s, out, last_sent):
+                async for merged_out in _pumped(outputs, interval_s, out, last_sent, clock):
                     yield merged_out
                 return
             last_sent = now
@@ -71,7 +73,7 @@ async def paced(outputs: AsyncIterator[EngineOutput], interval_s: float,
 
 
 async def _pumped(outputs: AsyncIterator[EngineOutput], interval_s: float, early: EngineOutput,
-                  last_sent: float) -> AsyncGenerator[EngineOutput, None]:
+                  last_sent: float, clock: Callable[[], float]) -> AsyncGenerator[EngineOutput, None]:
     """Pacing for outputs that come faster than the interval, `early` first.
 
     A pump task reads the engine into a buffer (bounded by the request's max_tokens, one entry
@@ -106,7 +108,7 @@ async def _pumped(outputs: AsyncIterator[EngineOutput], interval_s: float, early
             if not buffer and not ended:
                 ready.clear()
                 await ready.wait()
-            wait = interval_s - (time.monotonic() - last_sent)
+            wait = interval_s - (clock() - last_sent)
             if wait > 0 and not finished.is_set():
                 try:
                     await asyncio.wait_for(finished.wait(), wait)
@@ -115,7 +117,7 @@ async def _pumped(outputs: AsyncIterator[EngineOutput], interval_s: float, early
             if buffer:
                 out = merged(buffer)
                 buffer.clear()
-                last_sent = time.monotonic()
+                last_sent = clock()
                 yield out
                 if out.finish_reason is not None:
                     return

@@ -49,12 +49,7 @@ from services.worker.engine_health import watch_engine
 from services.worker.engine_flags import EngineConfig, add_engine_flags, add_kv_transfer_flag, engine_config
 from services.worker.kv_event_log import KvEventLog
 from services.worker.load_collector import WorkerLoadCollector
-from services.worker.lora_adapters import (
-    check_startup_adapters,
-    known_adapters,
-    register_runtime_adapters,
-    register_startup_adapters,
-)
+from services.worker.lora_adapters import check_startup_adapters, known_adapters, register_runtime_adapters
 from services.worker.lora_collector import WorkerLoraCollector
 from services.worker.record import WorkerRecord
 from services.worker.role_switch import RoleSwitch
@@ -152,7 +147,7 @@ async def start_worker(role: Role, ctx: WorkerContext, make_services: ServicesFa
     try:
         built = await asyncio.to_thread(build_engine, spec, instance_id, runner.store, mesh.namespace,
                                         kv_events=publishes)
-    except AdapterError as exc:  # an engine that reads its --lora-modules adapters itself
+    except AdapterError as exc:  # a --lora-modules adapter the engine, registering them, cannot use
         die(f"--lora-modules: {exc}")
     events = KvEventLog(capacity=ctx.args.kv_event_buffer)
     if publishes:
@@ -160,7 +155,7 @@ async def start_worker(role: Role, ctx: WorkerContext, make_services: ServicesFa
     # Registered before the (slow) start: a stop during a vLLM load still stops what it started.
     runner.on_teardown(f"stop engine of {instance_id}", built.engine.stop, ENGINE_STOP_S)
     await built.engine.start()
-    start_adapters(built.engine, spec)
+    check_lora_served(built.engine, spec)
     await register_runtime_adapters(built.engine, runner.store, mesh.namespace, spec.served_model_name)
     services = make_services(built.engine, instance_id, events)
     runner.on_teardown(f"stop servicer of {instance_id}", services.worker.stop)
@@ -187,15 +182,12 @@ async def start_worker(role: Role, ctx: WorkerContext, make_services: ServicesFa
     return _Running(instance_id, built.engine, record, built.lease_keys, health_servicer, events, switch)
 
 
-def start_adapters(engine: Engine, spec: EngineConfig) -> None:
-    """The `--lora-modules` adapters, known to the engine from the start; one it cannot use stops
-    the worker with a line naming it."""
+def check_lora_served(engine: Engine, spec: EngineConfig) -> None:
+    """A worker started with LoRA on an engine that serves no adapters stops with a line saying
+    so. (The engine registers the `--lora-modules` adapters itself when built: one it cannot use
+    fails `build_engine`.)"""
     if spec.lora.enabled and engine.adapters is None:
         die(f"--enable-lora: the {spec.engine} engine serves no LoRA adapters")
-    try:
-        register_startup_adapters(engine, spec.lora)
-    except AdapterError as exc:
-        die(f"--lora-modules: {exc}")
 
 
 async def join_mesh(ctx: WorkerContext, workers: list[_Running]) -> None:

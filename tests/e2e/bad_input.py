@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.metrics import scrape, total, value
 from tests.procs import Mesh, wait_until
 
 MODEL = "kvmesh-demo"
@@ -36,15 +36,11 @@ def assert_still_serving(mesh: Mesh) -> None:
 
 
 def inflight(metrics_url: str) -> float:
-    text = httpx.get(metrics_url, timeout=10).text
-    return next(s.value for family in text_string_to_metric_families(text) for s in family.samples
-                if s.name == "kvmesh_frontend_inflight_requests")
+    return value(scrape(metrics_url), "kvmesh_frontend_inflight_requests")
 
 
 def requests_total(metrics_url: str, endpoint: str, status: str) -> float:
-    text = httpx.get(metrics_url, timeout=10).text
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == "kvmesh_frontend_requests_total" and s.labels == {"endpoint": endpoint, "status": status})
+    return total(scrape(metrics_url), "kvmesh_frontend_requests_total", endpoint=endpoint, status=status)
 
 
 def inflight_returns_to_zero(metrics_url: str, timeout_s: float = 15) -> bool:

@@ -197,7 +197,7 @@ async def test_a_structured_choice_is_not_taken_over_mid_output(tokenizer: Model
 
 
 def test_a_parser_the_model_cannot_use_is_refused_at_start_with_one_line(tokenizer: ModelTokenizer) -> None:
-    from services.mesh.config_error import ConfigError
+    from services.config_error import ConfigError
 
     with pytest.raises(ConfigError, match="--tool-call-parser 'nope' is not one of vLLM's"):
         OutputParsers(tokenizer.hf, "nope")

@@ -8,13 +8,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.metrics import scrape, total
 from tests.procs import MODEL, Etcd, ServiceMesh, wait_until
-
-
-def gauge(text: str, name: str) -> float:
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
 @pytest.fixture
@@ -31,19 +27,19 @@ def test_a_client_that_hangs_up_frees_the_workers_kv_and_the_gateway_slot(slow_m
     body = {"model": MODEL, "prompt": "a long prompt " * 40, "max_tokens": 500, "ignore_eos": True,
             "stream": streaming}
     worker_metrics = lambda: slow_mesh.metrics("decode-worker")  # noqa: E731
-    frontend_metrics = lambda: httpx.get(slow_mesh.url("/metrics"), timeout=10).text  # noqa: E731
+    frontend_metrics = lambda: scrape(slow_mesh.url("/metrics"))  # noqa: E731
     with httpx.Client(timeout=60) as client:
         if streaming:
             with client.stream("POST", slow_mesh.url("/v1/completions"), json=body) as r:
                 lines = r.iter_lines()
                 while not next(lines).startswith("data: {"):
                     pass
-                assert gauge(worker_metrics(), "kvmesh_kv_active_blocks") > 0
+                assert total(worker_metrics(), "kvmesh_kv_active_blocks") > 0
         else:
             with pytest.raises(httpx.ReadTimeout):
                 client.post(slow_mesh.url("/v1/completions"), content=json.dumps(body),
                             headers={"content-type": "application/json"}, timeout=2)
     # Freed within a second on an idle machine; the deadline leaves room for a loaded one.
-    assert wait_until(lambda: gauge(worker_metrics(), "kvmesh_kv_active_blocks") == 0
-                      and gauge(worker_metrics(), "kvmesh_request_active_slots") == 0, 5, 0.05)
-    assert wait_until(lambda: gauge(frontend_metrics(), "kvmesh_frontend_inflight_requests") == 0, 5, 0.05)
+    assert wait_until(lambda: total(worker_metrics(), "kvmesh_kv_active_blocks") == 0
+                      and total(worker_metrics(), "kvmesh_request_active_slots") == 0, 5, 0.05)
+    assert wait_until(lambda: total(frontend_metrics(), "kvmesh_frontend_inflight_requests") == 0, 5, 0.05)

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, PROCESSOR, ROUTER
 from services.worker.load_collector import LOAD_FIELDS
+from tests.metrics import parse
 from tests.procs import ROOT, Etcd, ServiceMesh, wait_until
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvmesh-dashboard.json"
@@ -146,7 +147,6 @@ def test_every_metric_on_the_dashboard_is_exported_by_the_running_services(disag
     exported = set().union(*(exported_names(text) for text in pages.values()))
     # The samples these requests must have produced are there (the scrape saw a working mesh).
     assert {"kvmesh_kv_transfer_bytes_total", "kvmesh_frontend_time_to_first_token_seconds_bucket",
-            "kvmesh_kv_active_blocks"} <= {s.name for text in pages.values()
-                                           for f in text_string_to_metric_families(text) for s in f.samples}
+            "kvmesh_kv_active_blocks"} <= {s.name for text in pages.values() for s in parse(text)}
     unknown = used_metrics() - exported
     assert not unknown, f"the dashboard queries metrics no service exports: {sorted(unknown)}"

@@ -13,12 +13,13 @@ from collections.abc import Iterator
 import grpc
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, ROUTER
 from services.engines.base import EngineBusy
 from services.engines.mocker.kv_transfer import KvTransferError, NixlKvEndpoint, nixl_metadata_key
+from tests.metrics import metrics_url, scrape, total
 from tests.procs import MODEL, Etcd, ServiceMesh, registered, wait_until
 
 BYTES_PER_TOKEN = 2048
@@ -34,12 +35,6 @@ SLOW_PREFILL_SPEEDUP = 0.005
 def tokens(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(20, 1000) for _ in range(n)]
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """The sum of a sample over the label sets that include `labels` (0 when there is none yet)."""
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == name and labels.items() <= s.labels.items())
 
 
 def etcd_has(etcd: str, key: str) -> bool:
@@ -97,9 +92,9 @@ def router_serves_prefill_pool(mesh: ServiceMesh) -> bool:
     return reply.block_size > 0
 
 
-def decode_metrics(mesh: ServiceMesh) -> str:
+def decode_metrics(mesh: ServiceMesh) -> list[Sample]:
     (worker,) = registered(mesh.etcd, mesh.namespace, DECODE_WORKER)
-    return httpx.get(f"http://127.0.0.1:{worker.metrics_port}/metrics", timeout=10).text
+    return scrape(metrics_url(worker.metrics_port))
 
 
 def test_kv_crosses_processes_over_nixl_intact(disagg: ServiceMesh) -> None:
@@ -107,12 +102,12 @@ def test_kv_crosses_processes_over_nixl_intact(disagg: ServiceMesh) -> None:
     r = disagg.complete(prompt, max_tokens=4)
     assert r.status_code == 200
     assert r.headers["x-kvmesh-prefill"].startswith("remote:")
-    text = decode_metrics(disagg)
+    samples = decode_metrics(disagg)
     # Every byte arrived, and the checksum check (a mismatch would have meant a local fallback) passed.
-    assert metric(text, "kvmesh_kv_transfer_bytes_total") == 1000 * BYTES_PER_TOKEN
-    assert metric(text, "kvmesh_kv_transfer_duration_seconds_count") == 1
-    assert metric(text, "kvmesh_decode_remote_prefill_total") == 1
-    assert metric(text, "kvmesh_decode_prefill_fallback_total") == 0
+    assert total(samples, "kvmesh_kv_transfer_bytes_total") == 1000 * BYTES_PER_TOKEN
+    assert total(samples, "kvmesh_kv_transfer_duration_seconds_count") == 1
+    assert total(samples, "kvmesh_decode_remote_prefill_total") == 1
+    assert total(samples, "kvmesh_decode_prefill_fallback_total") == 0
     short = disagg.complete(tokens(2, 100), max_tokens=2)
     assert short.headers["x-kvmesh-prefill"] == "local"
 
@@ -140,8 +135,7 @@ def complete(mesh: ServiceMesh, prompt: list[int]) -> httpx.Response:
 
 def prefill_blocks_in_use(metrics_port: int) -> float:
     """KV blocks the prefill worker's engine holds: above 0 only while it computes a prompt."""
-    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
-    return metric(text, "kvmesh_kv_active_blocks", role="prefill")
+    return total(scrape(metrics_url(metrics_port)), "kvmesh_kv_active_blocks", role="prefill")
 
 
 def test_a_prefill_worker_killed_mid_prefill_loses_no_request(slow_prefill_disagg: ServiceMesh) -> None:
@@ -163,23 +157,23 @@ def test_a_prefill_worker_killed_mid_prefill_loses_no_request(slow_prefill_disag
     (reply,) = replies
     assert reply.status_code == 200, reply.text
     assert reply.headers["x-kvmesh-prefill"] == "local"
-    text = decode_metrics(mesh)
+    samples = decode_metrics(mesh)
     # The decode worker's Prefill call broke with the process: one fallback, reason "error".
-    assert metric(text, "kvmesh_decode_prefill_fallback_total", reason="error") == 1
-    assert metric(text, "kvmesh_decode_prefill_fallback_total") == 1
-    assert metric(text, "kvmesh_decode_remote_prefill_total") == 0
-    assert metric(text, "kvmesh_decode_local_prefill_total") == 1
+    assert total(samples, "kvmesh_decode_prefill_fallback_total", reason="error") == 1
+    assert total(samples, "kvmesh_decode_prefill_fallback_total") == 1
+    assert total(samples, "kvmesh_decode_remote_prefill_total") == 0
+    assert total(samples, "kvmesh_decode_local_prefill_total") == 1
 
     # The stream goes on after the kill: every long prompt still completes, prefilled locally.
     later = [tokens(200 + i, 600 + i) for i in range(4)]
     results = [complete(mesh, p) for p in later]
     assert [r.status_code for r in results] == [200] * len(later), [r.text for r in results if r.status_code != 200]
     assert [r.headers["x-kvmesh-prefill"] for r in results] == ["local"] * len(later)
-    text = decode_metrics(mesh)
-    assert metric(text, "kvmesh_decode_prefill_fallback_total") == 1 + len(later)
+    samples = decode_metrics(mesh)
+    assert total(samples, "kvmesh_decode_prefill_fallback_total") == 1 + len(later)
     # Until its lease expires the dead worker is still chosen (error); after, none is left (no_prefill_worker).
-    assert metric(text, "kvmesh_decode_prefill_fallback_total", reason="error") + \
-        metric(text, "kvmesh_decode_prefill_fallback_total", reason="no_prefill_worker") == 1 + len(later)
+    assert total(samples, "kvmesh_decode_prefill_fallback_total", reason="error") + \
+        total(samples, "kvmesh_decode_prefill_fallback_total", reason="no_prefill_worker") == 1 + len(later)
     # Correct answers: the mocker's output depends only on the prompt, so a second run (local, from
     # the decode worker's cache) must match the first.
     for prompt, first in zip([caught, *later], [reply, *results]):

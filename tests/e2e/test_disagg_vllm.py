@@ -7,11 +7,11 @@ import random
 import httpx
 import pytest
 
+from tests.conftest import MAX_LOCAL_PREFILL as MAX_LOCAL
 from tests.procs import Mesh
 
 pytestmark = pytest.mark.vllm
 MODEL = "kvmesh-demo"
-MAX_LOCAL = 128
 
 
 def tokens(seed: int, n: int) -> list[int]:

@@ -20,9 +20,9 @@ import pytest
 import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
-from prometheus_client.parser import text_string_to_metric_families
 from schemathesis import Case, GenerationMode
 
+from tests.metrics import scrape, value
 from tests.procs import Mesh
 
 MODEL = "kvmesh-demo"
@@ -108,9 +108,7 @@ def _fuzz(operation: schemathesis.APIOperation, mode: GenerationMode, examples: 
 
 
 def _inflight(root: str) -> float:
-    text = httpx.get(f"{root}/metrics", timeout=10).text
-    return next(s.value for family in text_string_to_metric_families(text) for s in family.samples
-                if s.name == "kvmesh_frontend_inflight_requests")
+    return value(scrape(f"{root}/metrics"), "kvmesh_frontend_inflight_requests")
 
 
 def test_the_openapi_document_describes_the_request_bodies(mocker_mesh: Mesh) -> None:

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.mesh.discovery import PROCESSOR, ROUTER
 from tests.e2e.test_kv_routing import BLOCK
+from tests.metrics import parse
 from tests.e2e.test_route_explanation import parse_route
 from tests.procs import MODEL, Etcd, ServiceMesh, wait_until
 
@@ -41,13 +41,12 @@ class Series:
 
 def series(text: str, worker: str) -> Series:
     values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.labels.get("worker_id") != worker:
-                continue
-            if s.name.endswith("_bucket") and s.labels.get("le") != "0.0":
-                continue
-            values[s.name] = s.value
+    for s in parse(text):
+        if s.labels.get("worker_id") != worker:
+            continue
+        if s.name.endswith("_bucket") and s.labels.get("le") != "0.0":
+            continue
+        values[s.name] = s.value
     return Series(values.get("kvmesh_router_index_accuracy_ratio_count", 0.0),
                   values.get("kvmesh_router_index_accuracy_ratio_sum", 0.0),
                   values.get("kvmesh_router_index_error_tokens_sum", 0.0),

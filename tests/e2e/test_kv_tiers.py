@@ -15,6 +15,7 @@ import pytest
 from services.kv_protocol.events import KvEventData, KvRemoved, KvStored
 from services.kv_protocol.tier import Tier
 from services.mesh.discovery import DECODE_WORKER
+from tests.metrics import metrics_url, scrape, value
 from tests.procs import MODEL, ROOT, Etcd, ServiceMesh, find_matches_by_tier, registered, wait_until
 
 # -- on a mesh ------------------------------------------------------------------------------------
@@ -42,9 +43,7 @@ def cached(r: httpx.Response) -> int:
 def host_hits(mesh: ServiceMesh, worker_id: str) -> float:
     """`kvmesh_worker_host_hits_total` of one worker, from its own process's metrics."""
     (info,) = [i for i in registered(mesh.etcd, mesh.namespace, DECODE_WORKER) if i.instance_id == worker_id]
-    text = httpx.get(f"http://127.0.0.1:{info.metrics_port}/metrics", timeout=10).text
-    (line,) = [ln for ln in text.splitlines() if ln.startswith("kvmesh_worker_host_hits_total") and worker_id in ln]
-    return float(line.split()[-1])
+    return value(scrape(metrics_url(info.metrics_port)), "kvmesh_worker_host_hits_total", worker_id=worker_id)
 
 
 @pytest.fixture

@@ -10,11 +10,11 @@ import signal
 import time
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.mesh.discovery import DECODE_WORKER
 from services.mesh.net import free_port
 from tests.e2e.test_kv_routing import prefix
+from tests.metrics import find
 from tests.procs import Etcd, ServiceMesh, registered, wait_until
 
 # The benchmark's goal for the drill: the fallback engaged within this of the silence.
@@ -23,11 +23,7 @@ FALLBACK_WITHIN_S = 10.0
 
 def sample(mesh: ServiceMesh, name: str, **labels: str) -> float | None:
     """The kv-router's sample of that name and labels (in whatever order the exposition writes them)."""
-    for family in text_string_to_metric_families(mesh.metrics("kv-router")):
-        for s in family.samples:
-            if s.name == name and s.labels == labels:
-                return s.value
-    return None
+    return find(mesh.metrics("kv-router"), name, **labels)
 
 
 def kv_source(mesh: ServiceMesh, worker: str) -> float | None:

@@ -3,12 +3,12 @@ workers' KV event and load streams, and asks the kv-router service nothing (real
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 
 import pytest
 
 from services.mesh.discovery import DECODE_WORKER, PROCESSOR, ROUTER
+from tests.metrics import total
 from tests.procs import Etcd, ServiceMesh, registered, wait_until
 from tests.e2e.test_kv_routing import BLOCK, prefix
 from tests.e2e.test_route_explanation import parse_route
@@ -18,8 +18,7 @@ EXPLAIN = {"x-kvmesh-explain": "1"}
 
 def routed(metrics: str) -> float:
     """Requests routed to decode workers, per the metrics text of one process."""
-    return sum(float(m.group(1)) for m in re.finditer(
-        r'^kvmesh_router_routed_requests_total\{[^}]*role="decode-worker"[^}]*\} (\S+)$', metrics, re.M))
+    return total(metrics, "kvmesh_router_routed_requests_total", role="decode-worker")
 
 
 def overlap_seen(mesh: ServiceMesh, prompt: list[int], worker: str) -> int | None:

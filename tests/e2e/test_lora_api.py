@@ -9,7 +9,6 @@ config and the weights' size, not the weights.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,26 +17,17 @@ import openai
 import pytest
 
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER
+from services.tools.make_demo_adapter import write_stand_in_adapter
 from tests.procs import MODEL, Etcd, ServiceMesh, registered, wait_until
 
 NIXL = ("--kv-transfer", "nixl", "--kv-bytes-per-token", "2048")
 PROMPT = "Tell me about prefix caching."
 
 
-def write_adapter(root: Path, name: str, rank: int = 8, weights_bytes: int = 64 * 1024) -> Path:
-    path = root / name
-    path.mkdir()
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"],
-              "base_model_name_or_path": MODEL}
-    (path / "adapter_config.json").write_text(json.dumps(config))
-    (path / "adapter_model.safetensors").write_bytes(bytes(weights_bytes))
-    return path
-
-
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lora")
-    return {name: write_adapter(root, name) for name in ("alpha", "gamma", "other-alpha")}
+    return {name: write_stand_in_adapter(root / name, 64 * 1024, base_model=MODEL) for name in ("alpha", "gamma", "other-alpha")}
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,12 @@
 """LoRA adapters on real vLLM: the demo model with two random adapters (and a third loaded at run
-time), served by one mesh of a vLLM prefill and a vLLM decode worker over NIXL, and compared with a
-single plain vLLM (tests/e2e/plain_vllm.py) running the same adapters.
+time), served by the session's disaggregated vLLM mesh (a prefill and a decode worker over NIXL,
+tests/conftest.py), and compared with a single plain vLLM (tests/e2e/plain_vllm.py) running the
+same adapters.
 
-One mesh and one reference run serve every test of the module (each vLLM start costs tens of
-seconds on two cores); the reference starts first and runs while the mesh starts.
+One reference run serves every test of the module (each vLLM start costs tens of seconds on two
+cores). It binds its engine to as many cores as each of the mesh's two engines has
+(services/engines/cpu_cores.py), so both compute with the same threads and neither starves the
+other.
 """
 
 from __future__ import annotations
@@ -21,16 +24,16 @@ from pathlib import Path
 import httpx
 import pytest
 
+from services.engines.cpu_cores import bind_env, core_shares, host_cores
 from services.processor.tokenizer import ModelTokenizer
-from tests.conftest import TEST_DRAIN_S
-from tests.procs import ROOT, Etcd, Mesh, registered, wait_until
+from tests.conftest import LORA_A as A
+from tests.conftest import LORA_B as B
+from tests.procs import ROOT, Mesh, registered, wait_until
 
 pytestmark = pytest.mark.vllm
 MODEL = "kvmesh-demo"
-A, B, C = "demo-lora-a", "demo-lora-b", "runtime-lora-c"
+C = "runtime-lora-c"
 MAX_TOKENS = 12
-# Prompts of more than this many uncached tokens prefill on the prefill worker (the rest locally).
-MAX_LOCAL = 128
 REFERENCE_TIMEOUT_S = 400
 
 
@@ -56,7 +59,9 @@ class PlainVllm:
     def __init__(self, model: Path, adapters: dict[str, str]) -> None:
         self._log = tempfile.NamedTemporaryFile(prefix="kvmesh-plain-vllm-", suffix=".log", delete=False)
         spec = {"adapters": adapters, "max_tokens": MAX_TOKENS, "cases": [[p, lora] for p, lora in CASES]}
-        self._proc = subprocess.Popen([sys.executable, "-m", "tests.e2e.plain_vllm", str(model)], cwd=ROOT,
+        # The share of each engine of a two-engine mesh, as the launcher gives it.
+        env = {**os.environ, **bind_env(core_shares(host_cores(), 2)[-1])}
+        self._proc = subprocess.Popen([sys.executable, "-m", "tests.e2e.plain_vllm", str(model)], cwd=ROOT, env=env,
                                       stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, text=True,
                                       start_new_session=True)
         assert self._proc.stdin is not None
@@ -104,15 +109,10 @@ def plain(adapters: dict[str, str]) -> Iterator[PlainVllm]:
 
 
 @pytest.fixture(scope="module")
-def mesh(etcd: Etcd, adapters: dict[str, str], plain: PlainVllm) -> Iterator[Mesh]:
-    """1 prefill + 1 decode vLLM worker, both serving demo-lora-a and demo-lora-b."""
-    started = Mesh.launch(etcd.endpoint, "vllm-lora", "vllm", "--prefill-workers", "1", "--decode-workers", "1",
-                          "--max-local-prefill-length", str(MAX_LOCAL), "--drain-timeout", str(TEST_DRAIN_S),
-                          "--allow-explain", "--allow-runtime-lora", "--lora-modules", f"{A}={adapters[A]}",
-                          f"{B}={adapters[B]}",
-                          timeout_s=400)
-    yield started
-    assert started.stop() == 0, started.launcher.tail()
+def mesh(vllm_disagg_mesh: Mesh, plain: PlainVllm) -> Mesh:
+    """The session's 1 prefill + 1 decode vLLM mesh, serving demo-lora-a and demo-lora-b; the
+    reference runs beside it from the module's start."""
+    return vllm_disagg_mesh
 
 
 def complete(mesh: Mesh, model: str, prompt: list[int], explain: bool = False) -> httpx.Response:

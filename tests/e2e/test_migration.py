@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.metrics import value
 from tests.procs import MODEL, Etcd, Proc, ServiceMesh, registered, wait_until
 
 # 48 ms per decode step: a 120-token answer streams for about 6 s, long enough to act mid-stream.
@@ -55,14 +55,6 @@ def stream(mesh: ServiceMesh, prompt: str, on_chunk: Callable[[Streamed], None] 
     return out
 
 
-def counter(text: str, name: str) -> float:
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name:
-                return sample.value
-    raise AssertionError(f"{name} not exported")
-
-
 @pytest.fixture
 def mesh(etcd: Etcd, request: pytest.FixtureRequest) -> Iterator[ServiceMesh]:
     with ServiceMesh(etcd.endpoint, processor_flags=getattr(request, "param", ())) as m:
@@ -96,7 +88,7 @@ def test_a_worker_killed_mid_stream_is_invisible_to_the_client(mesh: ServiceMesh
     assert broken.error is None
     assert broken.finish == "length"
     assert broken.completion_tokens == MAX_TOKENS
-    assert counter(mesh.metrics("processor"), "kvmesh_processor_migrations_total") == 1
+    assert value(mesh.metrics("processor"), "kvmesh_processor_migrations_total") == 1
     # The same request, served start to finish by the surviving worker, gives the same text:
     # no token repeated, none missing.
     unbroken = stream(mesh, "migrate me please")
@@ -109,7 +101,7 @@ def test_with_migration_off_a_mid_stream_failure_ends_the_stream_with_an_error(m
     workers = two_workers(mesh)
     broken = stream(mesh, "do not migrate me", act_after(10, lambda s: workers[s.worker].kill()))
     assert broken.error is not None and "failed mid-stream" in broken.error
-    assert counter(mesh.metrics("processor"), "kvmesh_processor_migrations_total") == 0
+    assert value(mesh.metrics("processor"), "kvmesh_processor_migrations_total") == 0
 
 
 def test_a_drained_worker_finishes_its_stream_then_exits_0(mesh: ServiceMesh) -> None:
@@ -123,7 +115,7 @@ def test_a_drained_worker_finishes_its_stream_then_exits_0(mesh: ServiceMesh) ->
     drained = stream(mesh, "finish me where I started", act_after(10, drain))
     assert sent.is_set()
     assert drained.error is None and drained.completion_tokens == MAX_TOKENS
-    assert counter(mesh.metrics("processor"), "kvmesh_processor_migrations_total") == 0
+    assert value(mesh.metrics("processor"), "kvmesh_processor_migrations_total") == 0
     assert workers[drained.worker].popen.wait(30) == 0
     # New work goes to the worker that stayed.
     survivor = next(w for w in workers if w != drained.worker)
@@ -135,7 +127,7 @@ def test_a_drain_deadline_moves_what_is_still_running(mesh: ServiceMesh) -> None
     moved = stream(mesh, "move me at the deadline",
                    act_after(5, lambda s: workers[s.worker].popen.send_signal(signal.SIGTERM)))
     assert moved.error is None and moved.completion_tokens == MAX_TOKENS
-    assert counter(mesh.metrics("processor"), "kvmesh_processor_migrations_total") == 1
+    assert value(mesh.metrics("processor"), "kvmesh_processor_migrations_total") == 1
     assert workers[moved.worker].popen.wait(30) == 0
     assert "".join(moved.text) == "".join(stream(mesh, "move me at the deadline").text)
 

@@ -8,9 +8,10 @@ import uuid
 
 import httpx
 import openai
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from services.mesh.discovery import DECODE_WORKER
+from tests.metrics import find, scrape, total, value
 from tests.procs import Mesh, registered
 
 MODEL = "kvmesh-demo"
@@ -134,26 +135,18 @@ def test_repeated_prompt_reports_cached_tokens(mocker_client: openai.OpenAI) -> 
     assert cached >= (prompt_tokens // BLOCK_SIZE - 1) * BLOCK_SIZE, (cached, prompt_tokens)
 
 
-def frontend_metrics(mesh: Mesh) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    """The gateway's /metrics samples, by name and labels."""
-    text = httpx.get(mesh.base_url.removesuffix("/v1") + "/metrics", timeout=10).text
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def sample(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
-    key = (name, frozenset(labels.items()))
-    assert key in samples, f"no sample {name}{labels} in /metrics"
-    return samples[key]
+def frontend_metrics(mesh: Mesh) -> list[Sample]:
+    """The gateway's /metrics samples."""
+    return scrape(mesh.base_url.removesuffix("/v1") + "/metrics")
 
 
 def inflight_back_to_zero(mesh: Mesh, timeout_s: float = 15) -> float:
     """Polls the in-flight gauge until it reads 0 (returns 0) or the deadline passes (returns the last value)."""
     deadline = time.monotonic() + timeout_s
-    while (value := sample(frontend_metrics(mesh), "kvmesh_frontend_inflight_requests")) != 0 and \
+    while (inflight := value(frontend_metrics(mesh), "kvmesh_frontend_inflight_requests")) != 0 and \
             time.monotonic() < deadline:
         time.sleep(0.1)
-    return value
+    return inflight
 
 
 def test_metrics_count_requests_and_latency(mocker_mesh: Mesh, mocker_client: openai.OpenAI) -> None:
@@ -166,14 +159,14 @@ def test_metrics_count_requests_and_latency(mocker_mesh: Mesh, mocker_client: op
     sent = 3
     after = frontend_metrics(mocker_mesh)
     # No other test sends requests meanwhile: the counters moved by exactly what this one sent.
-    assert sample(after, "kvmesh_frontend_requests_total", **ok) - before.get(
-        ("kvmesh_frontend_requests_total", frozenset(ok.items())), 0.0) == sent
+    assert value(after, "kvmesh_frontend_requests_total", **ok) - total(before, "kvmesh_frontend_requests_total",
+                                                                       **ok) == sent
     for histogram in ("kvmesh_frontend_time_to_first_token_seconds", "kvmesh_frontend_request_duration_seconds"):
-        assert sample(after, histogram + "_count") - sample(before, histogram + "_count") == sent, histogram
-        assert sample(after, histogram + "_sum") > sample(before, histogram + "_sum"), histogram
-        assert sample(after, histogram + "_bucket", le="+Inf") == sample(after, histogram + "_count"), histogram
+        assert value(after, histogram + "_count") - value(before, histogram + "_count") == sent, histogram
+        assert value(after, histogram + "_sum") > value(before, histogram + "_sum"), histogram
+        assert value(after, histogram + "_bucket", le="+Inf") == value(after, histogram + "_count"), histogram
     # How many gaps a 2-token answer has depends on how the detokenizer groups tokens: only its presence is fixed.
-    assert ("kvmesh_frontend_inter_token_latency_seconds_count", frozenset()) in after
+    assert find(after, "kvmesh_frontend_inter_token_latency_seconds_count") is not None
     assert inflight_back_to_zero(mocker_mesh) == 0
 
 
@@ -185,7 +178,7 @@ def test_an_abandoned_stream_leaves_nothing_in_flight(mocker_mesh: Mesh) -> None
         lines = r.iter_lines()  # kept referenced: a dropped iterator would close the response early
         first = next(line for line in lines if line)
         assert json.loads(first.removeprefix("data: "))["choices"]
-        assert sample(frontend_metrics(mocker_mesh), "kvmesh_frontend_inflight_requests") == 1
+        assert value(frontend_metrics(mocker_mesh), "kvmesh_frontend_inflight_requests") == 1
     # The client hung up after its first chunk; the gateway must notice and let the request go.
     assert inflight_back_to_zero(mocker_mesh) == 0
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import aiohttp
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.mesh.discovery import DECODE_WORKER, ROUTER
+from tests.metrics import metrics_url, scrape, total
 from tests.procs import MODEL, Etcd, ServiceMesh, registered, wait_until
 
 KEYS = {"heavy": "key-heavy", "light": "key-light", "limited": "key-limited"}
@@ -94,23 +94,21 @@ async def storm(base: str, heavy_per_s: float, light_per_s: float, seconds: floa
         return list(await asyncio.gather(*tasks))
 
 
-def metric_sum(text: str, name: str, **labels: str) -> float:
-    """The sum of the samples called `name` that carry `labels` (and any others)."""
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
-               if s.name == name and labels.items() <= s.labels.items())
-
-
 def worker_requests(mesh: ServiceMesh) -> float:
     """Requests the decode workers took in (each is prefilled on its worker: no prefill pool)."""
-    total = 0.0
+    requests = 0.0
     seen = set()
     for info in registered(mesh.etcd, mesh.namespace, DECODE_WORKER):
         if info.metrics_port in seen:
             continue
         seen.add(info.metrics_port)
-        text = httpx.get(f"http://127.0.0.1:{info.metrics_port}/metrics", timeout=10).text
-        total += metric_sum(text, "kvmesh_decode_local_prefill_total")
-    return total
+        requests += total(scrape(metrics_url(info.metrics_port)), "kvmesh_decode_local_prefill_total")
+    return requests
+
+
+def admitted(mesh: ServiceMesh, tenant: str) -> float:
+    """Requests of the tenant the router admitted so far."""
+    return total(mesh.metrics(ROUTER), "kvmesh_admission_admitted_total", tenant=tenant)
 
 
 def router_rss_kib(mesh: ServiceMesh) -> int:
@@ -121,8 +119,7 @@ def router_rss_kib(mesh: ServiceMesh) -> int:
 def test_a_storm_refuses_part_of_the_heavy_tenant_at_once_and_none_of_the_light_one(overload_mesh) -> None:  # noqa: ANN001
     mesh, _ = overload_mesh
     before = worker_requests(mesh)
-    remembered_before = metric_sum(httpx.get(mesh.url("/metrics"), timeout=10).text,
-                                   "kvmesh_frontend_refused_from_memory_total")
+    remembered_before = total(scrape(mesh.url("/metrics")), "kvmesh_frontend_refused_from_memory_total")
     # Capacity: 8 slots / 0.4 s = 20 requests/s; the heavy tenant sends 3x that for 4 s.
     results = asyncio.run(storm(mesh.url(""), 60, 2, 4))
     heavy = [r for r in results if r.tenant == "heavy"]
@@ -144,10 +141,9 @@ def test_a_storm_refuses_part_of_the_heavy_tenant_at_once_and_none_of_the_light_
     assert wait_until(lambda: worker_requests(mesh) - before == served, 10), (worker_requests(mesh) - before, served)
     # Each refusal was the router's, or the gateway's repeating the router's last one a moment later.
     router = mesh.metrics(ROUTER)
-    remembered = metric_sum(httpx.get(mesh.url("/metrics"), timeout=10).text,
-                            "kvmesh_frontend_refused_from_memory_total") - remembered_before
-    assert metric_sum(router, "kvmesh_admission_refused_total", tenant="heavy") + remembered == len(refused)
-    assert metric_sum(router, "kvmesh_admission_refused_total", tenant="light") == 0
+    remembered = total(scrape(mesh.url("/metrics")), "kvmesh_frontend_refused_from_memory_total") - remembered_before
+    assert total(router, "kvmesh_admission_refused_total", tenant="heavy") + remembered == len(refused)
+    assert total(router, "kvmesh_admission_refused_total", tenant="light") == 0
 
 
 def test_the_queue_holds_nothing_after_a_storm_and_memory_does_not_grow_with_storms(overload_mesh) -> None:  # noqa: ANN001
@@ -155,7 +151,7 @@ def test_the_queue_holds_nothing_after_a_storm_and_memory_does_not_grow_with_sto
     asyncio.run(storm(mesh.url(""), 60, 1, 3))
     after_one = router_rss_kib(mesh)
     asyncio.run(storm(mesh.url(""), 120, 1, 3))  # twice as heavy
-    assert wait_until(lambda: metric_sum(mesh.metrics(ROUTER), "kvmesh_admission_queued") == 0, 10)
+    assert wait_until(lambda: total(mesh.metrics(ROUTER), "kvmesh_admission_queued") == 0, 10)
     # The queue is bounded by the objective (about a second of work), not by the storm.
     assert router_rss_kib(mesh) - after_one < 20_000
 
@@ -166,11 +162,12 @@ def test_a_higher_priority_request_starts_before_lower_ones_that_queued_first(ov
 
     async def run() -> tuple[list[Result], Result]:
         async with aiohttp.ClientSession(mesh.url(""), timeout=aiohttp.ClientTimeout(total=120)) as session:
-            # Every slot and worker queue busy for about 3 s...
+            # Every slot and worker queue busy for about 3 s (two workers of four slots and a queue of one)...
+            before = await asyncio.to_thread(admitted, mesh, "heavy")
             busy = [asyncio.create_task(stream(session, "heavy", 150, headers=patient)) for _ in range(SLOTS + 2)]
-            await asyncio.sleep(0.5)
+            assert await asyncio.to_thread(wait_until, lambda: admitted(mesh, "heavy") - before >= SLOTS + 2, 5)
             low = [asyncio.create_task(stream(session, "heavy", 2, {"priority": 5}, patient)) for _ in range(3)]
-            queued = lambda: metric_sum(mesh.metrics(ROUTER), "kvmesh_admission_queued") >= 3  # noqa: E731
+            queued = lambda: total(mesh.metrics(ROUTER), "kvmesh_admission_queued") >= 3  # noqa: E731
             assert await asyncio.to_thread(wait_until, queued, 5)
             high = asyncio.create_task(stream(session, "light", 2, {"priority": -5}, patient))
             await asyncio.gather(*busy)
@@ -188,24 +185,26 @@ def test_tenant_limits_come_from_a_file_that_changes_while_the_mesh_runs(overloa
 
     async def two_at_once() -> list[Result]:
         async with aiohttp.ClientSession(mesh.url(""), timeout=aiohttp.ClientTimeout(total=60)) as session:
+            before = await asyncio.to_thread(admitted, mesh, "limited")
             first = asyncio.create_task(stream(session, "limited", 40))
-            await asyncio.sleep(0.2)
+            # The first holds the tenant's one place (0.8 s of answer) once admitted.
+            assert await asyncio.to_thread(wait_until, lambda: admitted(mesh, "limited") > before, 5)
             second = await stream(session, "limited", 2)
             return [await first, second]
 
     first, second = asyncio.run(two_at_once())
     assert first.status == 200 and second.status == 429
     assert second.body["error"]["code"] == "tenant_concurrency_limit"  # type: ignore[index]
-    reloads = metric_sum(mesh.metrics(ROUTER), "kvmesh_tenant_policy_reloads")
+    reloads = total(mesh.metrics(ROUTER), "kvmesh_tenant_policy_reloads")
     policy.write_text(POLICY.replace("max_concurrency = 1", "max_concurrency = 2"))
     os.utime(policy, ns=(time.time_ns(), time.time_ns() + 10**9))
-    assert wait_until(lambda: metric_sum(mesh.metrics(ROUTER), "kvmesh_tenant_policy_reloads") > reloads, 10)
+    assert wait_until(lambda: total(mesh.metrics(ROUTER), "kvmesh_tenant_policy_reloads") > reloads, 10)
     first, second = asyncio.run(two_at_once())
     assert (first.status, second.status) == (200, 200)
     # A broken file keeps the policy in force.
     policy.write_text("[tenants.limited]\nmax_concurrency = 'lots'\n")
     os.utime(policy, ns=(time.time_ns(), time.time_ns() + 2 * 10**9))
-    assert wait_until(lambda: metric_sum(mesh.metrics(ROUTER), "kvmesh_tenant_policy_errors") >= 1, 10)
+    assert wait_until(lambda: total(mesh.metrics(ROUTER), "kvmesh_tenant_policy_errors") >= 1, 10)
     first, second = asyncio.run(two_at_once())
     assert (first.status, second.status) == (200, 200)
 

@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.mesh.discovery import DECODE_WORKER, PLANNER, PREFILL_WORKER
 from services.planner.traffic import Counters, parse_counters, traffic_of
+from tests.metrics import metrics_url, scrape, total
 from tests.procs import MODEL, Etcd, Mesh, registered, wait_until
 
 # Fast decisions for a test: a plan every 2 s, a pool may change again 4 s after it changed.
@@ -41,9 +41,7 @@ def pools(mesh: Mesh) -> tuple[int, int]:
 
 def planner_metric(mesh: Mesh, name: str, **labels: str) -> float:
     (info,) = registered(mesh.etcd, mesh.namespace, PLANNER)
-    text = httpx.get(f"http://127.0.0.1:{info.metrics_port}/metrics", timeout=10).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and labels.items() <= s.labels.items())
+    return total(scrape(metrics_url(info.metrics_port)), name, **labels)
 
 
 def burst(mesh: Mesh, stop: threading.Event, seconds: float = BURST_S) -> list[int]:

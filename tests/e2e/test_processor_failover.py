@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.metrics import metrics_url, scrape, total
 from tests.procs import Etcd, ServiceMesh, registered, wait_until
 from tests.e2e.test_migration import MAX_TOKENS, SLOW, act_after, stream
 
@@ -36,8 +35,7 @@ def test_a_processor_killed_mid_stream_hands_the_stream_over(two_processors: Ser
 
     def kill_the_serving_processor(_: object) -> None:
         for info in registered(mesh.etcd, mesh.namespace, "processor"):
-            text = httpx.get(f"http://127.0.0.1:{info.metrics_port}/metrics", timeout=5).text
-            if gauge(text, "kvmesh_processor_inflight_requests") > 0:
+            if total(scrape(metrics_url(info.metrics_port), timeout_s=5), "kvmesh_processor_inflight_requests") > 0:
                 by_instance[info.instance_id].kill()
                 return
         raise AssertionError("no processor reports the stream in flight")
@@ -49,6 +47,3 @@ def test_a_processor_killed_mid_stream_hands_the_stream_over(two_processors: Ser
     unbroken = stream(mesh, "hand me over")
     assert "".join(broken.text) == "".join(unbroken.text)
 
-
-def gauge(text: str, name: str) -> float:
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)

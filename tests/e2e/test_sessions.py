@@ -6,17 +6,16 @@ router replicas (they live in etcd), and a migrated request takes its session's 
 from __future__ import annotations
 
 import random
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.mesh.discovery import ROUTER
 from bench.common.mesh_process import Proc
+from tests.metrics import metrics_url, routers_heard_every_worker, scrape, total
 from tests.procs import MODEL, Etcd, ServiceMesh, registered, wait_until
 
 BLOCK = 16
@@ -61,12 +60,15 @@ def other_traffic(mesh: ServiceMesh, seed: int, requests: int = 24) -> None:
 
 def router_metric(mesh: ServiceMesh, name: str, **labels: str) -> dict[str, float]:
     """The metric's value on each registered router."""
-    out = {}
-    for info in registered(mesh.etcd, mesh.namespace, ROUTER):
-        text = httpx.get(f"http://127.0.0.1:{info.metrics_port}/metrics", timeout=10).text
-        out[info.instance_id] = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                                    if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
-    return out
+    return {info.instance_id: total(scrape(metrics_url(info.metrics_port)), name, **labels)
+            for info in registered(mesh.etcd, mesh.namespace, ROUTER)}
+
+
+def settle(mesh: ServiceMesh) -> None:
+    """Waits until every router has heard every worker's next load report and counts no request
+    it sent as pending: the loads it weighs now are the workers' own, with what the last request
+    left (its session's pinned blocks)."""
+    assert wait_until(routers_heard_every_worker(mesh.etcd, mesh.namespace), 10)
 
 
 @dataclass
@@ -101,7 +103,7 @@ def test_a_bound_sessions_next_turn_finds_its_history_on_its_worker_after_other_
     firsts = []
     for agent, history in zip(agents, histories):
         firsts.append(turn(mesh, history, agent))
-        time.sleep(1.2)  # every router hears the worker's next load report (its pinned blocks)
+        settle(mesh)  # every router hears the worker's next load report (its pinned blocks)
     assert [session_route(r) for r in firsts] == ["new", "new"]
     assert len({r.headers["x-kvmesh-worker"] for r in firsts}) == 2
     # In no session: what the traffic does to a prefix nobody keeps. Small enough to fit beside the
@@ -122,7 +124,7 @@ def test_a_sub_agent_is_placed_with_its_parent(sessions: SessionsMesh) -> None:
     mesh = sessions.mesh
     parent = f"parent-{uuid.uuid4().hex[:8]}"
     first = turn(mesh, tokens(10, 128), parent)
-    time.sleep(1.2)  # the router counts the parent's request as pending until the worker's next report
+    settle(mesh)  # the router counts the parent's request as pending until the worker's next report
     child = turn(mesh, tokens(11, 128), f"child-{uuid.uuid4().hex[:8]}", parent=parent)
     assert session_route(child) == "parent"
     assert child.headers["x-kvmesh-worker"] == first.headers["x-kvmesh-worker"]
@@ -140,6 +142,8 @@ def test_a_parent_session_needs_a_session_of_its_own(sessions: SessionsMesh) -> 
 def test_bindings_hold_across_router_replicas(sessions: SessionsMesh) -> None:
     mesh = sessions.mesh
     before = router_metric(mesh, "kvmesh_router_session_routes_total", route="bound")
+    # Bindings of this module's earlier sessions stay live meanwhile (--session-ttl 120).
+    known_before = router_metric(mesh, "kvmesh_router_session_bindings")
     session = f"agent-{uuid.uuid4().hex[:8]}"
     history = tokens(20, 128)
     workers = []
@@ -147,7 +151,9 @@ def test_bindings_hold_across_router_replicas(sessions: SessionsMesh) -> None:
         reply = turn(mesh, history, session)
         workers.append(reply.headers["x-kvmesh-worker"])
         history += tokens(21 + i, 64)
-        time.sleep(0.3)  # the binding's write reaches the other replica through etcd
+        # The binding's write reaches the other replica through etcd: every router knows one more.
+        assert wait_until(lambda: all(n > known_before[r] for r, n in
+                                      router_metric(mesh, "kvmesh_router_session_bindings").items()), 10)
     assert len(set(workers)) == 1, workers
     bound = router_metric(mesh, "kvmesh_router_session_routes_total", route="bound")
     # The processor takes the routers in turn: each replica routed some of the later turns to the

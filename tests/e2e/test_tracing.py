@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.mesh.flags import ConfigError
+from services.config_error import ConfigError
 from services.mesh.tracing import TRACING_OFF, Tracing, TracingSettings, build_tracing, outgoing_metadata, settings_from_env
 from tests.procs import MODEL, Etcd, ServiceMesh, wait_until
 from tests.e2e.test_disagg_mocker import router_serves_prefill_pool

@@ -9,7 +9,9 @@ serves both (the suite's time goes to vLLM starts).
    answered too; the log assertions say the warm-up ran, and ran first.
 2. A structured-output stream whose worker dies mid-output: the grammar cannot be resumed on
    another worker (vLLM starts a request's grammar at the beginning of its output), so the stream
-   ends with an error event, and every character the client got still fits the grammar.
+   ends with an error event, and every character the client got still fits the grammar. The
+   worker dies by SIGKILL, and takes its vLLM engine processes with it (test_no_orphans.py has
+   the prefill worker's case).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import httpx
 import pytest
 
 from tests.e2e.test_migration import act_after, stream
-from tests.procs import MODEL, Etcd, Proc, ServiceMesh, registered, service
+from tests.procs import MODEL, Etcd, Proc, ServiceMesh, alive, engine_processes, registered, service, wait_until
 
 pytestmark = pytest.mark.vllm
 # At least 300 characters before the model may end it: a few hundred tokens, well past the cut.
@@ -73,9 +75,13 @@ def test_a_fresh_vllm_workers_first_request_of_two_tokens_is_answered(fresh: Fre
 
 def test_a_structured_stream_whose_worker_dies_ends_with_an_error_never_invalid_text(fresh: FreshWorker) -> None:
     worker = fresh.worker
+    engines = engine_processes(worker.popen.pid)
+    assert engines, "vLLM runs its engine in child processes"
     broken = stream(fresh.mesh, "ab", act_after(5, lambda s: worker.kill()), max_tokens=3000,
                     structured_outputs={"regex": PATTERN})
     assert broken.error is not None and "grammar cannot be resumed" in broken.error, broken.error
     assert broken.finish is None
     text = "".join(broken.text)
     assert text and re.fullmatch("[ab]+", text), text  # a prefix of what the grammar allows
+    # SIGKILLed, the worker left no engine process running on.
+    assert wait_until(lambda: not any(alive(p) for p in engines), 15), [p for p in engines if alive(p)]

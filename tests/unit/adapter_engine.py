@@ -3,21 +3,18 @@ loads instantly and records what it was asked, and each request generates one to
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.engines.base import Engine, EngineInfo, EngineOutput, EngineRequest, FinishReason, LoadSnapshot, RowTap
 from services.engines.lora import Adapter, AdapterSet, LoraConfig
+from services.tools.make_demo_adapter import write_stand_in_adapter
 
 
 def adapter_dir(root: Path, name: str, rank: int = 8, size: int = 4096) -> str:
-    path = root / name
-    path.mkdir()
-    (path / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": 16}))
-    (path / "adapter_model.safetensors").write_bytes(b"\0" * size)
-    return str(path)
+    """Adapter `name` under `root`, with no weights in it (write_stand_in_adapter): its path."""
+    return str(write_stand_in_adapter(root / name, size, rank))
 
 
 @dataclass

@@ -20,6 +20,7 @@ from services.routing.admission.gate import Admission, AdmissionConfig, Queued, 
 from services.routing.admission.tenant_policy import DEFAULT_TENANT, PolicyFile, TenantPolicies, TenantPolicy
 from services.routing.route_query import Qos, RouteQuery
 from services.routing.worker_pool import WorkerPool
+from tests.unit.clocks import until
 from tests.unit.test_router_route import FakeView
 
 MODEL = "m"
@@ -80,9 +81,11 @@ async def test_waiters_are_woken_in_the_queues_order_as_places_come_back() -> No
 
     tasks = [asyncio.create_task(wait(n, q)) for n, q in waits.items()]  # type: ignore[arg-type]
     await asyncio.sleep(0)
-    for ticket in held:
+    for woken, ticket in enumerate(held, start=1):
         ticket.release()
-        await asyncio.sleep(0.01)
+        await until(lambda: len(order) == woken)  # noqa: B023 - awaited within the iteration
+    for _ in range(10):
+        await asyncio.sleep(0)  # nobody else is woken meanwhile
     assert order == ["high", "a1"]
     gate.own.clear()  # the two now running end at once
     gate.pump()

@@ -12,7 +12,8 @@ from services.frontend.app import FrontendConfig
 from services.routing.cost_function import CostWeights
 from services.routing.config import RouterConfig
 from services.routing.kv_truth import KvEventsMode, KvTruthConfig
-from services.mesh.flags import ConfigError, MeshConfig, ModelRef, forward_flags
+from services.config_error import ConfigError
+from services.mesh.flags import MeshConfig, ModelRef, forward_flags
 from services.processor.service import ProcessorConfig
 from services.tools.make_demo_model import ensure_demo_model
 from services.worker.engine_flags import EngineConfig

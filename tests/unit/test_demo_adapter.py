@@ -1,5 +1,6 @@
 """The demo LoRA adapters: real PEFT files that fit the demo model, the same bytes from the same
-seed, and the launcher's --demo-lora rule that serves them (`make run`)."""
+seed, and the launcher's --demo-lora rule that serves them (`make run`); and the stand-in adapters
+the tests and benchmarks serve on the mocker: the same layout, a sized weights file, no weights."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from services.engines.lora import read_adapter
 from services.tools.make_demo_adapter import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, DEMO_ADAPTERS, TARGET_MODULES,
-                                              AdapterSpec, write_demo_adapter)
+                                              AdapterSpec, write_demo_adapter, write_stand_in_adapter)
 from services.tools.make_demo_model import ensure_demo_model
 
 
@@ -40,6 +41,16 @@ def test_the_same_seed_writes_the_same_bytes_and_another_seed_other_ones(tmp_pat
                            for name, seed in (("x", 5), ("y", 5), ("z", 6)))
     assert (first / ADAPTER_WEIGHTS).read_bytes() == (again / ADAPTER_WEIGHTS).read_bytes()
     assert (first / ADAPTER_WEIGHTS).read_bytes() != (other / ADAPTER_WEIGHTS).read_bytes()
+
+
+def test_a_stand_in_adapter_has_the_demo_ones_config_and_a_weights_file_of_its_size(tmp_path: Path) -> None:
+    out = write_stand_in_adapter(tmp_path / "s", size_bytes=3_000_000, rank=4)
+    config = json.loads((out / ADAPTER_CONFIG).read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8)
+    assert config["target_modules"] == list(TARGET_MODULES)
+    adapter = read_adapter("s", str(out), max_rank=8, int_id=1)
+    assert (adapter.rank, adapter.size_bytes) == (4, 3_000_000)
+    assert write_stand_in_adapter(out, size_bytes=3_000_000, rank=4) == out  # again: kept as it is
 
 
 def test_demo_lora_serves_both_demo_adapters_with_the_demo_model_only() -> None:

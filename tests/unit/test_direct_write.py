@@ -24,7 +24,7 @@ Run = Callable[[Coroutine[Any, Any, None]], None]
 
 
 @contextlib.asynccontextmanager
-async def serving(handle: App) -> AsyncIterator[int]:
+async def serving(handle: App, protocol: type[DirectWriteProtocol] = DirectWriteProtocol) -> AsyncIterator[int]:
     async def app(scope, receive, send) -> None:  # noqa: ANN001 - an ASGI app
         writer = body_writer(scope)
         assert writer is not None
@@ -33,16 +33,17 @@ async def serving(handle: App) -> AsyncIterator[int]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
-    server = uvicorn.Server(uvicorn.Config(app, http=DirectWriteProtocol, lifespan="off", log_config=None,
-                                           log_level="warning"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
+    config = uvicorn.Config(app, http=protocol, lifespan="off", log_config=None, log_level="warning")
+    config.load()
+    # Server.serve's own start-up and shutdown, without its main loop between them (which looks
+    # for a stop request every 0.1 s): the server is up once `startup` returns.
+    server = uvicorn.Server(config)
+    server.lifespan = config.lifespan_class(config)
+    await server.startup(sockets=[sock])
     try:
-        while not server.started:
-            await asyncio.sleep(0.01)
         yield sock.getsockname()[1]
     finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
+        await asyncio.wait_for(server.shutdown(sockets=[sock]), 10)
 
 
 START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]}
@@ -116,28 +117,26 @@ def test_a_client_that_left_is_declined(run: Run) -> None:
 
 async def a_client_that_left() -> None:
     after_leaving: list[bool] = []
-    left = asyncio.Event()
+    lost = asyncio.Event()
+    answered = asyncio.Event()
+
+    class Watched(DirectWriteProtocol):
+        def connection_lost(self, exc: Exception | None) -> None:
+            super().connection_lost(exc)
+            lost.set()
 
     async def handle(writer: BodyWriter, send: Callable[[dict], Awaitable[None]]) -> None:
         await send(START)
         assert writer.write(b"hello")
-        await left.wait()
-        for _ in range(100):  # until the server has seen the connection close
-            if not writer.write(b"more"):
-                after_leaving.append(False)
-                return
-            await asyncio.sleep(0.02)
-        after_leaving.append(True)
+        await lost.wait()  # the server has seen the client leave
+        after_leaving.append(writer.write(b"more"))
+        answered.set()
 
-    async with serving(handle) as port:
+    async with serving(handle, Watched) as port:
         reader, conn = await asyncio.open_connection("127.0.0.1", port)
         conn.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
         head = await asyncio.wait_for(reader.readuntil(b"5\r\nhello\r\n"), 10)
         conn.close()
-        left.set()
-        for _ in range(200):
-            if after_leaving:
-                break
-            await asyncio.sleep(0.02)
+        await asyncio.wait_for(answered.wait(), 10)
     assert b"transfer-encoding: chunked" in head
     assert after_leaving == [False]

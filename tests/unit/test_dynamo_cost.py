@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from gen.kvmesh.v1 import worker_pb2
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
 from services.routing import dynamo_cost
 from services.routing.config import RouterConfig
 from services.routing.cost_function import COST_MODELS, Candidate, CostModel, CostWeights, ranked
@@ -97,13 +97,13 @@ def worker(wid: str, **load: int) -> WorkerState:
 
 
 def test_the_kv_picker_scores_with_the_configured_model() -> None:
-    # "cached" holds 6 of 8 blocks but runs 40; the seed weighs usage (0.04) lightly and takes it,
+    # "cached" holds 6 of 8 blocks but runs 40; the cached-share rule weighs usage (0.04) lightly and takes it,
     # Dynamo counts its 40 active blocks and takes the idle one.
     workers = [worker("cached", kv_active_blocks=40, request_active_slots=4), worker("idle")]
     context = PickContext({"cached": 6}, BS, TOKENS, lambda _: 0)
-    seed = make_picker("kv", random.Random(0), CostWeights())
+    cached_share = make_picker("kv", random.Random(0), CostWeights())
     dynamo = make_picker("kv", random.Random(0), CostWeights(model=CostModel.DYNAMO))
-    assert seed.pick(workers, context).info.instance_id == "cached"
+    assert cached_share.pick(workers, context).info.instance_id == "cached"
     assert dynamo.pick(workers, context).info.instance_id == "idle"
     assert [t.logit for t in dynamo.terms(workers, context)] == [-(2 + 40 + 2), -(8 + 8)]
 
@@ -139,8 +139,8 @@ def test_a_bad_cost_model_setting_names_its_flag(build: Any, flag: str) -> None:
         build()
 
 
-def test_the_seed_model_is_the_default() -> None:
-    assert RouterConfig().cost_model is CostModel.SEED and dynamo_cost.DynamoCostConfig() == DEFAULT
+def test_the_cached_share_model_is_the_default() -> None:
+    assert RouterConfig().cost_model is CostModel.CACHED_SHARE and dynamo_cost.DynamoCostConfig() == DEFAULT
 
 
 def test_the_cost_model_flag_offers_each_model_by_its_name() -> None:
@@ -148,9 +148,9 @@ def test_the_cost_model_flag_offers_each_model_by_its_name() -> None:
 
     from services.routing.flags import add_router_flags, router_config
 
-    assert COST_MODELS == ("seed", "dynamo")
+    assert COST_MODELS == ("cached-share", "dynamo")
     parser = argparse.ArgumentParser()
     add_router_flags(parser)
     for name in COST_MODELS:
         assert router_config(parser.parse_args(["--cost-model", name])).cost_model is CostModel(name)
-    assert router_config(parser.parse_args([])).cost_model is CostModel.SEED
+    assert router_config(parser.parse_args([])).cost_model is CostModel.CACHED_SHARE

@@ -8,21 +8,17 @@ import random
 
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client import generate_latest
 
 from services.mesh.fast_histogram import FastHistogram
+from tests.metrics import parse
 
 BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.1, 1.0)
 
 
 def exposed(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    out = {}
-    for family in text_string_to_metric_families(generate_latest(registry).decode()):
-        for sample in family.samples:
-            if not sample.name.endswith("_created"):
-                out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return out
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in parse(generate_latest(registry).decode())
+            if not s.name.endswith("_created")}
 
 
 @pytest.mark.parametrize("labelnames", [(), ("hop",)])

@@ -61,7 +61,7 @@ def test_side_port_health_follows_the_serving_state() -> None:
 
 @pytest.mark.parametrize("missing", ["--tls-key", "--tls-ca"])
 def test_half_a_tls_setting_is_refused(tmp_path, missing: str) -> None:  # noqa: ANN001
-    from services.mesh.config_error import ConfigError
+    from services.config_error import ConfigError
     from services.mesh.tls import tls_config
 
     files = Authority(tmp_path).issue("svc")
@@ -102,7 +102,7 @@ def test_one_mesh_certificate_for_every_peer_with_a_server_name(tmp_path) -> Non
 
 
 def test_a_certificate_with_another_certificates_key_is_refused(tmp_path) -> None:  # noqa: ANN001
-    from services.mesh.config_error import ConfigError
+    from services.config_error import ConfigError
     from services.mesh.tls import tls_config
 
     ca = Authority(tmp_path)

@@ -44,9 +44,12 @@ def test_a_reply_made_while_an_upstream_frame_is_read_counts_from_that_frame() -
 
 class Stepper(processor_pb2_grpc.ProcessorServicer):
     """Makes each reply through `CallInfo.reply` while pretending to read an upstream frame
-    written `STEP_S` earlier, as a processor's row sink does."""
+    written `STEP_S` earlier, as a processor's row sink does; the next only once the caller (on
+    the same loop) has read it, so each leaves in a frame of its own."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.read = 0
+        self.read_more = asyncio.Event()
         self.upstream = FrameClock()
         self.sessions = SessionHub(PROCESSOR_SESSION, self.handle,
                                    latency=HopLatency(hop_latency_histogram(registry), "processor", self.upstream))
@@ -62,14 +65,18 @@ class Stepper(processor_pb2_grpc.ProcessorServicer):
             self.upstream.reading_ns = time.time_ns() - int(STEP_S * 1e9)
             call.reply((0, f"row {k}", [k]))
             self.upstream.reading_ns = 0
-            await asyncio.sleep(0.01)
+            while self.read < k + 2:  # the first reply and this row
+                self.read_more.clear()
+                await self.read_more.wait()
         yield processor_pb2.GenerateResponse(
             delta=processor_pb2.ChoiceDelta(text=".", finish_reason=common_pb2.FINISH_REASON_STOP))
 
 
 async def test_frames_carry_their_write_time_and_the_serving_end_records_what_it_added() -> None:
     registry = CollectorRegistry()
-    async with serving(processor_pb2_grpc.add_ProcessorServicer_to_server, Stepper(registry)) as address:
+    stepper = Stepper(registry)
+    started = time.time_ns()
+    async with serving(processor_pb2_grpc.add_ProcessorServicer_to_server, stepper) as address:
         channels = ChannelPool()
         sessions = SessionPool(channels)
         try:
@@ -77,13 +84,17 @@ async def test_frames_carry_their_write_time_and_the_serving_end_records_what_it
             frame_times = []
             async for _ in stream:
                 frame_times.append(stream.frame_ns)
+                stepper.read += 1
+                stepper.read_more.set()
         finally:
             await sessions.close()
             await channels.close()
-    now = time.time_ns()
-    assert len(frame_times) == 5 and all(now - 10**10 < t <= now for t in frame_times), frame_times
+    ended = time.time_ns()
+    # Written while the call ran, in order.
+    assert len(frame_times) == 5 and started <= frame_times[0] and frame_times[-1] <= ended, frame_times
+    assert frame_times == sorted(frame_times)
     count, total = samples(registry, "processor")
     # Every frame records its oldest reply's origin: the three rows' frames count from STEP_S
-    # before them, the first and last replies' from their own making.
+    # before them, the first and last replies' from their own making; none from before the call.
     assert count >= 3
-    assert STEP_S * 3 <= total < 5.0
+    assert STEP_S * 3 <= total <= STEP_S * 3 + count * (ended - started) / 1e9

@@ -24,7 +24,7 @@ from services.routing.kv_truth import KvTruthConfig
 from services.routing.predicted_cache import PredictedCache
 from services.routing.router_metrics import KvTruthMetrics
 from services.routing.worker_pool import WorkerPool
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
 from tests.unit.in_process_grpc import serving
 from tests.unit.test_router_route import FakeView
 

@@ -12,9 +12,9 @@ from tests.procs import ROOT
 
 SERVICE_PACKAGES = ("frontend", "processor", "kv_router", "decode_worker", "prefill_worker", "launch", "planner")
 # The KV protocol (block hashing, tiers, KV events) and the worker profiles (the mocker's timing)
-# are what engines share with the rest; the settings' one exception (a leaf module) lets engine
-# configs validate themselves as every config does.
-ENGINE_MAY_USE = ("services.kv_protocol", "services.profiles", "services.mesh.config_error")
+# are what engines share with the rest; the settings' one exception (a leaf module, not the mesh's)
+# lets engine configs validate themselves as every config does.
+ENGINE_MAY_USE = ("services.kv_protocol", "services.profiles", "services.config_error")
 
 
 def imports_of(path: Path) -> set[str]:
@@ -109,8 +109,18 @@ def test_the_circle_check_finds_a_circle() -> None:
     assert len(import_graph("services")) > 100
 
 
-def test_engines_import_nothing_of_the_mesh_but_the_kv_protocol() -> None:
+def test_engines_import_nothing_but_the_kv_protocol_the_profiles_and_the_settings_exception() -> None:
     assert offending("services/engines", ("services.",), ("services.engines", *ENGINE_MAY_USE)) == []
+
+
+def test_engines_import_nothing_of_the_mesh() -> None:
+    # Engines stand alone: not even the mesh's config_error (its exit codes and `die`).
+    assert not any(name.startswith("services.mesh") for name in ENGINE_MAY_USE)
+    assert offending("services/engines", ("services.mesh",)) == []
+
+
+def test_the_settings_exception_is_a_leaf() -> None:
+    assert imports_of(ROOT / "services/config_error.py") <= {"__future__"}
 
 
 def test_the_kv_protocol_is_a_leaf() -> None:

@@ -10,7 +10,6 @@ size) in a temporary directory.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,16 +27,9 @@ from services.engines.lora import (
     LoraConfig,
     LoraModule,
 )
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
 from services.profiles.cost_model import ADAPTER_LOAD_BASE_S, ADAPTER_LOAD_S_PER_GB
-
-
-def make_adapter(root: Path, name: str, size: int = 1000, rank: int = 8) -> str:
-    path = root / name
-    path.mkdir()
-    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank}))
-    (path / "adapter_model.safetensors").write_bytes(b"\0" * size)
-    return str(path)
+from tests.unit.adapter_engine import adapter_dir
 
 
 class Recorder:
@@ -69,7 +61,7 @@ def adapter_set(tmp_path: Path, names: str = "abc", max_loras: int = 2,
     loader = loader or Recorder()
     adapters = AdapterSet(LoraConfig(enabled=True, max_loras=max_loras), loader, clock=loader.clock)
     for name in names:
-        adapters.register(name, make_adapter(tmp_path, name))
+        adapters.register(name, adapter_dir(tmp_path, name))
     return adapters, loader
 
 
@@ -85,7 +77,7 @@ async def settle() -> None:
 
 def test_register_reads_the_rank_and_the_size_of_the_weights(tmp_path: Path) -> None:
     adapters, _ = adapter_set(tmp_path, "")
-    adapter = adapters.register("sql", make_adapter(tmp_path, "sql", size=12345, rank=4))
+    adapter = adapters.register("sql", adapter_dir(tmp_path, "sql", size=12345, rank=4))
     assert (adapter.rank, adapter.size_bytes, adapter.int_id) == (4, 12345, 1)
     assert adapters.register("sql", adapter.path) is adapter  # the same path again: nothing changes
     (state,) = adapters.states()
@@ -95,7 +87,7 @@ def test_register_reads_the_rank_and_the_size_of_the_weights(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("setup, kind, message", [
     (lambda root: (root / "empty").mkdir() or str(root / "empty"), AdapterErrorKind.INVALID, "no adapter_config.json"),
-    (lambda root: make_adapter(root, "big", rank=32), AdapterErrorKind.INVALID, "above this worker's --max-lora-rank 16"),
+    (lambda root: adapter_dir(root, "big", rank=32), AdapterErrorKind.INVALID, "above this worker's --max-lora-rank 16"),
     (lambda root: (root / "w").mkdir() or (root / "w" / "adapter_config.json").write_text('{"r": 8}') and str(root / "w"),
      AdapterErrorKind.INVALID, "no weights"),
     (lambda root: (root / "x").mkdir() or (root / "x" / "adapter_config.json").write_text('{"r": 0}') and str(root / "x"),
@@ -113,13 +105,13 @@ def test_a_directory_that_is_no_usable_adapter_is_refused_saying_why(
 def test_a_name_taken_by_another_path_an_unknown_name_and_lora_off_are_named_errors(tmp_path: Path) -> None:
     adapters, _ = adapter_set(tmp_path, "a")
     with pytest.raises(AdapterError, match="already loaded from") as caught:
-        adapters.register("a", make_adapter(tmp_path, "other"))
+        adapters.register("a", adapter_dir(tmp_path, "other"))
     assert caught.value.kind is AdapterErrorKind.CONFLICT
     with pytest.raises(AdapterError, match="'nope' is not known") as caught:
         adapters.get("nope")
     assert caught.value.kind is AdapterErrorKind.UNKNOWN
     off = AdapterSet(LORA_OFF, Recorder())
-    for attempt in (lambda: off.register("a", make_adapter(tmp_path, "a2")), lambda: off.get("a")):
+    for attempt in (lambda: off.register("a", adapter_dir(tmp_path, "a2")), lambda: off.get("a")):
         with pytest.raises(AdapterError, match="--enable-lora") as caught:
             attempt()
         assert caught.value.kind is AdapterErrorKind.DISABLED
@@ -222,7 +214,7 @@ async def test_a_name_registered_again_from_another_path_is_loaded_as_another_ad
     holder = asyncio.create_task(hold_old())
     await settle()
     await adapters.unregister("a")
-    new = adapters.register("a", make_adapter(tmp_path, "a-v2"))
+    new = adapters.register("a", adapter_dir(tmp_path, "a-v2"))
     assert not adapters.is_resident("a")  # the resident one is the old adapter's weights
     await run_with(adapters, "a")
     assert loader.log == [("load", "a", 1), ("load", "a", new.int_id)]
@@ -280,9 +272,9 @@ async def test_the_expected_load_time_fits_the_fixed_part_and_the_rate_of_the_me
     fixed_s, s_per_byte = 0.15, 1e-6  # an engine round trip of 150 ms and a slow disk: 1 MB/s
     loader = Recorder(advance=lambda a: fixed_s + a.size_bytes * s_per_byte)
     adapters, _ = adapter_set(tmp_path, "", max_loras=2, loader=loader)
-    small = adapters.register("small", make_adapter(tmp_path, "small", size=10_000))
-    large = adapters.register("large", make_adapter(tmp_path, "large", size=40_000))
-    huge = adapters.register("huge", make_adapter(tmp_path, "huge", size=4_000_000))
+    small = adapters.register("small", adapter_dir(tmp_path, "small", size=10_000))
+    large = adapters.register("large", adapter_dir(tmp_path, "large", size=40_000))
+    huge = adapters.register("huge", adapter_dir(tmp_path, "huge", size=4_000_000))
     assert adapters.expected_load_s(large) == pytest.approx(DEFAULT_LOAD_FIXED_S + 40_000 / DEFAULT_LOAD_BYTES_PER_S)
     await run_with(adapters, "small")
     assert adapters.stats["small"].load_seconds == pytest.approx(fixed_s + 0.01)
@@ -301,7 +293,7 @@ async def test_a_request_waits_for_a_busy_slot_no_longer_than_its_bound(tmp_path
     loader = Recorder()
     adapters = AdapterSet(LoraConfig(enabled=True, max_loras=1), loader, slot_wait_s=0.2)
     for name in "ab":
-        adapters.register(name, make_adapter(tmp_path, name))
+        adapters.register(name, adapter_dir(tmp_path, name))
     leave = asyncio.Event()
 
     async def hold_a() -> None:

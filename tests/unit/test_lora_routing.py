@@ -18,7 +18,7 @@ from gen.kvmesh.v1 import common_pb2, router_pb2, worker_pb2
 from services.contract.worker_roles import RoleName
 from services.frontend.route_header import route_header
 from services.kv_protocol.hashing import adapter_seed, chained_block_hashes, local_block_hashes
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
 from services.mesh.discovery import InstanceInfo
 from services.processor.local_router import LocalRouter
 from services.routing import router_metrics
@@ -137,7 +137,7 @@ async def test_an_unknown_adapter_is_no_worker_on_the_wire_and_in_local_routing(
     assert choice.worker_id == "wa" and choice.explanation is not None and choice.explanation.lora_name == "a"
 
 
-# -- the seed rule's term ---------------------------------------------------------------------
+# -- the cached-share rule's term -------------------------------------------------------------
 
 
 def cand(wid: str, waiting: int = 0, load_s: float = 0.0, prefill_s: float | None = 0.1, **kw: object) -> Candidate:
@@ -209,9 +209,10 @@ def test_the_kv_picker_gives_both_rules_the_adapter_and_the_workers_prefill_cost
     context = PickContext({}, 16, TOKENS, lambda _: 0, adapters=adapters)
     dynamo = make_picker("kv", random.Random(0), CostWeights(model=CostModel.DYNAMO))
     assert [t.logit for t in dynamo.terms(workers, context)] == pytest.approx([-(8 + 2 + 8), -16])
-    seed = make_picker("kv", random.Random(0), CostWeights())
-    assert [t.logit for t in seed.terms(workers, context)] == pytest.approx([-2 * 0.25, 0.0])  # 32 ms / 128 ms
-    assert seed.pick(workers, context).info.instance_id == dynamo.pick(workers, context).info.instance_id == "warm"
+    cached_share = make_picker("kv", random.Random(0), CostWeights())
+    assert [t.logit for t in cached_share.terms(workers, context)] == pytest.approx([-2 * 0.25, 0.0])  # 32 ms / 128 ms
+    assert (cached_share.pick(workers, context).info.instance_id == dynamo.pick(workers, context).info.instance_id
+            == "warm")
 
 
 def test_a_bad_lora_weight_names_its_flag() -> None:

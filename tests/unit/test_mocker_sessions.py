@@ -19,11 +19,12 @@ from services.engines.mocker.timing import TimingModel
 from services.kv_protocol.events import KvEventData, KvRemoved, KvStored
 from services.kv_protocol.hashing import SequenceHash, chained_block_hashes, local_block_hashes
 from services.kv_protocol.tier import Tier
-from services.mesh.flags import ConfigError, ModelRef
+from services.config_error import ConfigError
+from services.mesh.flags import ModelRef
 from services.tools.make_demo_model import ensure_demo_model
 from services.worker.engine_factory import build_engine
 from services.worker.engine_flags import EngineConfig
-from tests.procs import eventually
+from tests.unit.clocks import until, virtual_time
 from tests.unit.budget import examples
 
 BS = 4
@@ -320,18 +321,23 @@ async def test_pins_give_way_to_a_request_that_needs_the_whole_device() -> None:
         await e.stop()
 
 
+@virtual_time
 async def test_an_idle_engine_lets_a_pin_go_when_its_retention_ends() -> None:
     e = engine(32)
     await e.start()
     try:
         await turn(e, "a", list(range(100, 164)), "a", retain_s=0.05)
         assert e.blocks.pinned_blocks == 4
-        assert await eventually(lambda: e.blocks.pinned_blocks == 0 and len(e.sessions) == 0, 5)
+        loop = asyncio.get_running_loop()
+        kept_until = loop.time() + 0.05
+        await until(lambda: e.blocks.pinned_blocks == 0 and len(e.sessions) == 0)
+        assert loop.time() == pytest.approx(kept_until, abs=0.002)  # let go when its retention ended
         assert e.sessions.next_expiry() is None
     finally:
         await e.stop()
 
 
+@virtual_time
 async def test_a_prefetch_not_done_by_admission_holds_the_step_for_the_rest_of_its_transfer() -> None:
     # 4 blocks of 16 tokens at 1 MiB a token over a 0.5 GB/s link: 0.134 s on the link.
     e = MockerEngine(MockerConfig(str(ensure_demo_model()), "demo", num_gpu_blocks=32, host_kv_blocks=16,

@@ -13,6 +13,7 @@ from services.engines.base import EngineOutput, FinishReason, TokenLogprobs
 from services.engines.base import RowTap
 from services.engines.output_channel import OutputChannel
 from services.worker.pacing import paced
+from tests.unit.clocks import advance, virtual_time
 
 
 async def reader(channel: OutputChannel, seen: list[tuple[str, list[int]]]) -> None:
@@ -79,10 +80,13 @@ def test_more_outputs_than_the_bound_is_a_bug_that_raises() -> None:
         channel.put(EngineOutput([3]))
 
 
+@virtual_time
 async def test_pacing_that_starts_merging_closes_the_tap_so_nothing_overtakes_its_buffer() -> None:
     """Two outputs already waiting when the tap opens: pacing merges the second (it came early)
-    and holds it; a third output after the interval must not overtake it through the tap."""
-    tap = RowTap()
+    and holds it; a third output after the interval must not overtake it through the tap.
+    In virtual time: the tap and the pacing measure on the loop's clock."""
+    clock = asyncio.get_running_loop().time
+    tap = RowTap(clock)
     channel = OutputChannel(16, tap)
 
     async def engine() -> AsyncGenerator[EngineOutput, None]:
@@ -95,11 +99,12 @@ async def test_pacing_that_starts_merging_closes_the_tap_so_nothing_overtakes_it
     tapped: list[list[int]] = []
     channel.put(EngineOutput([1]))
     channel.put(EngineOutput([2]))
-    outputs = paced(engine(), 0.05, tap.close)
+    outputs = paced(engine(), 0.05, tap.close, clock)
     got = [(await anext(outputs)).token_ids]
     tap.open(tapped.append, 0.05)
     reading = asyncio.ensure_future(anext(outputs))  # reads [2] at once: early, so pacing merges
-    await asyncio.sleep(0.08)
+    await advance(0.08)
+    assert reading.done()  # [2] went out once the interval had passed
     channel.put(EngineOutput([3]))  # past the interval since the tap opened
     channel.put(EngineOutput([4], FinishReason.STOP))
     got.append((await reading).token_ids)

@@ -15,7 +15,7 @@ import pytest
 from kubernetes import client
 from kubernetes_validate.utils import latest_version
 
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
 from services.planner.connectors.base import ConnectorError
 from services.planner.connectors.kubernetes import KubernetesConnector, KubernetesTarget, scale_patch
 from services.planner.pools import PoolSizes

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
 from services.planner.flags import profile_cost
 from services.planner.model import Calibration, Scales, Traffic, predict
 from services.planner.policy import Limits, Policy, Slo

@@ -3,15 +3,18 @@ them: in-process logic; the etcd mirror and the whole path are in tests/e2e/test
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 
 from gen.kvmesh.v1 import common_pb2
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
+from services.mesh.etcd_store import KeyValueStore, WatchEvent
 from services.routing import cost_function, dynamo_cost
 from services.routing.cost_function import Candidate, CostWeights
 from services.routing.dynamo_cost import DynamoCostConfig
 from services.routing.session_bindings import Affinity, Binding, SessionBindings, SessionConfig, SessionKey
-from services.routing.session_store import decode, encode
+from services.routing.session_store import SessionStore, decode, encode, sessions_prefix
 
 
 class Clock:
@@ -90,9 +93,26 @@ def test_another_replicas_binding_is_learned_unless_older_or_past() -> None:
     assert b.bound("s") == "w3"
     b.learn("t", Binding("w1", clock.now - 1))
     assert b.bound("t") is None
-    b.forget("s", expires_at=clock.now + 5)  # renewed since: not forgotten
+    b.forget("s", within_s=5)  # renewed since (it runs out in 40 s): not forgotten
+    assert b.bound("s") == "w3"
+    clock.now += 36
+    b.forget("s", within_s=5)  # it ran out, or nearly: forgotten
+    assert b.bound("s") is None
+    b.learn("s", Binding("w3", clock.now + 40))
     assert b.bound("s") == "w3"
     b.forget("s")
+    assert b.bound("s") is None
+
+
+async def test_a_deleted_key_forgets_a_binding_only_if_it_ran_out_by_the_bindings_clock() -> None:
+    b, clock = bindings()
+    store = SessionStore(cast(KeyValueStore, None), "ns", b)  # what etcd says is handed in; nothing written
+    deleted = WatchEvent(sessions_prefix("ns") + "s", b"", deleted=True)
+    b.learn("s", Binding("w1", clock.now + 60))
+    store._watched(deleted)  # a binding renewed after the key's last write: kept
+    assert b.bound("s") == "w1"
+    clock.now += 60 - store.refresh_s
+    store._watched(deleted)
     assert b.bound("s") is None
 
 

@@ -33,9 +33,21 @@ class Scripted(router_pb2_grpc.RouterServicer):
     # Released to let "gated" calls finish.
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     metadata: dict[str, dict[str, str]] = field(default_factory=dict)
+    # Per call, the replies its caller has read, where the test reports them (`read_reporting`).
+    read: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+    progress: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     def __post_init__(self) -> None:
         self.sessions = SessionHub(ROUTER_SESSION, self.handle)
+
+    async def read_reporting(self, rid: str, stream) -> list[str]:  # noqa: ANN001 - a session call
+        got = []
+        async for reply in stream:
+            got.append(reply.worker_id)
+            async with self.progress:
+                self.read[rid] += 1
+                self.progress.notify_all()
+        return got
 
     async def Session(self, frames: AsyncIterator[router_pb2.RouterSessionDown],  # noqa: N802
                       context: grpc.aio.ServicerContext) -> None:
@@ -56,8 +68,15 @@ class Scripted(router_pb2_grpc.RouterServicer):
                 yield router_pb2.RouteResponse(worker_id=f"{rid}:{i}")
                 if behaviour == "lockstep":
                     await asyncio.sleep(0)
-                elif behaviour == "paced":
-                    await asyncio.sleep(0.002)
+                elif behaviour == "outlives-unread":
+                    if i == count // 2:
+                        # Halfway, until the call "unread" has ended here: the rest of this
+                        # call's replies leave behind all of that one's.
+                        await self.stopped.setdefault("unread", asyncio.Event()).wait()
+                    if (i + 1) % 50 == 0:
+                        # A reading caller, never more than 50 replies behind.
+                        async with self.progress:
+                            await self.progress.wait_for(lambda: self.read[rid] > i)  # noqa: B023
             if behaviour == "bad":
                 raise bad_request("scripted bad request", "prompt")
             if behaviour == "busy":
@@ -186,8 +205,9 @@ async def test_a_broken_session_fails_every_open_call_retryably_and_the_next_cal
 async def test_a_consumer_that_reads_nothing_fails_its_own_call_only() -> None:
     async with bed(SessionLimits(max_buffered_per_call=100)) as b:
         unread = b.open("unread", "ok", 500)
-        read = b.open("read", "paced", 300)
-        assert len(await replies(read)) == 300, "a slow consumer never stalls the other calls of its session"
+        read = b.open("read", "outlives-unread", 300)
+        got = await asyncio.wait_for(b.servicer.read_reporting("read", read), 30)
+        assert len(got) == 300, "a slow consumer never stalls the other calls of its session"
         with pytest.raises(CallError) as overflow:
             await replies(unread)
     assert overflow.value.outcome == common_pb2.OUTCOME_READ_TOO_SLOWLY

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gen.kvmesh.v1 import common_pb2
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
 from services.routing.admission.tenant_policy import PolicyFile, TenantPolicies, TenantPolicy
 from services.routing.admission.tenant_usage import WINDOW_S, TenantUsage
 

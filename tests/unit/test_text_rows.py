@@ -192,15 +192,21 @@ async def test_a_sink_that_raises_fails_its_own_call_only_with_what_it_raised() 
 
 
 class ManyRows(RowMaker):
-    """A first delta, then 300 rows made at once (one frame), then a last delta."""
+    """A first delta, then 300 rows made at once (one frame), then a last delta. The caller (on
+    the same loop) says when it has read the first delta and when it has taken the last row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_read = asyncio.Event()
+        self.rows_taken = asyncio.Event()
 
     async def handle(self, request: processor_pb2.GenerateRequest, call: CallInfo) -> AsyncIterator[Any]:
         yield first(0)
-        await asyncio.sleep(0.05)  # the first delta leaves in a frame of its own
+        await self.first_read.wait()  # the first delta left in a frame of its own
         assert call.reply is not None
         for k in range(300):
             call.reply((0, f"r{k}", [k]))  # type: ignore[misc]
-        await asyncio.sleep(0.05)
+        await self.rows_taken.wait()  # the rows left in their own frame, before the last delta
         yield last(0)
 
 
@@ -215,7 +221,8 @@ async def test_a_gateway_hands_a_long_frame_of_text_rows_out_in_slices_in_order(
             await asyncio.sleep(0)
 
     seen: list[tuple[str, int]] = []
-    async with serving(processor_pb2_grpc.add_ProcessorServicer_to_server, ManyRows()) as address:
+    maker = ManyRows()
+    async with serving(processor_pb2_grpc.add_ProcessorServicer_to_server, maker) as address:
         channels = ChannelPool()
         sessions = SessionPool(channels)
         ticker = asyncio.create_task(tick())
@@ -224,11 +231,14 @@ async def test_a_gateway_hands_a_long_frame_of_text_rows_out_in_slices_in_order(
 
             def sink(row: TextRow) -> bool:
                 seen.append((row[1], ticks))
+                if len(seen) == 300:
+                    maker.rows_taken.set()
                 return True
 
             assert as_text(await anext(call))[1] == "<0>"
             call.sink = sink
-            rest = await read_all(call)
+            maker.first_read.set()
+            rest = await asyncio.wait_for(read_all(call), 30)
         finally:
             ticker.cancel()
             await sessions.close()

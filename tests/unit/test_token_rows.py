@@ -15,7 +15,7 @@ from services.mesh.channels import ChannelPool
 from services.mesh.session_client import SessionPool
 from services.mesh.session_kind import OK, WORKER_SESSION, CallInfo, TokenRow
 from services.mesh.session_server import SessionHub
-from tests.unit.in_process_grpc import read_all, serving
+from tests.unit.in_process_grpc import serving
 
 Reply = worker_pb2.WorkerGenerateResponse | TokenRow
 
@@ -36,23 +36,36 @@ def script(call: int) -> list[Reply]:
 
 
 class Scripted(worker_pb2_grpc.WorkerServicer):
-    def __init__(self) -> None:
+    def __init__(self, handshake: bool = False) -> None:
+        """`handshake`: after a message, wait until the caller (on this loop) has read it."""
         self.sessions = SessionHub(WORKER_SESSION, self.handle)
+        self.handshake = handshake
+        self.read: dict[int, int] = {}  # per call, the replies its caller has read
+        self.progress = asyncio.Condition()
+
+    async def caller_read(self, call: int) -> None:
+        async with self.progress:
+            self.read[call] = self.read.get(call, 0) + 1
+            self.progress.notify_all()
 
     async def Session(self, frames: AsyncIterator[worker_pb2.WorkerSessionDown],  # noqa: N802
                       context: grpc.aio.ServicerContext) -> None:
         await self.sessions.serve(frames, context)
 
     async def handle(self, request: worker_pb2.WorkerGenerateRequest, call: CallInfo) -> AsyncIterator[Reply]:
-        for reply in script(int(request.request_id)):
+        rid = int(request.request_id)
+        for sent, reply in enumerate(script(rid), start=1):
             yield reply
-            # Lockstep, so the calls' replies interleave in shared frames; after a message, long
-            # enough for it to leave first, so the rows after it can travel as rows.
-            await asyncio.sleep(0 if isinstance(reply, list) else 0.01)
+            # Lockstep, so the calls' replies interleave in shared frames; after a message, until
+            # its caller has read it (it left first), so the rows after it can travel as rows.
+            await asyncio.sleep(0)
+            if self.handshake and not isinstance(reply, list):
+                async with self.progress:
+                    await self.progress.wait_for(lambda: self.read.get(rid, 0) >= sent)  # noqa: B023
 
 
-def worker() -> AbstractAsyncContextManager[str]:
-    return serving(worker_pb2_grpc.add_WorkerServicer_to_server, Scripted())
+def worker(scripted: Scripted | None = None) -> AbstractAsyncContextManager[str]:
+    return serving(worker_pb2_grpc.add_WorkerServicer_to_server, scripted or Scripted())
 
 
 
@@ -61,13 +74,22 @@ def as_tokens(reply: Reply) -> tuple[str, list[int]]:
 
 
 async def test_a_caller_that_reads_rows_gets_plain_replies_as_rows_in_order() -> None:
-    async with worker() as address:
+    scripted = Scripted(handshake=True)
+
+    async def read_all(i: int, call: AsyncIterator[Reply]) -> list[Reply]:
+        got = []
+        async for reply in call:
+            got.append(reply)
+            await scripted.caller_read(i)
+        return got
+
+    async with worker(scripted) as address:
         channels = ChannelPool()
         sessions = SessionPool(channels)
         try:
             session = sessions.get(WORKER_SESSION, address)
             calls = [session.open(worker_pb2.WorkerGenerateRequest(request_id=str(i)), 10) for i in range(40)]
-            got = await asyncio.gather(*(read_all(c) for c in calls))
+            got = await asyncio.wait_for(asyncio.gather(*(read_all(i, c) for i, c in enumerate(calls))), 30)
             frames = session.frames_received
         finally:
             await sessions.close()
@@ -82,7 +104,7 @@ async def test_a_caller_that_reads_rows_gets_plain_replies_as_rows_in_order() ->
             assert not isinstance(sent_reply, worker_pb2.WorkerGenerateResponse) or not isinstance(got_reply, list)
             rows += isinstance(got_reply, list)
         assert replies[3].logprobs[0].token_id == 1000 * i + 4 and replies[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
-    assert rows >= 40, f"plain replies travel as rows ({rows} of {40 * 4})"
+    assert rows == 40 * 4, f"plain replies travel as rows ({rows} of {40 * 4})"
     assert frames < 40 * 7 / 2, "the calls' replies share frames"
 
 

@@ -12,7 +12,7 @@ import pytest
 from services.engines.lora import AdapterError, AdapterErrorKind, AdapterSet, LoraConfig, LoraModule
 from services.kv_protocol.events import KvStored
 from services.kv_protocol.hashing import KV_HASH_SEED, adapter_seed, local_block_hashes
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
 from services.tools.make_demo_adapter import AdapterSpec, write_demo_adapter
 from services.tools.make_demo_model import ensure_demo_model
 

@@ -14,14 +14,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gen.kvmesh.v1 import common_pb2, worker_pb2
-from services.engines.lora import AdapterError, AdapterErrorKind, LoraConfig, LoraModule
+from services.engines.lora import Adapter, AdapterError, AdapterErrorKind, AdapterSet, LoraConfig, LoraModule
 from services.kv_protocol.events import KvStored
 from services.mesh.session_kind import CallError
 from services.worker.kv_event_log import KvEventLog, NumberedEvent
-from services.worker.lora_adapters import ADAPTER_STATUS, check_startup_adapters, register_startup_adapters
+from services.worker.lora_adapters import ADAPTER_STATUS, check_startup_adapters
 from services.worker.lora_collector import WorkerLoraCollector
 from services.worker.servicer import WorkerServicer, event_to_proto
 from tests.unit.adapter_engine import AdapterEngine, adapter_dir
+from tests.unit.clocks import FakeClock
 
 SAMPLING = common_pb2.SamplingParams(max_tokens=2)
 
@@ -52,16 +53,31 @@ def test_a_stored_event_carries_its_adapter_on_the_wire_and_in_a_snapshot() -> N
                                                                                        (((12, 23),), "")]
 
 
+class TimedLoader:
+    """Loads take a set time on a fake clock: a quarter of a second for a, three quarters for b."""
+
+    LOAD_S = {"a": 0.25, "b": 0.75}
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+
+    async def load(self, adapter: Adapter) -> None:
+        self.clock.advance(self.LOAD_S[adapter.name])
+
+    async def unload(self, adapter: Adapter) -> None:
+        self.clock.advance(10.0)  # not a load: never counted as load time
+
+
 async def test_adapter_metrics_count_requests_loads_evictions_and_residency(tmp_path: Path) -> None:
-    engine = AdapterEngine(LoraConfig(enabled=True, max_loras=1))
-    assert engine.adapters is not None
+    clock = FakeClock()
+    adapters = AdapterSet(LoraConfig(enabled=True, max_loras=1), TimedLoader(clock), clock=clock)
     for name in ("a", "b"):
-        engine.adapters.register(name, adapter_dir(tmp_path, name))
+        adapters.register(name, adapter_dir(tmp_path, name))
     for name in ("a", "b", "a"):  # one slot: each switch evicts the other
-        async with engine.adapters.use(name):
+        async with adapters.use(name):
             pass
     registry = CollectorRegistry()
-    registry.register(WorkerLoraCollector(lambda: [("w1", "decode", engine.adapters)]))
+    registry.register(WorkerLoraCollector(lambda: [("w1", "decode", adapters)]))
 
     def value(metric: str, name: str) -> float | None:
         return registry.get_sample_value(metric, {"worker_id": "w1", "role": "decode", "lora_name": name})
@@ -70,18 +86,16 @@ async def test_adapter_metrics_count_requests_loads_evictions_and_residency(tmp_
     assert [value("kvmesh_worker_lora_loads_total", n) for n in "ab"] == [2, 1]
     assert [value("kvmesh_worker_lora_unloads_total", n) for n in "ab"] == [1, 1]
     assert [value("kvmesh_worker_lora_resident", n) for n in "ab"] == [1, 0]
-    assert (value("kvmesh_worker_lora_load_seconds_total", "a") or 0) >= 0
+    # a loaded twice, b once: the time each load took on the set's clock.
+    assert [value("kvmesh_worker_lora_load_seconds_total", n) for n in "ab"] == [0.5, 0.75]
     assert registry.get_sample_value("kvmesh_worker_max_loras", {"worker_id": "w1", "role": "decode"}) == 1
 
 
-def test_startup_adapters_are_known_and_one_the_engine_cannot_use_is_named(tmp_path: Path) -> None:
-    good = LoraModule("a", adapter_dir(tmp_path, "a"))
-    engine = AdapterEngine(LoraConfig(enabled=True, modules=(good,)))
-    register_startup_adapters(engine, engine.adapters.config if engine.adapters else LoraConfig())
-    assert engine.adapters is not None and [s.name for s in engine.adapters.states()] == ["a"]
+def test_a_startup_adapter_the_engine_cannot_use_is_named_before_it_starts(tmp_path: Path) -> None:
+    # The engines register the startup adapters themselves when built (test_mocker_lora.py,
+    # test_vllm_lora.py); the check reads them as they will, before a slow engine start.
     bad = LoraConfig(enabled=True, modules=(LoraModule("x", str(tmp_path / "missing")),))
-    for check in (check_startup_adapters, lambda config: register_startup_adapters(AdapterEngine(bad), config)):
-        with pytest.raises(AdapterError) as failed:
-            check(bad)
-        assert failed.value.kind is AdapterErrorKind.INVALID and "'x'" in str(failed.value)
-    check_startup_adapters(LoraConfig(enabled=True, modules=(good,)))
+    with pytest.raises(AdapterError) as failed:
+        check_startup_adapters(bad)
+    assert failed.value.kind is AdapterErrorKind.INVALID and "'x'" in str(failed.value)
+    check_startup_adapters(LoraConfig(enabled=True, modules=(LoraModule("a", adapter_dir(tmp_path, "a")),)))

@@ -19,7 +19,7 @@ from kubernetes import client, config  # type: ignore[import-untyped]
 from kubernetes.client.exceptions import ApiException  # type: ignore[import-untyped]
 from urllib3.exceptions import HTTPError
 
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
 from services.planner.connectors.base import ConnectorError
 from services.contract.worker_roles import RoleName
 from services.planner.pools import ROLES, PoolSizes

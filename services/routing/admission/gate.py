@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from gen.kvmesh.v1 import common_pb2
 from services.kv_protocol.hashing import adapter_seed, local_block_hashes
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
 from services.mesh.session_kind import CallError
 from services.routing.admission.admission_metrics import AdmissionMetrics
 from services.routing.admission.fair_queue import Entry, FairQueue

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
 
-from services.mesh.config_error import ConfigError
+from services.config_error import ConfigError
 
 log = logging.getLogger(__name__)
 

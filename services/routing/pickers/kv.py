@@ -1,12 +1,13 @@
 """KV-aware: a cost rule picks, from each candidate's cached prefix and load.
 
-The rule is the settings' `model`: the seed's (cost_function.py: cached share against cache usage
-and queue) or NVIDIA Dynamo's (dynamo_cost.py: blocks to prefill plus blocks to decode). Both see
-the same candidates: a worker's load is its last metrics report plus what this router dispatched
-to it since (the pending requests and blocks), so a burst of requests does not all land on the
-worker that was idle at the last report. With no cached prefix anywhere either reduces to
-least-loaded. A request of a LoRA adapter also weighs loading it where it is not resident (the
-context's `adapters`), in each rule's units.
+The rule is the settings' `model`: the cached-share rule (cost_function.py: the share of the
+prompt a worker caches against its cache usage and queue) or NVIDIA Dynamo's (dynamo_cost.py:
+blocks to prefill plus blocks to decode). Both see the same candidates: a worker's load is its
+last metrics report plus what this router dispatched to it since (the pending requests and
+blocks), so a burst of requests does not all land on the worker that was idle at the last
+report. With no cached prefix anywhere either reduces to least-loaded. A request of a LoRA
+adapter also weighs loading it where it is not resident (the context's `adapters`), in each
+rule's units.
 """
 
 from __future__ import annotations
