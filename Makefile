@@ -62,8 +62,8 @@ chaos: install
 	$(VPY) -m bench.chaos $(ARGS)
 
 lint: install
-	$(VPY) -m ruff check services tests bench
-	$(VPY) -m mypy services
+	$(VPY) -m ruff check services testkit tests bench
+	$(VPY) -m mypy services testkit
 
 clean:
 	rm -rf $(VENV) .pytest_cache

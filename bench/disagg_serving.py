@@ -25,8 +25,8 @@ import aiohttp
 
 from pathlib import Path
 
-from bench.common.client import StreamResult, stream_completion
-from bench.common.mesh_process import launched
+from testkit.mesh import launched
+from testkit.sse import Streamed, stream_completion
 from bench.common.report import percentile, save_json, table
 from services.tools.make_demo_model import DemoModelSpec, ensure_demo_model
 
@@ -50,7 +50,7 @@ class Point:
     mode: str
     rate: float
     seconds: float = 0.0
-    results: list[tuple[bool, StreamResult]] = field(default_factory=list)  # (is_long, result)
+    results: list[tuple[bool, Streamed]] = field(default_factory=list)  # (is_long, result)
 
     def short_gaps(self) -> list[float]:
         return [g for long, r in self.results if not long and r.ok for g in r.gaps_s]

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from bench.common.mesh_process import launched
+from testkit.mesh import launched
+from testkit.sse import completion_body, stream
 from bench.common.report import bar_plot, median, percentile, save_json, table
 from services.engines.base import EngineRequest, Sampling
 from services.engines.mocker.engine import MockerConfig, MockerEngine
@@ -105,17 +106,10 @@ async def mesh_levels(base: str) -> tuple[list[Level], list[float]]:
             await one()
         levels = [await drive(c, REQUESTS_PER_LEVEL[c], one) for c in CONCURRENCY]
         gaps: list[float] = []
-        stream_body = {**body, "max_tokens": STREAM_TOKENS, "stream": True}
+        stream_body = completion_body(PROMPT, STREAM_TOKENS, usage=False, ignore_eos=False)
         for _ in range(STREAM_REQUESTS):
-            last = None
-            async with session.post("/v1/completions", json=stream_body) as r:
-                async for line in r.content:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    now = time.perf_counter()
-                    if last is not None:
-                        gaps.append((now - last) * 1000)
-                    last = now
+            streamed = await stream(session, "/v1/completions", stream_body)
+            gaps += [gap * 1000 for gap in streamed.gaps_s]
         return levels, gaps
 
 

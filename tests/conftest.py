@@ -1,4 +1,5 @@
-"""Session-wide real infrastructure: one etcd, one mocker mesh, one vLLM mesh (started lazily)."""
+"""Session-wide real infrastructure: one etcd, one mocker mesh, two vLLM meshes (aggregated, and
+disaggregated with LoRA adapters), each started when a test first needs it."""
 
 from __future__ import annotations
 
@@ -38,12 +39,23 @@ def mocker_mesh(etcd: Etcd) -> Iterator[Mesh]:
 
 
 @pytest.fixture(scope="session")
-def vllm_mesh(etcd: Etcd) -> Iterator[Mesh]:
+def vllm_stops() -> Iterator[list[Mesh]]:
+    """The vLLM meshes, told to stop (SIGTERM) when their fixture ends and waited for here, after
+    all of them: their engines shut down side by side instead of one mesh after the other."""
+    meshes: list[Mesh] = []
+    yield meshes
+    codes = {mesh.namespace: mesh.stop() for mesh in meshes}
+    assert set(codes.values()) <= {0}, (codes, [mesh.launcher.tail() for mesh in meshes])
+
+
+@pytest.fixture(scope="session")
+def vllm_mesh(etcd: Etcd, vllm_stops: list[Mesh]) -> Iterator[Mesh]:
     # The demo model's chat template writes tool calls in the format of vLLM's `hermes` parser.
     mesh = Mesh.launch(etcd.endpoint, "vllm", "vllm", "--decode-workers", "2", "--drain-timeout", str(TEST_DRAIN_S),
                        "--tool-call-parser", "hermes", timeout_s=400)
     yield mesh
-    assert mesh.stop() == 0, mesh.launcher.tail()
+    mesh.launcher.terminate()
+    vllm_stops.append(mesh)
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +79,7 @@ MAX_LOCAL_PREFILL = 128
 
 
 @pytest.fixture(scope="session")
-def vllm_disagg_mesh(etcd: Etcd) -> Iterator[Mesh]:
+def vllm_disagg_mesh(etcd: Etcd, vllm_stops: list[Mesh]) -> Iterator[Mesh]:
     """1 prefill + 1 decode vLLM worker over NIXL, serving the demo LoRA adapters: the
     disaggregated checks (test_disagg_vllm) and the LoRA ones (test_lora_vllm) share its two
     engine starts. Prompts of more than MAX_LOCAL_PREFILL uncached tokens prefill remotely."""
@@ -79,4 +91,5 @@ def vllm_disagg_mesh(etcd: Etcd) -> Iterator[Mesh]:
                        "--allow-explain", "--allow-runtime-lora",
                        "--lora-modules", f"{LORA_A}={served[LORA_A]}", f"{LORA_B}={served[LORA_B]}", timeout_s=400)
     yield mesh
-    assert mesh.stop() == 0, mesh.launcher.tail()
+    mesh.launcher.terminate()
+    vllm_stops.append(mesh)

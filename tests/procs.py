@@ -1,81 +1,30 @@
 """Real processes for the tests: etcd, the launcher, single services, a mesh of them. Output is
-kept for failures. The mesh starter and `Proc` are bench/common/mesh_process.py's, shared with
-the benchmarks."""
+kept for failures. `Proc`, the etcd starter and the mesh starter are the test kit's (testkit/),
+shared with the benchmarks; what only the tests start is here."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
 
-from bench.common.mesh_process import READY, LaunchedMesh, Proc, service_argv
-from services.mesh.discovery import (DECODE_WORKER, FRONTEND, PREFILL_WORKER, PROCESSOR, ROUTER, InstanceInfo,
-                                     component_prefix)
-from services.mesh.etcd_member import EtcdMember
-from services.mesh.etcd_store import EtcdStore
+from services.mesh.discovery import DECODE_WORKER, FRONTEND, PREFILL_WORKER, PROCESSOR, ROUTER
 from services.mesh.net import free_port
-from services.mesh.tls import TlsConfig
-
-ROOT = Path(__file__).resolve().parents[1]
-MODEL = "kvmesh-demo"
-
-
-@dataclass
-class Etcd:
-    proc: Proc
-    endpoint: str
-    data_dir: str
-    client_port: int
-    peer_port: int
-
-    @classmethod
-    def start(cls) -> Etcd:
-        client, peer = free_port(), free_port()
-        data = tempfile.mkdtemp(prefix="kvmesh-test-etcd-")
-        return cls(_run_etcd(data, client, peer), f"http://127.0.0.1:{client}", data, client, peer)
-
-    def halt(self) -> None:
-        """Stops the server, keeping its data: `resume` brings the same cluster back."""
-        self.proc.stop()
-
-    def resume(self) -> None:
-        self.proc = _run_etcd(self.data_dir, self.client_port, self.peer_port)
-
-    def stop(self) -> None:
-        self.proc.stop()
-        shutil.rmtree(self.data_dir, ignore_errors=True)
-
-
-def _run_etcd(data: str, client: int, peer: int) -> Proc:
-    try:
-        member = EtcdMember("t", data, "127.0.0.1", client, peer)
-        proc = Proc(member.argv(), "etcd")
-    except FileNotFoundError as exc:
-        raise RuntimeError(str(exc)) from exc
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", client), 0.5).close()
-            return proc
-        except OSError:
-            time.sleep(0.1)
-    proc.stop()
-    raise RuntimeError("etcd did not start:\n" + proc.tail())
+from testkit.etcd import Etcd as Etcd
+from testkit.mesh import READY, LaunchedMesh, registered, service_argv
+from testkit.metrics import metrics_url
+from testkit.proc import ROOT as ROOT
+from testkit.proc import Proc, python_module
+from testkit.proc_stat import running
+from testkit.sse import MODEL as MODEL
 
 
 def service(module: str, *args: str, name: str | None = None, env: dict[str, str] | None = None) -> Proc:
-    return Proc([sys.executable, "-m", module, *args], name or module, env)
+    return Proc(python_module(module, *args), name or module, env)
 
 
 class Mesh(LaunchedMesh):
@@ -109,21 +58,6 @@ async def eventually(predicate, timeout_s: float, interval_s: float = 0.01) -> b
             return True
         await asyncio.sleep(interval_s)
     return False
-
-
-def registered(etcd: str, namespace: str, component: str, tls: TlsConfig | None = None) -> list[InstanceInfo]:
-    """The instances of a component registered in etcd right now."""
-
-    async def fetch() -> list[InstanceInfo]:
-        store = EtcdStore((etcd,), tls=tls)
-        await store.connect()
-        try:
-            items, _ = await store.get_prefix(component_prefix(namespace, component))
-            return [InstanceInfo.from_json(kv.value) for kv in items]
-        finally:
-            await store.close()
-
-    return asyncio.run(fetch())
 
 
 class ServiceMesh:
@@ -195,7 +129,7 @@ class ServiceMesh:
     def metrics(self, component: str) -> str:
         """The Prometheus text of the (first) registered instance of a component."""
         (info, *_) = registered(self.etcd, self.namespace, component)
-        return httpx.get(f"http://127.0.0.1:{info.metrics_port}/metrics", timeout=10).text
+        return httpx.get(metrics_url(info.metrics_port), timeout=10).text
 
     def restart_router(self, router_mode: str = "kv") -> None:
         old = self.procs[0]
@@ -233,43 +167,6 @@ def find_matches_by_tier(etcd: str, namespace: str, token_ids: list[int],
     return dict(reply.scores), dict(reply.host_scores)
 
 
-
-
-@dataclass
-class EtcdCluster:
-    """Three etcd members on loopback, one raft cluster: for failover between endpoints."""
-
-    members: list[Proc]
-    endpoints: list[str]
-    data_dirs: list[str]
-
-    @classmethod
-    def start(cls, size: int = 3) -> EtcdCluster:
-        specs = [EtcdMember(f"m{i}", tempfile.mkdtemp(prefix=f"kvmesh-test-etcd-m{i}-"), "127.0.0.1", free_port(),
-                            free_port(), extra=("--initial-cluster-state", "new")) for i in range(size)]
-        cluster = tuple((m.name, m.peer_url) for m in specs)
-        try:
-            members = [Proc(replace(m, cluster=cluster).argv(), f"etcd-{m.name}") for m in specs]
-        except FileNotFoundError as exc:
-            raise RuntimeError(str(exc)) from exc
-        out = cls(members, [m.endpoint for m in specs], [m.data_dir for m in specs])
-        etcdctl = shutil.which("etcdctl")
-        env = {**os.environ, "ETCDCTL_API": "3"}
-        healthy = wait_until(lambda: etcdctl is not None and subprocess.run(
-            [etcdctl, "--endpoints", ",".join(out.endpoints), "endpoint", "health"], env=env,
-            capture_output=True, timeout=10).returncode == 0, 30)
-        if not healthy:
-            out.stop()
-            raise RuntimeError("the etcd cluster did not become healthy")
-        return out
-
-    def stop(self) -> None:
-        for member in self.members:
-            member.stop()
-        for d in self.data_dirs:
-            shutil.rmtree(d, ignore_errors=True)
-
-
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -277,13 +174,8 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie does not)."""
-    try:
-        state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:"))
-    except (OSError, StopIteration):
-        return False
-    return "zombie" not in state
+# Whether a pid runs (a zombie does not): /proc's word, under the tests' name.
+alive = running
 
 
 def engine_processes(worker_pid: int) -> set[int]:

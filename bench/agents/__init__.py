@@ -5,5 +5,6 @@
 - drive.py: the client that plays one run's trace against a mesh and keeps what each response says.
 - run_figures.py: one run's figures; mesh_counters.py: the workers' host hits and session pins, the
   router's session routes, from their /metrics.
-- run.py: the mesh, the modes and seeds, the JSON; report.py: the tables and goals line; plot.py: the PNG.
+- run.py: the mesh, the modes and seeds, the JSON; record.py: one run's record (`Run`); report.py: the tables and
+  goals line; plot.py: the PNG.
 """

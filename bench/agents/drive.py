@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from bench.agents.workload import Session, Trace, ideal_cached_tokens
-from bench.common.client import stream_completion
+from testkit.sse import stream_completion
 
 SESSION_HEADER = "x-session-id"
 MAX_INFLIGHT = 128
@@ -59,10 +59,7 @@ class Driven:
 async def _send(client: aiohttp.ClientSession, prompt: list[int], max_tokens: int, model: str, session: str,
                 turn: int, ideal: int, started: float) -> Outcome:
     sent = time.monotonic() - started
-    try:
-        r = await stream_completion(client, prompt, max_tokens, model=model)
-    except (aiohttp.ClientError, TimeoutError):
-        return Outcome(session, turn, False, sent)
+    r = await stream_completion(client, prompt, max_tokens, model=model)
     if not r.ok:
         return Outcome(session, turn, False, sent, worker=r.worker)
     return Outcome(session, turn, True, sent, r.ttft_s * 1000, r.prompt_tokens, r.cached_tokens, ideal, r.worker)

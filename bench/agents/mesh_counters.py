@@ -8,14 +8,12 @@ A metric a mesh does not export (a mode without sessions, or a build before them
 
 from __future__ import annotations
 
-import urllib.request
 from collections.abc import Iterable
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from bench.common.mesh_metrics import metrics_urls
-from bench.common.mesh_process import LaunchedMesh
 from services.mesh.discovery import DECODE_WORKER, ROUTER
+from testkit import metrics
+from testkit.mesh import LaunchedMesh
 
 WORKER_SAMPLES = (
     "kvmesh_worker_host_hits_total",  # prompt blocks loaded back from the host tier
@@ -33,16 +31,12 @@ ROUTER_SAMPLES = ("kvmesh_router_session_routes_total", "kvmesh_router_session_b
 def _samples(urls: Iterable[str], wanted: tuple[str, ...], by_label: str = "") -> dict[str, float]:
     out: dict[str, float] = {}
     for url in urls:
-        with urllib.request.urlopen(url, timeout=READ_TIMEOUT_S) as r:
-            text = r.read().decode()
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name not in wanted:
-                    continue
-                key = sample.name
-                if by_label and by_label in sample.labels:
-                    key += f"{{{by_label}={sample.labels[by_label]}}}"
-                out[key] = out.get(key, 0.0) + sample.value
+        samples = metrics.scrape(url, READ_TIMEOUT_S)
+        for sample in (s for name in wanted for s in metrics.matching(samples, name)):
+            key = sample.name
+            if by_label and by_label in sample.labels:
+                key += f"{{{by_label}={sample.labels[by_label]}}}"
+            out[key] = out.get(key, 0.0) + sample.value
     return out
 
 

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from bench.agents.record import Run
 from bench.agents.run_figures import later_ttfts
 from bench.common.report import save_figure
-
-if TYPE_CHECKING:
-    from bench.agents.run import Run
 
 
 def _reuse_by_turn(run: Run) -> tuple[list[int], list[float]]:

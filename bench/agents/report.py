@@ -1,17 +1,14 @@
-"""The benchmark's tables, goals line and JSON section, from its runs (run.py's `Run`s): each figure as the median
+"""The benchmark's tables, goals line and JSON section, from its runs (record.py's `Run`s): each figure as the median
 of the seeds with their range, and the sessions mode's ratios to plain kv routing paired per seed."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from bench.agents.record import Run
 from bench.agents.run_figures import LOST_BELOW
 from bench.agents.workload import AgentWorkload
 from bench.common.report import median, median_range, table
-
-if TYPE_CHECKING:
-    from bench.agents.run import Run
 
 BASELINE = "plain-kv"
 MODE = "sessions"

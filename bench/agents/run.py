@@ -35,15 +35,16 @@ import argparse
 import asyncio
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from bench.agents import mesh_counters
-from bench.agents.drive import Driven, drive
+from bench.agents.drive import drive
 from bench.agents.plot import plot
+from bench.agents.record import Run
 from bench.agents.report import BASELINE, report
-from bench.agents.run_figures import figures
 from bench.agents.workload import AgentWorkload, Trace, trace
-from bench.common.mesh_process import ROOT, launched_mesh
+from testkit.mesh import launched_mesh
+from testkit.proc import ROOT
 from bench.common.report import save_json
 from bench.tiers.run import MODEL, MODEL_DIR
 from services.tools.make_demo_model import DemoModelSpec, ensure_demo_model
@@ -87,28 +88,6 @@ QUICK = Scale(AgentWorkload(sessions=16, min_turns=3, max_turns=5, min_gap_s=1.0
                             background_rate_per_s=BACKGROUND_RATE / 2, background_span_s=60.0), (0,), 60.0)
 
 
-@dataclass
-class Run:
-    mode: str
-    seed: int
-    driven: Driven
-    counters: dict[str, float]
-    cpu_s: dict[str, float]  # CPU seconds of each component's processes over the run (this machine's load)
-    seconds: float
-    _figures: dict[str, float] = field(default_factory=dict, repr=False)
-
-    def figures(self) -> dict[str, float]:
-        if not self._figures:
-            self._figures.update(figures(self.driven, self.counters, BLOCK_SIZE))
-        return self._figures
-
-    def to_json(self) -> dict:
-        return {"mode": self.mode, "seed": self.seed, "seconds": round(self.seconds, 1), **self.figures(),
-                "turns_not_sent": self.driven.turns_not_sent, "background_not_sent": self.driven.background_not_sent,
-                "cut": self.driven.cut, "mesh_counters": self.counters,
-                "cpu_s": {k: round(v, 1) for k, v in self.cpu_s.items()}}
-
-
 def mesh_flags(mode: str, seed: int) -> list[str]:
     return ["--engine", "mocker", "--timing", "h100-8b", "--speedup", f"{SPEEDUP:g}", "--decode-workers", str(WORKERS),
             "--num-gpu-blocks", str(NUM_GPU_BLOCKS), "--block-size", str(BLOCK_SIZE),
@@ -126,7 +105,7 @@ def one_run(mode: str, sent: Trace, send_limit_s: float) -> Run:
         cpu = mesh.cpu_by_component()
     OUTCOMES_DIR.mkdir(parents=True, exist_ok=True)
     (OUTCOMES_DIR / f"{mode}-{sent.seed}.json").write_text(json.dumps([asdict(o) for o in driven.outcomes]))
-    return Run(mode, sent.seed, driven, counters, cpu, time.monotonic() - started)
+    return Run(mode, sent.seed, driven, counters, cpu, time.monotonic() - started, BLOCK_SIZE)
 
 
 def run(scale: Scale = FULL, modes: tuple[str, ...] = DEFAULT_MODES) -> dict:

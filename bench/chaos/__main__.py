@@ -43,8 +43,9 @@ from bench.chaos.faults import Fault, FaultRunner, plan
 from bench.chaos.load import Load, RequestSpec, Verdict, catalogue, drive, stream_one, verify
 from bench.chaos.mesh import ChaosMesh, MeshLayout
 from bench.chaos.metrics import MetricsWatcher
-from bench.chaos.procs import ChildFailed, Leftover, leftovers
+from bench.chaos.procs import Leftover, leftovers
 from bench.chaos.report import print_report, result_line, summarize
+from testkit.proc import ProcFailed
 
 # Short form for the test suite: ~40 s of load, a 12 s outage, a small catalogue to verify.
 QUICK = {"duration": 40.0, "rate": 2.0, "etcd_outage": 12.0, "shorts": 4, "longs": 8}
@@ -99,7 +100,7 @@ async def warm_up(mesh: ChaosMesh, specs: list[RequestSpec], max_tokens: int) ->
         for spec in wanted:
             while not (o := await stream_one(session, spec, max_tokens, time.monotonic())).completed:
                 if time.monotonic() > deadline:
-                    raise ChildFailed(f"the mesh does not answer: {o.error}")
+                    raise ProcFailed(f"the mesh does not answer: {o.error}")
                 await asyncio.sleep(1)
 
 
@@ -142,7 +143,7 @@ async def chaos(opts: Options, mesh: ChaosMesh) -> tuple[Load, Verdict, MetricsW
 def unexpected_exits(mesh: ChaosMesh) -> list[str]:
     """Processes of the run that exited while nobody had signalled them."""
     return [f"{c.name} pid {c.pid} exited unasked with {c.popen.returncode}: {c.tail(3)}"
-            for c in [*mesh.children, *mesh.etcd.children] if not c.alive and not c.signalled]
+            for c in [*mesh.children, *mesh.etcd.started] if not c.alive and not c.signalled]
 
 
 async def main_async(opts: Options) -> int:
@@ -153,7 +154,7 @@ async def main_async(opts: Options) -> int:
     results, error, unexpected = None, "", []
     try:
         results = await chaos(opts, mesh)
-    except (ChildFailed, asyncio.CancelledError) as exc:
+    except (ProcFailed, asyncio.CancelledError) as exc:
         error = "interrupted" if isinstance(exc, asyncio.CancelledError) else str(exc)
     finally:
         unexpected = unexpected_exits(mesh)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench.chaos.mesh import DECODE, PREFILL, PROCESSOR, ROUTER, ChaosMesh
-from bench.chaos.procs import Child, ChildFailed
+from testkit.proc import Proc, ProcFailed
 
 KILLS = {"kill-decode": DECODE, "kill-prefill": PREFILL, "kill-processor": PROCESSOR, "kill-router": ROUTER}
 ROLL, OUTAGE = "roll-decode", "etcd-outage"
@@ -102,7 +102,7 @@ class FaultRunner:
         await asyncio.gather(*self._pending)
         self._pending.clear()
 
-    def _pick(self, role: str, candidates: list[Child]) -> Child:
+    def _pick(self, role: str, candidates: list[Proc]) -> Proc:
         candidates = sorted(candidates, key=lambda c: c.name)
         if role != DECODE:
             return self.rng.choice(candidates)
@@ -126,13 +126,13 @@ class FaultRunner:
         fault.replacement = replacement.name
         self._pending.append(asyncio.create_task(self._follow(fault, victim, replacement, sig)))
 
-    async def _follow(self, fault: Fault, victim: Child, replacement: Child, sig: signal.Signals) -> None:
+    async def _follow(self, fault: Fault, victim: Proc, replacement: Proc, sig: signal.Signals) -> None:
         """Waits for the victim to exit and the replacement to serve, and notes what went wrong."""
-        code = await victim.wait(self.mesh.layout.drain_timeout_s + 20)
+        code = await victim.wait_async(self.mesh.layout.drain_timeout_s + 20)
         if code is None:
             fault.fail(f"{victim.name} still running {self.mesh.layout.drain_timeout_s + 20:.0f}s after {sig.name}")
             victim.send(signal.SIGKILL)
-            await victim.wait(10)
+            await victim.wait_async(10)
         elif sig == signal.SIGTERM:
             fault.note = f"drained, exit {code} at {self.now()}s"
             if code != 0:
@@ -140,19 +140,19 @@ class FaultRunner:
         try:
             await self.mesh.until_ready(replacement)
             fault.ended_s = self.now()
-        except ChildFailed as exc:
+        except ProcFailed as exc:
             fault.fail(f"replacement did not serve: {str(exc).splitlines()[0]}")
 
     async def _etcd_outage(self, fault: Fault) -> None:
         fault.started_s = self.now()
-        fault.victim = f"etcd pid {self.mesh.etcd.current.pid if self.mesh.etcd.current else '?'}"
-        code = await self.mesh.etcd.halt()
+        fault.victim = f"etcd pid {self.mesh.etcd.proc.pid if self.mesh.etcd.proc else '?'}"
+        code = await self.mesh.etcd.halt_async()
         await asyncio.sleep(self.outage_s)
         try:
-            await self.mesh.etcd.start()
-        except ChildFailed as exc:
+            await self.mesh.etcd.serve_async()
+        except ProcFailed as exc:
             fault.fail(f"etcd did not come back: {exc}")
             return
-        fault.replacement = self.mesh.etcd.current.name if self.mesh.etcd.current else ""
+        fault.replacement = self.mesh.etcd.proc.name if self.mesh.etcd.proc else ""
         fault.note = f"down {self.outage_s:g}s (etcd exit {code})"
         fault.ended_s = self.now()

@@ -16,13 +16,14 @@ headers.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 import aiohttp
+
+from testkit.sse import Streamed, completion_body, stream
 
 MODEL = "kvmesh-demo"
 WORDS = ("mesh", "router", "prefill", "decode", "cache", "block", "token", "stream", "etcd", "lease",
@@ -43,12 +44,9 @@ class RequestSpec:
         return not isinstance(self.prompt, str)
 
     def body(self, max_tokens: int) -> dict:
-        prompt = self.prompt if isinstance(self.prompt, str) else list(self.prompt)
-        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-                "stream_options": {"include_usage": True}, "temperature": 0.0}
-        if self.seed is not None:
-            body.update(temperature=0.8, seed=self.seed)
-        return body
+        if self.seed is None:
+            return completion_body(self.prompt, max_tokens, model=MODEL, temperature=0.0)
+        return completion_body(self.prompt, max_tokens, model=MODEL, temperature=0.8, seed=self.seed)
 
 
 def catalogue(seed: int, shorts: int, longs: int, long_tokens: tuple[int, int] = (300, 600)) -> list[RequestSpec]:
@@ -87,51 +85,33 @@ async def stream_one(session: aiohttp.ClientSession, spec: RequestSpec, max_toke
     """One streamed completion, read to its end; never raises for what the mesh does."""
     out = Outcome(spec.key, round(time.monotonic() - t0, 2))
     token = id(out)
+
+    def opened(s: Streamed) -> None:
+        if inflight is not None:
+            inflight[token] = s.worker
+
     try:
-        async with session.post("/v1/completions", json=spec.body(max_tokens)) as r:
-            out.status = r.status
-            out.worker = r.headers.get("x-kvmesh-worker", "")
-            out.prefill = r.headers.get("x-kvmesh-prefill", "")
-            if r.status != 200:
-                out.error = f"HTTP {r.status}: {(await r.text())[:160]}"
-                return out
-            if inflight is not None:
-                inflight[token] = out.worker
-            out.error = await _read_events(r, out)
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        out.error = f"broken stream: {type(exc).__name__} {exc}".strip()
+        s = await stream(session, "/v1/completions", spec.body(max_tokens), on_open=opened)
     finally:
         out.ended_s = round(time.monotonic() - t0, 2)
         if inflight is not None:
             inflight.pop(token, None)
+    out.status, out.worker, out.prefill = s.status, s.worker, s.prefill
+    out.text, out.finish = s.text, s.finish or ""
+    out.completion_tokens = s.usage.completion_tokens if s.usage else -1
+    out.error = failure(s)
     return out
 
 
-async def _read_events(r: aiohttp.ClientResponse, out: Outcome) -> str:
-    """Reads the SSE body into `out`; returns the failure ('' for a stream that ended properly)."""
-    parts: list[str] = []
-    error = ""
-    done = False
-    async for raw in r.content:
-        line = raw.decode(errors="replace").strip()
-        if not line.startswith("data: "):
-            continue
-        if line == "data: [DONE]":
-            done = True
-            break
-        chunk = json.loads(line[len("data: "):])
-        if "error" in chunk:
-            error = f"SSE error event: {chunk['error'].get('message', chunk['error'])}"
-            continue
-        if chunk.get("usage"):
-            out.completion_tokens = chunk["usage"]["completion_tokens"]
-        for choice in chunk.get("choices", []):
-            parts.append(choice.get("text") or "")
-            out.finish = choice.get("finish_reason") or out.finish
-    out.text = "".join(parts)
-    if error:
-        return error
-    return "" if done else "broken stream: ended without [DONE]"
+def failure(s: Streamed) -> str:
+    """What went wrong with a stream ('' for one that ended properly)."""
+    if s.broken is not None:
+        return f"broken stream: {s.broken}"
+    if s.status != 200:
+        return f"HTTP {s.status}: {s.body[:160]}"
+    if s.error is not None:
+        return f"SSE error event: {s.error}"
+    return "" if s.done else "broken stream: ended without [DONE]"
 
 
 @dataclass

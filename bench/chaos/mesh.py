@@ -4,8 +4,8 @@ Layout (`MeshLayout`): 2 kv-routers, 2 processors, 1 frontend, 2 prefill workers
 workers on the mocker, disaggregated (decode workers prefill prompts of more than
 `max_local_prefill_length` uncached tokens on the prefill workers over NIXL). Each process logs to
 its own file in the run directory; `ChaosMesh` starts them, starts replacements, tells which
-instances etcd lists, and stops everything at the end. Each service's command line and the line
-it prints once it serves are the shared starter's (bench/common/mesh_process.py).
+instances etcd lists, and stops everything at the end. etcd, each service's command line and the
+line it prints once it serves are the test kit's (testkit/etcd.py, testkit/mesh.py).
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.chaos.procs import Child, ChildFailed, EtcdServer, spawn
-from bench.common.mesh_process import MODULES, READY, service_argv
+from bench.chaos.procs import RUN_MARKER, spawn
 from services.mesh.discovery import (DECODE_WORKER, FRONTEND, PREFILL_WORKER, PROCESSOR, ROUTER, InstanceInfo,
                                      component_prefix)
-from services.mesh.etcd_store import EtcdStore, StoreUnavailable
+from services.mesh.etcd_store import StoreUnavailable
 from services.mesh.net import free_port
+from testkit.etcd import Etcd
+from testkit.mesh import MODULES, READY, instances, service_argv
+from testkit.proc import Proc, ProcFailed
 
 PREFILL, DECODE = PREFILL_WORKER, DECODE_WORKER
 READY_TIMEOUT_S = 90.0
@@ -60,9 +62,9 @@ class ChaosMesh:
         self.run_dir = run_dir
         self.namespace = namespace
         self.layout = layout
-        self.etcd = EtcdServer(run_dir, namespace)
+        self.etcd = Etcd(data_dir=run_dir / "etcd-data", log_dir=run_dir, env={RUN_MARKER: namespace})
         self.http_port = free_port()
-        self.children: list[Child] = []
+        self.children: list[Proc] = []
         self._numbers: dict[str, int] = {}
 
     @property
@@ -70,9 +72,9 @@ class ChaosMesh:
         return f"http://127.0.0.1:{self.http_port}"
 
     def all_pids(self) -> set[int]:
-        return {c.pid for c in self.children} | {c.pid for c in self.etcd.children}
+        return {c.pid for c in self.children} | {c.pid for c in self.etcd.started}
 
-    def live(self, role: str) -> list[Child]:
+    def live(self, role: str) -> list[Proc]:
         """The children of a role that are running, have announced themselves, and were not signalled."""
         return [c for c in self.children if c.role == role and c.alive and c.ready_at and not c.signalled]
 
@@ -80,15 +82,15 @@ class ChaosMesh:
         """The child name behind an instance id (from the ids the children announced)."""
         return next((c.name for c in self.children if instance_id in c.ids), instance_id)
 
-    def spawn(self, role: str) -> Child:
+    def spawn(self, role: str) -> Proc:
         """Starts one more process of `role` (not waiting for it to serve)."""
         number = self._numbers[role] = self._numbers.get(role, 0) + 1
         child = spawn(f"{role}-{number}", role, self._argv(role), self.run_dir, self.namespace)
         self.children.append(child)
         return child
 
-    async def until_ready(self, child: Child, timeout_s: float = READY_TIMEOUT_S) -> Child:
-        match = await child.wait_for_line(READY[child.role], timeout_s)
+    async def until_ready(self, child: Proc, timeout_s: float = READY_TIMEOUT_S) -> Proc:
+        match = await child.wait_for_async(READY[child.role], timeout_s)
         child.ids = match.group(1).split()
         child.ready_at = time.monotonic()
         return child
@@ -96,12 +98,12 @@ class ChaosMesh:
     async def start(self) -> None:
         """etcd, then every service at once (2 cores: starting them one by one would take minutes),
         the frontend last; returns once /health answers 200 and etcd lists every instance."""
-        await self.etcd.start()
+        await self.etcd.serve_async()
         first = [self.spawn(role) for role, n in self.layout.counts().items() if role != FRONTEND for _ in range(n)]
         await asyncio.gather(*(self.until_ready(c) for c in first))
         await self.until_ready(self.spawn(FRONTEND))
         if not await self.settled(60):
-            raise ChildFailed(f"the mesh did not settle: registered {await self.registered_counts()}")
+            raise ProcFailed(f"the mesh did not settle: registered {await self.registered_counts()}")
 
     def _argv(self, role: str) -> list[str]:
         lay = self.layout
@@ -120,16 +122,9 @@ class ChaosMesh:
 
     async def registered(self, components: Sequence[str]) -> dict[str, list[InstanceInfo]]:
         """The instances etcd lists per component now; StoreUnavailable when etcd does not answer."""
-        store = EtcdStore((self.etcd.endpoint,), timeout_s=3)
-        await store.connect()
-        try:
-            out = {}
-            for component in components:
-                items, _ = await store.get_prefix(component_prefix(self.namespace, component))
-                out[component] = [InstanceInfo.from_json(kv.value) for kv in items]
-            return out
-        finally:
-            await store.close()
+        found = await instances(self.etcd.endpoints, [component_prefix(self.namespace, c) for c in components],
+                                timeout_s=3)
+        return dict(zip(components, found, strict=True))
 
     async def registered_counts(self) -> dict[str, int] | str:
         try:
@@ -163,9 +158,8 @@ class ChaosMesh:
         drain deadline plus a margin, SIGKILL what is left, then stop etcd. Returns the exit code
         of every service that was still running."""
         running = [c for c in self.children if c.alive]
-        codes = await asyncio.gather(*(c.stop(self.layout.drain_timeout_s + 20) for c in running))
-        if self.etcd.current is not None and self.etcd.current.alive:
-            await self.etcd.current.stop(10)
+        codes = await asyncio.gather(*(c.stop_async(self.layout.drain_timeout_s + 20) for c in running))
+        await self.etcd.stop_async(10)
         # The logs are what a failed run keeps; etcd's preallocated WAL alone is 64 MB.
-        shutil.rmtree(self.etcd.member.data_dir, ignore_errors=True)
+        shutil.rmtree(self.etcd.data_dir, ignore_errors=True)
         return {c.name: code for c, code in zip(running, codes)}

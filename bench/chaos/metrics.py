@@ -14,11 +14,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
-
 from bench.chaos.mesh import DECODE, PROCESSOR, ChaosMesh
 from services.mesh.discovery import InstanceInfo
 from services.mesh.etcd_store import StoreUnavailable
+from testkit import metrics
 
 MIGRATIONS = "kvmesh_processor_migrations_total"
 WORKER_FAILURES = "kvmesh_processor_worker_failures_total"
@@ -39,14 +38,13 @@ class Reading:
 def parse(text: str, component: str) -> Reading:
     """The wanted counters of one /metrics page, summed over their labels."""
     reading = Reading(component)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name not in WANTED:
-                continue
-            reading.values[sample.name] = reading.values.get(sample.name, 0.0) + sample.value
-            if sample.name == FALLBACKS:
-                reason = sample.labels.get("reason", "?")
-                reading.fallback_reasons[reason] = reading.fallback_reasons.get(reason, 0.0) + sample.value
+    samples = metrics.parse(text)
+    for name in WANTED:
+        if found := metrics.matching(samples, name):
+            reading.values[name] = sum(s.value for s in found)
+    for sample in metrics.matching(samples, FALLBACKS):
+        reason = sample.labels.get("reason", "?")
+        reading.fallback_reasons[reason] = reading.fallback_reasons.get(reason, 0.0) + sample.value
     return reading
 
 

@@ -7,10 +7,9 @@ import http.client
 import math
 import urllib.request
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from bench.common.mesh_process import LaunchedMesh
-from bench.common.proc_stat import listening_ports
+from testkit import metrics
+from testkit.mesh import LaunchedMesh
+from testkit.proc_stat import listening_ports
 
 # Buckets by label value: {upper bound: cumulative count}.
 Buckets = dict[str, dict[float, float]]
@@ -38,16 +37,10 @@ def histogram(urls: list[str], name: str, label: str) -> Buckets:
     """The histogram `name`'s cumulative buckets per value of `label`, summed over `urls`."""
     out: Buckets = {}
     for url in urls:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            text = r.read().decode()
-        for family in text_string_to_metric_families(text):
-            if family.name != name:
-                continue
-            for sample in family.samples:
-                if sample.name == name + "_bucket":
-                    series = out.setdefault(sample.labels.get(label, ""), {})
-                    le = float(sample.labels["le"])
-                    series[le] = series.get(le, 0.0) + sample.value
+        for sample in metrics.matching(metrics.scrape(url, timeout_s=5), name + "_bucket"):
+            series = out.setdefault(sample.labels.get(label, ""), {})
+            le = float(sample.labels["le"])
+            series[le] = series.get(le, 0.0) + sample.value
     return out
 
 

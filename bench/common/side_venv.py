@@ -1,6 +1,6 @@
 """A benchmark's side virtual environment (a baseline such as NVIDIA Dynamo, or a server kvmesh
-does not depend on), made under .cache/bench on first use and kept; and its processes, started
-in a session of their own and stopped with it.
+does not depend on), made under .cache/bench on first use and kept; and its processes (the test
+kit's `Proc`), started in a session of their own and stopped with it.
 
 Not a dependency of kvmesh: where it cannot be installed (no package index, another CPU
 architecture) `Unavailable` says why and the benchmark reports kvmesh alone.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -19,7 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from testkit.proc import ROOT, Proc
+
 INSTALL_TIMEOUT_S = 900
 
 
@@ -53,25 +53,19 @@ def side_venv(name: str, installs: list[list[str]], what: str) -> Path:
 
 
 @contextmanager
-def started(argv: list[str], env: dict[str, str] | None, name: str,
-            cwd: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
-    """`argv` running in a process group of its own (its output kept apart); Unavailable when it
-    exits at once; the group stopped (SIGTERM, then SIGKILL) at the end."""
-    log = tempfile.TemporaryFile(prefix=f"kvmesh-bench-{name}-")
-    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+def started(argv: list[str], env: dict[str, str] | None, name: str, cwd: Path | None = None) -> Iterator[Proc]:
+    """`argv` running in a process group of its own (its output kept apart, in a temporary log
+    file); Unavailable when it exits at once; the group stopped (SIGTERM, then SIGKILL) at the end."""
+    handle, log = tempfile.mkstemp(prefix=f"kvmesh-bench-{name}-", suffix=".log")
+    os.close(handle)
     try:
-        time.sleep(0.2)
-        if proc.poll() is not None:
-            log.seek(0)
-            raise Unavailable(f"{name} exited at start: {log.read().decode(errors='replace')[-500:]}")
-        yield proc
+        proc = Proc(argv, name, env, log=Path(log), cwd=cwd, group=True)
+        try:
+            time.sleep(0.2)
+            if not proc.alive:
+                raise Unavailable(f"{name} exited at start: {proc.tail(20)[-500:]}")
+            yield proc
+        finally:
+            proc.stop(15)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
-        log.close()
+        os.unlink(log)

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import httpx
 
 from bench.chaos.metrics import LOCAL, REMOTE, Reading, parse
-from bench.chaos.procs import ChildFailed
-from bench.common.proc_stat import running
 from bench.hosts.links import LinkShape, shape, unshape
 from bench.hosts.mesh import ETCD_CLIENT_PORT, HostsMesh, isolate, rejoin
 from bench.hosts.netns import Host
 from services.mesh.discovery import DECODE_WORKER
+from testkit.proc import ProcFailed
+from testkit.proc_stat import running
 
 ETCDCTL_TIMEOUT_S = 10.0
 # A handover is cut within a fraction of the ~1 s its transfer lasts: the log is read this often.
@@ -308,9 +308,9 @@ class MidTransferCut:
         """Waits for the next handover in the worker's log; False when none came in time."""
         child = self.mesh.child(self.name)
         try:
-            await child.wait_for_line(self.HANDOVER, self.HANDOVER_TIMEOUT_S, after=child.log_size(),
-                                      poll_s=HANDOVER_POLL_S)
-        except ChildFailed:
+            await child.wait_for_async(self.HANDOVER, self.HANDOVER_TIMEOUT_S, after=child.mark(),
+                                       poll_s=HANDOVER_POLL_S)
+        except ProcFailed:
             return False
         return True
 

@@ -14,19 +14,19 @@ UCX would otherwise pick shared memory, which no partition of the network cuts, 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from bench.chaos.mesh import DECODE, FRONTEND, PREFILL, PROCESSOR, ROUTER, MeshLayout
-from bench.chaos.procs import Child, ChildFailed, spawn
-from bench.common.mesh_process import READY, service_argv
+from bench.chaos.procs import RUN_MARKER, spawn
 from bench.hosts.netns import Bed, Host
 from services.mesh.discovery import InstanceInfo, component_prefix, instances_prefix
-from services.mesh.etcd_member import EtcdMember
-from services.mesh.etcd_store import EtcdStore
 from services.tools.make_demo_model import ensure_demo_model
+from testkit.etcd import Etcd
+from testkit.mesh import READY, instances, service_argv
+from testkit.proc import Proc, ProcFailed
 
 ETCD_CLIENT_PORT, ETCD_PEER_PORT = 2379, 2380
 ETCD_MEMBERS = 3
@@ -55,7 +55,9 @@ class HostsMesh:
     namespace: str = "hosts"
     # "mocker", or "vllm" (the demo model; on CPU, one or two workers at most).
     engine: str = "mocker"
-    children: list[Child] = field(default_factory=list)
+    # The services' processes; etcd's are `etcd.procs`.
+    children: list[Proc] = field(default_factory=list)
+    etcd: Etcd | None = None
     # Service instance name ("decode-worker-2") -> its host.
     placed: dict[str, Host] = field(default_factory=dict)
 
@@ -63,8 +65,8 @@ class HostsMesh:
         if self.engine not in ("mocker", "vllm"):
             raise ValueError(f"engine is mocker or vllm, not {self.engine!r}")
         if len(self.bed.hosts) < hosts_for(self.layout):
-            raise ChildFailed(f"the layout ({self.layout}) needs {hosts_for(self.layout)} hosts, the bed has "
-                              f"{len(self.bed.hosts)}")
+            raise ProcFailed(f"the layout ({self.layout}) needs {hosts_for(self.layout)} hosts, the bed has "
+                             f"{len(self.bed.hosts)}")
         free = iter(self.bed.hosts[ETCD_MEMBERS:])
         for kind in ORDER:
             for i in range(1, self.layout.counts()[kind] + 1):
@@ -94,7 +96,7 @@ class HostsMesh:
     def base_url(self) -> str:
         return f"http://{self.front.address}:{HTTP_PORT}/v1"
 
-    def child(self, name: str) -> Child:
+    def child(self, name: str) -> Proc:
         return next(c for c in self.children if c.name == name)
 
     async def instances(self, component: str, endpoints: tuple[str, ...] | None = None) -> list[InstanceInfo]:
@@ -110,13 +112,7 @@ class HostsMesh:
         return [name for name, host in self.placed.items() if host.address not in registered]
 
     async def _registered(self, prefix: str, endpoints: tuple[str, ...] | None = None) -> list[InstanceInfo]:
-        store = EtcdStore(endpoints or tuple(self.endpoints.split(",")), timeout_s=2)
-        try:
-            await store.connect()
-            items, _ = await store.get_prefix(prefix)
-        finally:
-            await store.close()
-        return [InstanceInfo.from_json(kv.value) for kv in items]
+        return (await instances(endpoints or self.endpoints.split(","), (prefix,), timeout_s=2))[0]
 
     async def start(self) -> None:
         await self._start_etcd()
@@ -138,20 +134,19 @@ class HostsMesh:
         await self._healthy()
 
     async def _start_etcd(self) -> None:
-        data = self.run_dir / "etcd-data"  # beside the logs, gone with the run directory
-        members = [EtcdMember(f"e{h.index}", str(data / f"e{h.index}"), h.address, ETCD_CLIENT_PORT, ETCD_PEER_PORT,
-                              extra=("--initial-cluster-state", "new", "--logger", "zap", "--log-level", "warn"))
-                   for h in self.etcd_hosts]
-        cluster = tuple((m.name, m.peer_url) for m in members)
-        for host, member in zip(self.etcd_hosts, members, strict=True):
-            argv = replace(member, cluster=cluster).argv()
-            self.children.append(spawn(f"etcd-{member.name}", "etcd", host.argv(*argv), self.run_dir, self.namespace))
+        """One member on each etcd host, not waited for: the services wait for etcd themselves."""
+        hosts = self.etcd_hosts
+        self.etcd = Etcd(len(hosts), hosts=[h.address for h in hosts], client_port=ETCD_CLIENT_PORT,
+                         peer_port=ETCD_PEER_PORT, data_dir=self.run_dir / "etcd-data",  # gone with the run directory
+                         extra=("--logger", "zap", "--log-level", "warn"), log_dir=self.run_dir,
+                         env={RUN_MARKER: self.namespace}, wrap=lambda i, argv: hosts[i].argv(*argv))
+        self.etcd.launch()
 
-    async def _service(self, name: str, host: Host, kind: str, *flags: str, env: dict[str, str] | None) -> Child:
+    async def _service(self, name: str, host: Host, kind: str, *flags: str, env: dict[str, str] | None) -> Proc:
         argv = host.argv(*service_argv(kind, self.endpoints, self.namespace, "--host", host.address, *flags))
         child = spawn(name, kind, argv, self.run_dir, self.namespace, env)
         self.children.append(child)
-        await child.wait_for_line(READY[kind], START_TIMEOUT_S)
+        await child.wait_for_async(READY[kind], START_TIMEOUT_S)
         return child
 
     async def _healthy(self) -> None:
@@ -164,17 +159,16 @@ class HostsMesh:
                 except httpx.HTTPError:
                     pass
                 if asyncio.get_running_loop().time() > deadline:
-                    raise ChildFailed(f"the frontend at {self.front.address} was not healthy within {START_TIMEOUT_S:.0f}s")
+                    raise ProcFailed(f"the frontend at {self.front.address} was not healthy within {START_TIMEOUT_S:.0f}s")
                 await asyncio.sleep(0.25)
 
     async def stop(self) -> dict[str, int]:
         """Stops the services together, then etcd; returns each exit status."""
-        codes: dict[str, int] = {}
-        for last in (False, True):
-            group = [c for c in self.children if (c.role == "etcd") == last]
-            for child, code in zip(group, await asyncio.gather(*(c.stop(STOP_TIMEOUT_S) for c in group)), strict=True):
-                codes[child.name] = code
-        return codes
+        codes = await asyncio.gather(*(c.stop_async(STOP_TIMEOUT_S) for c in self.children))
+        out = {child.name: code for child, code in zip(self.children, codes, strict=True)}
+        if self.etcd is not None:
+            out |= await self.etcd.stop_async(STOP_TIMEOUT_S)
+        return out
 
 
 def isolate(host: Host, others: list[Host]) -> None:

@@ -21,7 +21,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from bench.common.proc_stat import running
+from testkit.proc_stat import running
 
 PREFIX = "kvmb"
 # Each host's nftables table of the peers it is cut from (bench/hosts/links.py has its own).

@@ -9,8 +9,6 @@ CPU architecture) the benchmark says so and reports kvmesh alone.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -18,8 +16,9 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from bench.common.side_venv import Unavailable, side_venv, started
-from services.mesh.etcd_member import EtcdMember
 from services.mesh.net import free_port
+from testkit.etcd import Etcd
+from testkit.proc import ProcFailed
 
 VERSION = "1.6.1"
 # Its runtime and the Python packages its frontend and mocker import (torch: the CPU build the
@@ -73,14 +72,11 @@ def _wait_for_model(base: str, model_name: str) -> None:
 
 @contextmanager
 def _etcd() -> Iterator[str]:
-    data = tempfile.mkdtemp(prefix="kvmesh-bench-dynamo-etcd-")
-    member = EtcdMember("d", data, "127.0.0.1", free_port(), free_port(), extra=("--log-level", "error", "--logger", "zap"))
     try:
-        try:
-            argv = member.argv()
-        except FileNotFoundError as exc:
-            raise Unavailable("etcd is not installed") from exc
-        with started(argv, None, "etcd"):
-            yield member.endpoint
+        etcd = Etcd.start(extra=("--log-level", "error", "--logger", "zap"))
+    except ProcFailed as exc:
+        raise Unavailable(f"etcd: {str(exc).splitlines()[0]}") from exc
+    try:
+        yield etcd.endpoint
     finally:
-        shutil.rmtree(data, ignore_errors=True)
+        etcd.stop()

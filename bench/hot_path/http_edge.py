@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from bench.common.proc_stat import group_cpu_seconds
+from testkit.proc_stat import group_cpu_seconds
 from bench.common.report import bar_plot, median, median_range, percentile, save_json, table
 from bench.common.side_venv import ROOT, Unavailable, side_venv, started
 from bench.hot_path.lean_client import LeanStream, arrival_gaps, completion, lean_stream
@@ -68,7 +68,7 @@ def _serving(server: str) -> Iterator[tuple[str, int]]:
                 urllib.request.urlopen(f"{base}/", data=b"{}", timeout=30).read()
                 break
             except (urllib.error.URLError, ConnectionError):
-                if time.monotonic() > deadline or proc.poll() is not None:
+                if time.monotonic() > deadline or not proc.alive:
                     raise Unavailable(f"{server} did not answer within {READY_TIMEOUT_S:.0f}s") from None
                 time.sleep(0.1)
         yield base, proc.pid

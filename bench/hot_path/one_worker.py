@@ -31,8 +31,8 @@ import time
 from dataclasses import dataclass, field
 
 from bench.common.mesh_metrics import Buckets, delta, histogram, metrics_urls, quantile
-from bench.common.mesh_process import LaunchedMesh, launched_mesh
-from bench.common.proc_stat import context_switches
+from testkit.mesh import LaunchedMesh, launched_mesh
+from testkit.proc_stat import context_switches
 from bench.common.report import bar_plot, median_range, percentile, save_json, table
 from bench.hot_path.lean_client import LeanStream, arrival_gaps, chat, completion, lean_stream
 from bench.hot_path.stream_load import PROMPT

@@ -25,8 +25,8 @@ import aiohttp
 from bench.hot_path import dynamo, one_worker
 from bench.mesh_overhead import Level, drive
 from bench.hot_path.scale import run_scale
-from bench.common.mesh_process import LaunchedMesh, launched_mesh
-from bench.common.proc_stat import cpu_seconds
+from testkit.mesh import LaunchedMesh, launched_mesh
+from testkit.proc_stat import cpu_seconds
 from bench.hot_path.stream_load import PROMPT, one_stream
 from bench.common.report import bar_plot, save_json, table
 from services.tools.make_demo_model import ensure_demo_model

@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.mesh_overhead import drive
-from bench.common.mesh_process import LaunchedMesh, launched_mesh
+from testkit.mesh import LaunchedMesh, launched_mesh
 from bench.common.report import table
 from bench.hot_path.stream_load import StreamLoad, stream_load
 from services.tools.make_demo_model import DemoModelSpec, ensure_demo_model

@@ -14,15 +14,12 @@ import time
 from dataclasses import dataclass
 
 import aiohttp
-import msgspec
 
-from bench.common.mesh_process import LaunchedMesh
 from bench.common.report import median, percentile
+from testkit.mesh import LaunchedMesh
+from testkit.sse import stream_completion
 
 PROMPT = "The router keeps a tree of the cached blocks of every worker."
-# The load generator shares the machine with the mesh: it decodes each chunk with msgspec (a
-# few times cheaper than json), so less of the machine goes to measuring.
-_decode = msgspec.json.Decoder().decode
 # Every stream must be done by then: a stuck stream fails the run instead of hanging it.
 STREAM_TIMEOUT_S = 300
 
@@ -45,23 +42,10 @@ class StreamLoad:
 async def one_stream(session: aiohttp.ClientSession, model: str, max_tokens: int,
                      prompt: str = PROMPT) -> tuple[int, float, list[float]]:
     """One streamed completion: (completion tokens per usage, start time, content chunk arrivals)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
-    arrivals: list[float] = []
-    tokens = 0
-    started = time.perf_counter()
-    async with session.post("/v1/completions", json=body) as r:
-        if r.status != 200:
-            raise RuntimeError(f"{r.status}: {(await r.text())[:200]}")
-        async for line in r.content:
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = _decode(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                arrivals.append(time.perf_counter())
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    return tokens, started, arrivals
+    s = await stream_completion(session, prompt, max_tokens, model=model)
+    if s.status != 200 or s.broken is not None:
+        raise RuntimeError(s.broken or f"{s.status}: {s.body[:200]}")
+    return s.completion_tokens, s.started, s.arrivals
 
 
 async def _run(base: str, model: str, streams: int, tokens: int) -> list[tuple[int, float, list[float]]]:

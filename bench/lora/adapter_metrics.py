@@ -6,15 +6,13 @@ phase's share is the difference (`minus`).
 
 from __future__ import annotations
 
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from bench.common.mesh_metrics import metrics_urls
-from bench.common.mesh_process import LaunchedMesh
 from services.mesh.discovery import DECODE_WORKER
+from testkit import metrics
+from testkit.mesh import LaunchedMesh
 
 LOADS = "kvmesh_worker_lora_loads"  # counter {worker_id, lora_name}
 RESIDENT = "kvmesh_worker_lora_resident"  # gauge {worker_id, lora_name}: 1 while loaded
@@ -49,16 +47,11 @@ def snapshot(urls: Sequence[str]) -> AdapterSnapshot:
     loads: PerAdapter = {}
     resident: PerAdapter = {}
     for url in urls:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            text = r.read().decode()
-        for family in text_string_to_metric_families(text):
-            target = {LOADS: loads, RESIDENT: resident}.get(family.name)
-            if target is None:
-                continue
-            for sample in family.samples:
-                if sample.name in (LOADS + "_total", RESIDENT):
-                    key = (sample.labels.get("worker_id", url), sample.labels.get("lora_name", ""))
-                    target[key] = target.get(key, 0.0) + sample.value
+        samples = metrics.scrape(url, timeout_s=5)
+        for target, name in ((loads, LOADS + "_total"), (resident, RESIDENT)):
+            for sample in metrics.matching(samples, name):
+                key = (sample.labels.get("worker_id", url), sample.labels.get("lora_name", ""))
+                target[key] = target.get(key, 0.0) + sample.value
     return AdapterSnapshot(loads, resident)
 
 

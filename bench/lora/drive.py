@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from bench.common.client import stream_completion
 from bench.lora.workload import Request
+from testkit.sse import stream_completion
 
 MAX_INFLIGHT = 256
 REQUEST_TIMEOUT_S = 60.0
@@ -50,10 +50,7 @@ class Phase:
 
 
 async def _one(session: aiohttp.ClientSession, request: Request, output_tokens: int) -> Outcome:
-    try:
-        r = await stream_completion(session, request.tokens, output_tokens, model=request.adapter)
-    except (aiohttp.ClientError, TimeoutError):
-        return Outcome(request.adapter, ok=False)
+    r = await stream_completion(session, request.tokens, output_tokens, model=request.adapter)
     if not r.ok:
         return Outcome(request.adapter, ok=False, worker=r.worker)
     return Outcome(request.adapter, True, r.ttft_s * 1000, r.prompt_tokens, r.cached_tokens, r.worker)

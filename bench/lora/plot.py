@@ -6,15 +6,13 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bench.common.report import save_figure
-
-if TYPE_CHECKING:
-    from bench.lora.run import Run
+from bench.lora.record import Run
 
 # A workload's row: its title, its runs, the floor of each of its seeds.
-Panel = tuple[str, Sequence["Run"], Sequence[float]]
+Panel = tuple[str, Sequence[Run], Sequence[float]]
 
 
 def _bar(ax: Any, x: float, values: Sequence[float], width: float, color: str, label: str | None = None) -> None:

@@ -1,14 +1,10 @@
-"""One workload's tables, goals line and JSON section, from its runs (run.py's `Run`s)."""
+"""One workload's tables, goals line and JSON section, from its runs (record.py's `Run`s)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 from bench.common.report import median, median_range, table
-
-if TYPE_CHECKING:
-    from bench.lora.run import Case, Run
+from bench.lora.record import Case, Run
 
 BASELINE = "blind"
 GOAL_LOADS_RATIO = 0.2  # aware needs >= 5x fewer loads than blind

@@ -25,7 +25,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common.mesh_process import launched_mesh
+from testkit.mesh import launched_mesh
 from bench.common.report import RESULTS, median_range, save_figure, save_json, table
 from bench.hot_path import dynamo
 from bench.overload.storm import Flow, Outcome, closed_loop, idle_ttft, run_flows

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from testkit.sse import Streamed, completion_body, stream
+
 # Per request: a tenant prefix, then words of its own (~100 tokens), and this many tokens out.
 PROMPT_WORDS = 90
 MAX_TOKENS = 32
@@ -66,49 +68,35 @@ def prompt(tenant: str, rng: random.Random) -> str:
 
 async def one(session: aiohttp.ClientSession, flow: Flow, high: bool, rng: random.Random, t0: float,
               timeout_s: float, extra_headers: dict[str, str] | None = None) -> Outcome:
-    body = {"model": "kvmesh-demo", "prompt": prompt(flow.tenant, rng), "max_tokens": MAX_TOKENS, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = completion_body(prompt(flow.tenant, rng), MAX_TOKENS)
     if high:
         body["priority"] = -1
     headers = {"authorization": f"Bearer {flow.key}", **(extra_headers or {})}
-    started = time.perf_counter()
-    out = Outcome(flow.tenant, high, started - t0)
+    s = Streamed()
+    out = Outcome(flow.tenant, high, time.perf_counter() - t0)
     try:
         async with asyncio.timeout(timeout_s):
-            async with session.post("/v1/completions", json=body, headers=headers) as r:
-                out.status = r.status
-                if r.status != 200:
-                    raw = await r.read()
-                    out.refused_s = time.perf_counter() - started
-                    try:
-                        error = json.loads(raw)["error"]
-                        out.error_code, out.reason = error.get("code") or "", (error.get("message") or "")[:40]
-                    except (ValueError, KeyError, TypeError):
-                        out.reason = raw[:40].decode(errors="replace")
-                    out.retry_after = r.headers.get("retry-after", "")
-                    out.retry_after_ms = r.headers.get("retry-after-ms", "")
-                    return out
-                out.queue_wait_s = int(r.headers.get("x-kvmesh-queue-wait-ms", "0")) / 1000
-                usage = done = False
-                async for line in r.content:
-                    if line.startswith(b"data: [DONE]"):
-                        done = True
-                    elif line.startswith(b"data: {"):
-                        chunk = json.loads(line[6:])
-                        if chunk.get("choices") and out.ttft_s != out.ttft_s:
-                            out.ttft_s = time.perf_counter() - started
-                        if chunk.get("usage"):
-                            usage = True
-                        if chunk.get("error"):
-                            out.broken = True
-                out.broken = out.broken or not (usage and done)
-                out.done_s = time.perf_counter() - started
+            await stream(session, "/v1/completions", body, headers=headers, out=s)
     except TimeoutError:
-        out.timed_out = True
-    except aiohttp.ClientError:
-        out.broken = out.status == 200
-        if out.status == 0:
-            out.status = -1
+        out.status, out.timed_out = s.status, True
+        return out
+    out.status = s.status if s.status or s.broken is None else -1
+    if s.broken is not None:  # the connection failed: broken once the answer had begun
+        out.broken = s.status == 200
+    elif s.status != 200:
+        out.refused_s = s.elapsed_s
+        try:
+            error = json.loads(s.body)["error"]
+            out.error_code, out.reason = error.get("code") or "", (error.get("message") or "")[:40]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            out.reason = s.body[:40]
+        out.retry_after = s.headers.get("retry-after", "")
+        out.retry_after_ms = s.headers.get("retry-after-ms", "")
+    else:
+        out.queue_wait_s = int(s.headers.get("x-kvmesh-queue-wait-ms", "0")) / 1000
+        out.ttft_s = s.ttft_s
+        out.broken = s.error is not None or not (s.usage is not None and s.done)
+        out.done_s = s.elapsed_s
     return out
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from bench.common.client import StreamResult, stream_completion
+from testkit.sse import Streamed, stream_completion
 
 PHASES = ("A", "ramp", "B")
 # Token ids of the random prompts: above the demo tokenizer's special tokens, inside its vocabulary (1114 ids).
@@ -93,7 +93,7 @@ def schedule(w: Workload) -> list[Arrival]:
 @dataclass
 class Outcome:
     arrival: Arrival
-    result: StreamResult
+    result: Streamed
     # Seconds from the start of the replay to the request's first token (NaN if none).
     first_token_at_s: float
     error: str = ""
@@ -105,10 +105,9 @@ class Outcome:
 
 async def _one(session: aiohttp.ClientSession, arrival: Arrival, started: float) -> Outcome:
     sent = time.perf_counter()
-    try:
-        result = await stream_completion(session, arrival.tokens(), arrival.shape.output_tokens)
-    except Exception as exc:  # noqa: BLE001 - one broken stream is a failed request, not a lost run
-        return Outcome(arrival, StreamResult(ok=False), float("nan"), f"{type(exc).__name__} {exc}".strip())
+    result = await stream_completion(session, arrival.tokens(), arrival.shape.output_tokens)
+    if result.broken is not None:  # one broken stream is a failed request, not a lost run
+        return Outcome(arrival, result, float("nan"), result.broken)
     return Outcome(arrival, result, sent - started + result.ttft_s)
 
 
@@ -134,5 +133,5 @@ async def replay(base: str, arrivals: list[Arrival], request_timeout_s: float, d
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-    return [t.result() if t in done else Outcome(a, StreamResult(ok=False), float("nan"), "unanswered at the deadline")
+    return [t.result() if t in done else Outcome(a, Streamed(), float("nan"), "unanswered at the deadline")
             for t, a in zip(tasks, arrivals, strict=True)]

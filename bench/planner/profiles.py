@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common.mesh_process import launched_mesh
+from testkit.mesh import launched_mesh
 from bench.planner.split import etcd_endpoint
 from services.profiles.profile_file import WorkerProfile, load_profile, save_profile
 

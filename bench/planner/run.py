@@ -42,8 +42,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common.mesh_process import launched_mesh
-from bench.common.proc_stat import running
+from testkit.mesh import launched_mesh
+from testkit.proc_stat import running
 from bench.planner.cpu import CpuMeter
 from bench.planner.load import PHASES, Arrival, Outcome, Shape, Workload, replay, schedule
 from bench.planner.predictions import intervals, plot, print_accuracy

@@ -20,16 +20,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
-
 from bench.common.mesh_metrics import metrics_urls
-from bench.common.mesh_process import launched, launched_mesh
+from testkit import metrics
+from testkit.mesh import launched, launched_mesh
 from bench.common.report import bar_plot, median, median_range, percentile, save_json, table
 from bench.routing import modes
 from bench.tiers import run as tiers
@@ -78,13 +76,8 @@ def routed_per_worker(urls: Sequence[str]) -> dict[str, int]:
     """The routers' kvmesh_router_routed_requests per worker."""
     out: Counter[str] = Counter()
     for url in urls:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            text = r.read().decode()
-        for family in text_string_to_metric_families(text):
-            if family.name == "kvmesh_router_routed_requests":
-                for sample in family.samples:
-                    if sample.name.endswith("_total"):
-                        out[sample.labels["worker_id"]] += int(sample.value)
+        for sample in metrics.matching(metrics.scrape(url, timeout_s=5), "kvmesh_router_routed_requests_total"):
+            out[sample.labels["worker_id"]] += int(sample.value)
     return dict(out)
 
 

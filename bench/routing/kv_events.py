@@ -25,8 +25,6 @@ after the warm-up.
 from __future__ import annotations
 
 import asyncio
-import json
-import math
 import os
 import random
 import re
@@ -38,11 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common.client import ReuseTally, StreamResult
+from bench.common.client import ReuseTally
 from bench.common.mesh_metrics import metrics_urls
-from bench.common.mesh_process import READY, LaunchedMesh, Proc, launched_mesh
+from testkit import metrics
+from testkit.mesh import READY, LaunchedMesh, launched_mesh
+from testkit.proc import Proc
+from testkit.sse import stream_completion
 from bench.common.report import percentile
 from bench.common.side_venv import Unavailable
 from bench.hot_path import dynamo
@@ -119,30 +119,6 @@ def workload(seed: int) -> Workload:
     return Workload(seed, warmup, arrivals)
 
 
-async def stream_text(session: aiohttp.ClientSession, prompt: str, max_tokens: int) -> StreamResult:
-    """bench.common.client.stream_completion with a text prompt; cached_tokens 0 where usage has none."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
-    started = time.perf_counter()
-    result = StreamResult(ok=False)
-    async with session.post("/v1/completions", json=body) as r:
-        if r.status != 200:
-            await r.read()
-            return result
-        result.worker = r.headers.get("x-kvmesh-worker", "")
-        async for line in r.content:
-            if not line.startswith(b"data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and math.isnan(result.ttft_s):
-                result.ttft_s = time.perf_counter() - started
-            if usage := chunk.get("usage"):
-                result.prompt_tokens = usage["prompt_tokens"]
-                result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-                result.ok = not math.isnan(result.ttft_s)
-    return result
-
-
 # -- one run --------------------------------------------------------------------------------------
 
 
@@ -211,19 +187,12 @@ async def drive(base: str, load: Workload, run: Run, metrics_url: str | None = N
 
         async def warmup(prompt: str) -> None:
             async with warm:
-                try:
-                    await stream_text(session, prompt, OUTPUT_TOKENS)
-                except (aiohttp.ClientError, TimeoutError):
-                    pass
+                await stream_completion(session, prompt, OUTPUT_TOKENS, model=MODEL)
 
         await asyncio.wait_for(asyncio.gather(*(warmup(p) for p in load.warmup)), 4 * REQUEST_TIMEOUT_S)
 
         async def one(prompt: str) -> None:
-            try:
-                outcome = await stream_text(session, prompt, OUTPUT_TOKENS)
-            except (aiohttp.ClientError, TimeoutError):
-                outcome = StreamResult(ok=False)
-            run.tally.add(outcome)
+            run.tally.add(await stream_completion(session, prompt, OUTPUT_TOKENS, model=MODEL))
 
         t0 = time.monotonic()
         background = [asyncio.create_task(_act(t0, actions))]
@@ -264,16 +233,14 @@ async def _sample(session: aiohttp.ClientSession, url: str, t0: float, run: Run)
 
 
 def parse_sample(t_s: float, text: str) -> Sample:
-    sample = Sample(t_s, {}, {}, {})
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "kvmesh_router_kv_source":
-                sample.source[s.labels["worker_id"]] = s.value
-            elif s.name == "kvmesh_router_index_recent_accuracy":
-                sample.accuracy[s.labels["worker_id"]] = s.value
-            elif s.name == "kvmesh_router_kv_source_switches_total":
-                sample.switches[f"{s.labels['worker_id']} {s.labels['source']} {s.labels['reason']}"] = s.value
-    return sample
+    samples = metrics.parse(text)
+
+    def per_worker(name: str) -> dict[str, float]:
+        return {worker: v for (worker,), v in metrics.by_labels(samples, name, "worker_id").items()}
+
+    switches = metrics.by_labels(samples, "kvmesh_router_kv_source_switches_total", "worker_id", "source", "reason")
+    return Sample(t_s, per_worker("kvmesh_router_kv_source"), per_worker("kvmesh_router_index_recent_accuracy"),
+                  {" ".join(key): v for key, v in switches.items()})
 
 
 # -- the systems ----------------------------------------------------------------------------------

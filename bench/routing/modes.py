@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from bench.common.client import ReuseTally, stream_completion
-from bench.common.mesh_process import launched
+from bench.common.client import ReuseTally
+from testkit.mesh import launched
+from testkit.sse import stream_completion
 from bench.common.report import bar_plot, percentile, save_json, table
 
 WORKERS = 8

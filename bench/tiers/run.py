@@ -22,9 +22,11 @@ from urllib.request import urlopen
 
 import aiohttp
 
-from bench.common.client import ReuseTally, stream_completion
+from bench.common.client import ReuseTally
 from bench.tiers.index import pooled_bound
-from bench.common.mesh_process import LaunchedMesh, launched_mesh
+from testkit import metrics
+from testkit.mesh import LaunchedMesh, launched_mesh
+from testkit.sse import stream_completion
 from bench.tiers.mooncake_trace import TraceRequest, ideal_reuse, load
 from bench.common.report import bar_plot, percentile, save_json, table
 from services.tools.make_demo_model import DemoModelSpec, ensure_demo_model
@@ -79,13 +81,7 @@ class TierResult(ReuseTally):
 
 
 async def one(session: aiohttp.ClientSession, request: TraceRequest, result: TierResult) -> None:
-    try:
-        outcome = await stream_completion(session, list(request.token_ids), min(request.output_tokens, OUTPUT_CAP),
-                                          model=MODEL)
-    except (aiohttp.ClientError, TimeoutError):
-        result.failures += 1
-        return
-    result.add(outcome)
+    result.add(await stream_completion(session, request.token_ids, min(request.output_tokens, OUTPUT_CAP), model=MODEL))
 
 
 async def drive(base: str, name: str, requests: Sequence[TraceRequest]) -> TierResult:
@@ -125,13 +121,12 @@ def host_hits(mesh: LaunchedMesh) -> float:
     for address in _listening(mesh.pids("decode-worker")):
         try:
             with urlopen(f"http://{address}/metrics", timeout=1.0) as response:
-                text = response.read().decode()
+                samples = metrics.parse(response.read().decode())
         except (OSError, http.client.HTTPException, ValueError):
-            continue  # a gRPC port
-        for line in text.splitlines():
-            if line.startswith("kvmesh_worker_host_hits_total"):
-                total += float(line.rsplit(" ", 1)[1])
-                found = True
+            continue  # a gRPC port, or one that serves no metrics
+        hits = metrics.matching(samples, "kvmesh_worker_host_hits_total")
+        total += sum(s.value for s in hits)
+        found = found or bool(hits)
     return total if found else float("nan")
 
 

@@ -62,8 +62,9 @@ def bind(host: str, port: int, flag: str = "--http-port", reuse_port: bool = Fal
     return sock
 
 
-def main() -> None:
-    args = parser().parse_args()
+def main(argv: list[str] | None = None) -> None:
+    """The service's command line (`argv`, default the process's own): tests run `--check-config` in process."""
+    args = parser().parse_args(argv)
     mesh = mesh_config(args)
     setup_logging(mesh.log_level, FRONTEND, mesh.log_format)
     config = frontend_config(args)

@@ -62,13 +62,15 @@ async def _sync_indexes(pools: dict[RoleName, WorkerPool], timeout_s: float) -> 
                         timeout_s, ", ".join(late))
 
 
-def main() -> None:
-    if sys.argv[1:2] == ["replay"]:
+def main(argv: list[str] | None = None) -> None:
+    """The service's command line (`argv`, default the process's own): tests run `--check-config` in process."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["replay"]:
         from services.kv_router.replay import main as replay
 
-        replay(sys.argv[2:])
+        replay(argv[1:])
         return
-    args = parser().parse_args()
+    args = parser().parse_args(argv)
     mesh = mesh_config(args)
     setup_logging(mesh.log_level, ROUTER, mesh.log_format)
     config = router_config(args)

@@ -76,13 +76,15 @@ async def build_connector(args: argparse.Namespace, runner: ServiceRunner, prefi
     return DryRun()
 
 
-def main() -> None:
-    if sys.argv[1:2] == ["profile"]:
+def main(argv: list[str] | None = None) -> None:
+    """The service's command line (`argv`, default the process's own): tests run `--check-config` in process."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["profile"]:
         from services.planner.profiler import main as profile
 
-        profile(sys.argv[2:])
+        profile(argv[1:])
         return
-    args = parser().parse_args()
+    args = parser().parse_args(argv)
     mesh = mesh_config(args)
     setup_logging(mesh.log_level, PLANNER, mesh.log_format)
     config = planner_config(args)

@@ -80,8 +80,9 @@ async def _routing(runner: ServiceRunner, args: argparse.Namespace, registry: Co
     return LocalRouter(router, tracing)
 
 
-def main() -> None:
-    args = parser().parse_args()
+def main(argv: list[str] | None = None) -> None:
+    """The service's command line (`argv`, default the process's own): tests run `--check-config` in process."""
+    args = parser().parse_args(argv)
     mesh = mesh_config(args)
     setup_logging(mesh.log_level, PROCESSOR, mesh.log_format)
     model = model_ref(args)

@@ -239,8 +239,9 @@ def start_reaper(runner: ServiceRunner) -> None:
     runner.on_teardown("stop the reaper", stop_reaper)
 
 
-def main(role: Role) -> None:
-    args = worker_parser(role).parse_args()
+def main(role: Role, argv: list[str] | None = None) -> None:
+    """A worker process of `role` from its command line (`argv`, default the process's own)."""
+    args = worker_parser(role).parse_args(argv)
     mesh = mesh_config(args)
     log_component = setup_logging(mesh.log_level, role.component, mesh.log_format)
     if args.num_workers > 1 and args.engine != "mocker":

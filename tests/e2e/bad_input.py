@@ -7,7 +7,7 @@ import json
 
 import httpx
 
-from tests.metrics import scrape, total, value
+from testkit.metrics import scrape, total, value
 from tests.procs import Mesh, wait_until
 
 MODEL = "kvmesh-demo"

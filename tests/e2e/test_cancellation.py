@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.metrics import scrape, total
+from testkit.metrics import scrape, total
 from tests.procs import MODEL, Etcd, ServiceMesh, wait_until
 
 

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, PROCESSOR, ROUTER
 from services.worker.load_collector import LOAD_FIELDS
-from tests.metrics import parse
+from testkit.metrics import parse
 from tests.procs import ROOT, Etcd, ServiceMesh, wait_until
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvmesh-dashboard.json"

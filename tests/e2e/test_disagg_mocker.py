@@ -19,7 +19,7 @@ from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, ROUTER
 from services.engines.base import EngineBusy
 from services.engines.mocker.kv_transfer import KvTransferError, NixlKvEndpoint, nixl_metadata_key
-from tests.metrics import metrics_url, scrape, total
+from testkit.metrics import metrics_url, scrape, total
 from tests.procs import MODEL, Etcd, ServiceMesh, registered, wait_until
 
 BYTES_PER_TOKEN = 2048

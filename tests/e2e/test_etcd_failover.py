@@ -10,7 +10,7 @@ import pytest
 
 from services.mesh.etcd_lease import LeaseConfig, LeasedRegistration
 from services.mesh.etcd_store import EtcdStore, StoreUnavailable
-from tests.procs import Etcd, EtcdCluster, eventually
+from tests.procs import Etcd, eventually
 
 
 class RefreshCounting(EtcdStore):
@@ -38,7 +38,7 @@ async def _get_after_failover(store: EtcdStore, key: str, timeout_s: float = 5) 
 
 
 async def test_a_dead_member_fails_over_to_the_next_endpoint_and_the_lease_lives_on() -> None:
-    cluster = await asyncio.to_thread(EtcdCluster.start)
+    cluster = await asyncio.to_thread(Etcd.start, 3)
     store = RefreshCounting(tuple(cluster.endpoints))
     config = LeaseConfig(ttl_s=3, retry_backoff_s=0.2)
     registration = LeasedRegistration(store, config)
@@ -46,7 +46,7 @@ async def test_a_dead_member_fails_over_to_the_next_endpoint_and_the_lease_lives
         await store.connect()
         lease = await registration.start({"/failover/me": b"alive"})
         # The member the store talks to first is the first endpoint: stop it.
-        await asyncio.to_thread(cluster.members[0].stop)
+        await asyncio.to_thread(cluster.procs[0].stop)
         assert await _get_after_failover(store, "/failover/me") == b"alive"
         # Refreshes through the other members, more than fit in one TTL (they are a period
         # apart): the lease outlived the TTL it had when the member stopped only by them.

@@ -22,7 +22,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import Case, GenerationMode
 
-from tests.metrics import scrape, value
+from testkit.metrics import scrape, value
 from tests.procs import Mesh
 
 MODEL = "kvmesh-demo"

@@ -25,8 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.common.mesh_process import launched_mesh
-from bench.common.proc_stat import running
+from testkit.mesh import launched_mesh
+from testkit.proc_stat import running
 from bench.hosts.faults import EtcdOnlyCut, Fault, MidTransferCut
 from bench.hosts.load import Row, under_load
 from bench.chaos.mesh import MeshLayout

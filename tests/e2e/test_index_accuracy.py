@@ -21,7 +21,7 @@ import pytest
 
 from services.mesh.discovery import PROCESSOR, ROUTER
 from tests.e2e.test_kv_routing import BLOCK
-from tests.metrics import parse
+from testkit.metrics import parse
 from tests.e2e.test_route_explanation import parse_route
 from tests.procs import MODEL, Etcd, ServiceMesh, wait_until
 

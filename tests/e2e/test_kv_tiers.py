@@ -15,7 +15,7 @@ import pytest
 from services.kv_protocol.events import KvEventData, KvRemoved, KvStored
 from services.kv_protocol.tier import Tier
 from services.mesh.discovery import DECODE_WORKER
-from tests.metrics import metrics_url, scrape, value
+from testkit.metrics import metrics_url, scrape, value
 from tests.procs import MODEL, ROOT, Etcd, ServiceMesh, find_matches_by_tier, registered, wait_until
 
 # -- on a mesh ------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 from services.mesh.discovery import DECODE_WORKER
 from services.mesh.net import free_port
 from tests.e2e.test_kv_routing import prefix
-from tests.metrics import find
+from testkit.metrics import find
 from tests.procs import Etcd, ServiceMesh, registered, wait_until
 
 # The benchmark's goal for the drill: the fallback engaged within this of the silence.

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from services.mesh.discovery import DECODE_WORKER, PROCESSOR, ROUTER
-from tests.metrics import total
+from testkit.metrics import total
 from tests.procs import Etcd, ServiceMesh, registered, wait_until
 from tests.e2e.test_kv_routing import BLOCK, prefix
 from tests.e2e.test_route_explanation import parse_route

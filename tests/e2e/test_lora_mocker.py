@@ -17,7 +17,7 @@ import pytest
 from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.mesh.discovery import DECODE_WORKER, InstanceInfo
 from services.tools.make_demo_adapter import write_stand_in_adapter
-from tests.metrics import by_labels, routers_heard_every_worker
+from testkit.metrics import by_labels, routers_heard_every_worker
 from tests.procs import Etcd, ServiceMesh, registered, service, wait_until
 
 MAX_LORAS = 2

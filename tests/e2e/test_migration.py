@@ -3,55 +3,30 @@ and the client sees one uninterrupted stream, and a drained worker finishes what
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
-import httpx
 import pytest
 
-from tests.metrics import value
-from tests.procs import MODEL, Etcd, Proc, ServiceMesh, registered, wait_until
+from testkit.metrics import value
+from testkit.sse import Streamed, completion_body, stream_sync
+from tests.procs import Etcd, Proc, ServiceMesh, registered, wait_until
 
 # 48 ms per decode step: a 120-token answer streams for about 6 s, long enough to act mid-stream.
 SLOW = ("--speedup", "0.25")
 MAX_TOKENS = 120
 
 
-@dataclass
-class Streamed:
-    worker: str = ""
-    text: list[str] = field(default_factory=list)
-    finish: str | None = None
-    completion_tokens: int = 0
-    error: str | None = None
-
-
 def stream(mesh: ServiceMesh, prompt: str, on_chunk: Callable[[Streamed], None] = lambda s: None,
            max_tokens: int = MAX_TOKENS, **fields: object) -> Streamed:
     """A streamed completion, read chunk by chunk; `on_chunk` is called after each text chunk.
     `fields` go into the request body as they are."""
-    out = Streamed()
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}, **fields}
-    with httpx.stream("POST", mesh.url("/v1/completions"), json=body, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        out.worker = r.headers["x-kvmesh-worker"]
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if "error" in chunk:
-                out.error = chunk["error"]["message"]
-                continue
-            if chunk.get("usage"):
-                out.completion_tokens = chunk["usage"]["completion_tokens"]
-            for choice in chunk["choices"]:
-                out.text.append(choice["text"])
-                out.finish = choice["finish_reason"] or out.finish
-                on_chunk(out)
+    out = stream_sync(mesh.url("/v1/completions"), {**completion_body(prompt, max_tokens, ignore_eos=False), **fields},
+                      on_chunk=on_chunk)
+    assert out.status == 200, out.body
+    assert out.broken is None, out.broken
+    assert out.worker, out.headers
     return out
 
 
@@ -75,7 +50,7 @@ def act_after(chunks: int, action: Callable[[Streamed], None]) -> Callable[[Stre
     fired = threading.Event()
 
     def on_chunk(s: Streamed) -> None:
-        if len(s.text) >= chunks and not fired.is_set():
+        if len(s.pieces) >= chunks and not fired.is_set():
             fired.set()
             action(s)
 

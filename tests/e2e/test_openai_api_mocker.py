@@ -11,7 +11,7 @@ import openai
 from prometheus_client.samples import Sample
 
 from services.mesh.discovery import DECODE_WORKER
-from tests.metrics import find, scrape, total, value
+from testkit.metrics import find, scrape, total, value
 from tests.procs import Mesh, registered
 
 MODEL = "kvmesh-demo"

@@ -22,7 +22,8 @@ import httpx
 import pytest
 
 from services.mesh.discovery import DECODE_WORKER, ROUTER
-from tests.metrics import metrics_url, scrape, total
+from testkit.metrics import metrics_url, scrape, total
+from testkit.sse import completion_body, stream as sse_stream
 from tests.procs import MODEL, Etcd, ServiceMesh, registered, wait_until
 
 KEYS = {"heavy": "key-heavy", "light": "key-light", "limited": "key-limited"}
@@ -65,20 +66,11 @@ def complete(mesh: ServiceMesh, tenant: str, max_tokens: int = 2, **headers: str
 
 async def stream(session: aiohttp.ClientSession, tenant: str, max_tokens: int, body: dict | None = None,
                  headers: dict[str, str] | None = None) -> Result:
-    payload = {"model": MODEL, "prompt": f"{tenant} asks something of its own", "max_tokens": max_tokens,
-               "ignore_eos": True, "stream": True, **(body or {})}
-    started = time.perf_counter()
-    async with session.post("/v1/completions", json=payload,
-                            headers={"authorization": f"Bearer {KEYS[tenant]}", **(headers or {})}) as r:
-        out = Result(tenant, r.status, headers={k.lower(): v for k, v in r.headers.items()})
-        if r.status != 200:
-            out.body = await r.json()
-            return out
-        async for line in r.content:
-            if line.startswith(b"data: {") and out.ttft_s != out.ttft_s:
-                out.ttft_s = time.perf_counter() - started
-            out.complete = out.complete or line.startswith(b"data: [DONE]")
-    return out
+    s = await sse_stream(session, "/v1/completions",
+                         completion_body(f"{tenant} asks something of its own", max_tokens, usage=False, **(body or {})),
+                         headers={"authorization": f"Bearer {KEYS[tenant]}", **(headers or {})})
+    assert s.broken is None, s.broken
+    return Result(tenant, s.status, s.ttft_s, s.done, s.headers, json.loads(s.body) if s.status != 200 else None)
 
 
 async def storm(base: str, heavy_per_s: float, light_per_s: float, seconds: float) -> list[Result]:

@@ -18,7 +18,7 @@ import pytest
 
 from services.mesh.discovery import DECODE_WORKER, PLANNER, PREFILL_WORKER
 from services.planner.traffic import Counters, parse_counters, traffic_of
-from tests.metrics import metrics_url, scrape, total
+from testkit.metrics import metrics_url, scrape, total
 from tests.procs import MODEL, Etcd, Mesh, registered, wait_until
 
 # Fast decisions for a test: a plan every 2 s, a pool may change again 4 s after it changed.

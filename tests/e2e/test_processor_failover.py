@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.metrics import metrics_url, scrape, total
+from testkit.metrics import metrics_url, scrape, total
 from tests.procs import Etcd, ServiceMesh, registered, wait_until
 from tests.e2e.test_migration import MAX_TOKENS, SLOW, act_after, stream
 

@@ -7,12 +7,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import httpx
 import pytest
 
 from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, ROUTER
 from services.contract.worker_roles import ROLE_OF
+from testkit.sse import completion_body, stream_sync
 from tests.procs import MODEL, Etcd, ServiceMesh, registered, wait_until
 
 # A real decode step (12 ms), so streams are still running when the switch comes.
@@ -53,13 +53,11 @@ def running(mesh: ServiceMesh, worker_id: str) -> int:
 
 
 def stream(mesh: ServiceMesh, i: int) -> tuple[int, int, str]:
-    body = {"model": MODEL, "prompt": [20 + (i * 7 + j) % 900 for j in range(48)], "max_tokens": MAX_TOKENS,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", mesh.url("/v1/completions"), json=body, timeout=60) as r:
-        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
-    usage = [line for line in lines if '"usage":{' in line]
-    completion = int(usage[-1].split('"completion_tokens":')[1].split(",")[0].rstrip("}")) if usage else -1
-    return r.status_code, completion, lines[-1] if lines else ""
+    """(status, completion tokens per the usage or -1, "data: [DONE]" where that was the last event)."""
+    s = stream_sync(mesh.url("/v1/completions"), completion_body([20 + (i * 7 + j) % 900 for j in range(48)],
+                                                                 MAX_TOKENS), timeout_s=60)
+    assert s.broken is None, s.broken
+    return s.status, s.usage.completion_tokens if s.usage else -1, "data: [DONE]" if s.done else f"not [DONE]: {s.error}"
 
 
 @pytest.fixture

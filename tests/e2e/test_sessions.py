@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from services.mesh.discovery import ROUTER
-from bench.common.mesh_process import Proc
-from tests.metrics import metrics_url, routers_heard_every_worker, scrape, total
+from testkit.proc import Proc
+from testkit.metrics import metrics_url, routers_heard_every_worker, scrape, total
 from tests.procs import MODEL, Etcd, ServiceMesh, registered, wait_until
 
 BLOCK = 16

@@ -10,9 +10,7 @@ refused, while a client holding a mesh certificate gets its answer.
 from __future__ import annotations
 
 import shutil
-import socket
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,11 +21,10 @@ import pytest
 
 from gen.kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.mesh.etcd_store import StoreUnavailable
-from services.mesh.etcd_member import EtcdMember
-from services.mesh.net import free_port
 from services.mesh.tls import TlsConfig
+from testkit.etcd import Etcd, EtcdTls
 from tests.certs import Authority, CertFiles
-from tests.procs import MODEL, Proc, ServiceMesh, registered, service, wait_until
+from tests.procs import MODEL, ServiceMesh, registered, service, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -51,26 +48,8 @@ def pki() -> Iterator[Pki]:
 
 @pytest.fixture(scope="module")
 def tls_etcd(pki: Pki) -> Iterator[str]:
-    client = free_port()
-    data = tempfile.mkdtemp(prefix="kvmesh-test-etcd-tls-")
-    member = EtcdMember("t", data, "127.0.0.1", client, free_port(), client_scheme="https",
-                        extra=("--cert-file", str(pki.etcd.cert), "--key-file", str(pki.etcd.key),
-                               "--trusted-ca-file", str(pki.ca.ca_file), "--client-cert-auth"))
-    url = member.endpoint
-    proc = Proc(member.argv(), "etcd-tls")
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", client), 0.5).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "etcd did not start:\n" + proc.tail()
-                time.sleep(0.1)
-        yield url
-    finally:
-        proc.stop()
-        shutil.rmtree(data, ignore_errors=True)
+    with Etcd.running(tls=EtcdTls(pki.etcd.cert, pki.etcd.key, pki.ca.ca_file), name="etcd-tls") as etcd:
+        yield etcd.endpoint
 
 
 @dataclass

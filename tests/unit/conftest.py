@@ -41,6 +41,5 @@ def pytest_collection(session: pytest.Session) -> Iterator[object]:
     finally:
         gc.collect()
         gc.freeze()
-        gc.set_threshold(gc.get_threshold()[0], gc.get_threshold()[1], 100)
         if enabled:
             gc.enable()

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client import generate_latest
 
 from services.mesh.fast_histogram import FastHistogram
-from tests.metrics import parse
+from testkit.metrics import parse
 
 BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.1, 1.0)
 

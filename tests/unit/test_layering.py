@@ -1,9 +1,12 @@
-"""Imports point one way: services -> worker plumbing -> mesh plumbing; engines stand alone; bench
-never leans on tests. Read from the source with `ast`, so a late (function-level) import counts too."""
+"""Imports point one way: services -> worker plumbing -> mesh plumbing; engines stand alone; the test
+kit (testkit/) serves tests and bench and leans on neither; bench never leans on tests; services
+import none of them; no import circle anywhere in the repository. Read from the source with `ast`,
+so a late (function-level) import counts too."""
 
 from __future__ import annotations
 
 import ast
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -17,10 +20,15 @@ SERVICE_PACKAGES = ("frontend", "processor", "kv_router", "decode_worker", "pref
 ENGINE_MAY_USE = ("services.kv_protocol", "services.profiles", "services.config_error")
 
 
+@cache
+def parsed(path: Path) -> ast.Module:
+    """Each file parsed once for every check of the run."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def imports_of(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(), str(path))
     found: set[str] = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -58,14 +66,15 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def import_graph(folder: str) -> dict[str, set[str]]:
-    """Each module's imports of other modules of the tree (`from a.b import c` counts as a.b.c
+@cache
+def import_graph(*folders: str) -> dict[str, set[str]]:
+    """Each module's imports of other modules of the trees (`from a.b import c` counts as a.b.c
     where c is a module), late and TYPE_CHECKING imports included."""
-    modules = {module_name(p): p for p in modules_under(folder)}
+    modules = {module_name(p): p for folder in folders for p in modules_under(folder)}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         found = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parsed(path)):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 found |= {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules}
                 found |= {node.module} & modules.keys()
@@ -98,15 +107,26 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_import_circle_anywhere_in_services() -> None:
+def python_packages() -> list[str]:
+    """Every top-level folder of the repository that holds Python (services, bench, tests, ...)."""
+    return sorted(d.name for d in ROOT.iterdir()
+                  if d.is_dir() and not d.name.startswith(".") and next(d.rglob("*.py"), None) is not None)
+
+
+def test_no_import_circle_anywhere_in_the_repository() -> None:
     # Late and TYPE_CHECKING imports count: a circle hidden behind one is still a circle to read.
-    assert circles(import_graph("services")) == []
+    # One graph of every package, so a circle through two of them (tests -> testkit -> tests) counts.
+    packages = python_packages()
+    assert {"services", "testkit", "tests", "bench"} <= set(packages), packages
+    assert circles(import_graph(*packages)) == []
 
 
 def test_the_circle_check_finds_a_circle() -> None:
     # Guards the guard.
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert len(import_graph("services")) > 100
+    # Edges between packages are seen: the tests' process layer stands on the test kit.
+    assert "testkit.mesh" in import_graph(*python_packages())["tests.procs"]
 
 
 def test_engines_import_nothing_but_the_kv_protocol_the_profiles_and_the_settings_exception() -> None:
@@ -169,7 +189,16 @@ def test_benchmarks_never_import_the_tests() -> None:
     assert offending("bench", ("tests",)) == []
 
 
-@pytest.mark.parametrize("folder", ["services/mesh", "services/engines", "services/worker", "bench"])
+def test_services_import_no_test_kit_test_or_benchmark() -> None:
+    assert offending("services", ("testkit", "tests", "bench")) == []
+
+
+def test_the_test_kit_imports_no_test_and_no_benchmark() -> None:
+    # Below both: tests/ and bench/ build on it, so it may lean on neither.
+    assert offending("testkit", ("tests", "bench")) == []
+
+
+@pytest.mark.parametrize("folder", ["services/mesh", "services/engines", "services/worker", "bench", "testkit"])
 def test_the_layering_check_sees_imports(folder: str) -> None:
     # Guards the guard: each folder's modules do import things this parser must see.
     assert any(imports_of(p) for p in modules_under(folder))

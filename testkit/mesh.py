@@ -1,5 +1,5 @@
-"""Starting a mesh of kvmesh processes: the one starter of the benchmarks and the tests (bench/
-never imports tests/, so it lives here and tests/procs.py builds on it).
+"""Starting a mesh of kvmesh processes, and asking etcd what joined it: the mesh starters of the
+tests and the benchmarks.
 
 Two ways to start one:
 - the launcher (`python -m services.launch`), which starts etcd and every service itself, prints
@@ -9,31 +9,25 @@ Two ways to start one:
   line and `READY` what each prints once it serves (tests/procs.py's `ServiceMesh`, the chaos
   run's and the hosts run's meshes).
 
-Every child here is a `Proc`: its output (stdout and stderr together) read line by line on a
-thread and kept, so a failure can say what the child said last. A start that fails stops what it
-started: no process of ours outlives its caller.
+A start that fails stops what it started: no process of ours outlives its caller.
 """
 
 from __future__ import annotations
 
-import os
+import asyncio
 import re
-import signal
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Self
 
-from bench.common.proc_stat import cpu_seconds
-from services.mesh.discovery import DECODE_WORKER, FRONTEND, PREFILL_WORKER, PROCESSOR, ROUTER
+from services.mesh.discovery import (DECODE_WORKER, FRONTEND, PREFILL_WORKER, PROCESSOR, ROUTER, InstanceInfo,
+                                     component_prefix)
+from services.mesh.etcd_store import CALL_TIMEOUT_S, EtcdStore
 from services.mesh.net import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
+from services.mesh.tls import TlsConfig
+from testkit.proc import Proc, python_module
+from testkit.proc_stat import cpu_seconds
 
 # The module each service runs, and what it prints or logs once it serves, its instance id (or a
 # worker process's ids, space-separated) in group 1.
@@ -48,78 +42,25 @@ def service_argv(component: str, etcd_endpoints: str, namespace: str, *flags: st
     return python_module(MODULES[component], "--etcd-endpoints", etcd_endpoints, "--namespace", namespace, *flags)
 
 
-def python_module(module: str, *args: str) -> list[str]:
-    # Not services.launch.children's: importing services.launch sets GRPC_ENABLE_FORK_SUPPORT in
-    # this process's environment, which every child here would inherit.
-    return [sys.executable, "-m", module, *args]
+async def instances(endpoints: Sequence[str], prefixes: Sequence[str], tls: TlsConfig | None = None,
+                    timeout_s: int = CALL_TIMEOUT_S) -> list[list[InstanceInfo]]:
+    """The instances registered in etcd now under each of `prefixes`, read over one connection;
+    StoreUnavailable when etcd does not answer."""
+    store = EtcdStore(tuple(endpoints), timeout_s, tls)
+    try:
+        await store.connect()
+        out = []
+        for prefix in prefixes:
+            items, _ = await store.get_prefix(prefix)
+            out.append([InstanceInfo.from_json(kv.value) for kv in items])
+        return out
+    finally:
+        await store.close()
 
 
-class Proc:
-    """A child run in the repository root, its merged output collected line by line on a thread."""
-
-    def __init__(self, argv: Sequence[str], name: str, env: dict[str, str] | None = None) -> None:
-        self.name = name
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        self.popen = subprocess.Popen(
-            list(argv), cwd=ROOT, env=full_env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-        )
-        self.lines: list[str] = []
-        self._cond = threading.Condition()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            with self._cond:
-                self.lines.append(line.rstrip("\n"))
-                self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
-
-    def wait_for(self, pattern: str, timeout_s: float) -> re.Match[str]:
-        """The first output line matching `pattern`; fails with the output tail if the child dies."""
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout_s
-        seen = 0
-        with self._cond:
-            while True:
-                for line in self.lines[seen:]:
-                    if m := regex.search(line):
-                        return m
-                seen = len(self.lines)
-                if self.popen.poll() is not None and not self._reader.is_alive():
-                    raise RuntimeError(f"{self.name} exited ({self.popen.returncode}) before {pattern!r}:\n{self.tail()}")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"{self.name}: no {pattern!r} within {timeout_s}s:\n{self.tail()}")
-                self._cond.wait(min(remaining, 0.5))
-
-    def tail(self, n: int = 60) -> str:
-        with self._cond:
-            return "\n".join(self.lines[-n:])
-
-    def terminate(self) -> None:
-        """SIGTERM (the service drains); `stop` then waits for it."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-
-    def stop(self, timeout_s: float = 20) -> int:
-        """SIGTERM, SIGKILL after `timeout_s`; the exit status."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(10)
-        self._reader.join(5)
-        return self.popen.returncode
-
-    def kill(self) -> None:
-        self.popen.kill()
-        self.popen.wait(10)
+def registered(etcd: str, namespace: str, component: str, tls: TlsConfig | None = None) -> list[InstanceInfo]:
+    """The instances of a component registered in etcd right now (blocking: not on an event loop)."""
+    return asyncio.run(instances((etcd,), (component_prefix(namespace, component),), tls))[0]
 
 
 @dataclass

@@ -1,8 +1,8 @@
-"""The tests' one reader of Prometheus metrics: a process's /metrics page fetched and parsed into
-samples (`scrape`; `parse` for text in hand), and small readers of those samples, or of a page's
-text: a metric summed over the label sets that include some labels (`total`), the one sample of a
-metric and labels (`value`; `find` where there may be none yet), and a metric's values keyed by
-some of its labels (`by_labels`).
+"""The one reader of Prometheus metrics, the tests' and the benchmarks': a process's /metrics page
+fetched and parsed into samples (`scrape`; `parse` for text in hand), and small readers of those
+samples, or of a page's text: a metric summed over the label sets that include some labels
+(`total`), the one sample of a metric and labels (`value`; `find` where there may be none yet),
+and a metric's values keyed by some of its labels (`by_labels`).
 
 On top, `routers_heard_every_worker`: the condition a test waits on where it used to sleep for
 the workers' next load reports."""
@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from services.mesh.discovery import ROUTER
-from tests.procs import registered
+from testkit.mesh import registered
 
 # A page's text, or its samples.
 Samples = str | Iterable[Sample]
