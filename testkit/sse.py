@@ -50,6 +50,9 @@ class Streamed:
     started: float = math.nan  # sent
     ended: float = math.nan  # the body read to its end, or given up
     arrivals: list[float] = field(default_factory=list)  # one per chunk that carries choices
+    # One per chunk whose choices carry text: what TTFT and the gaps between tokens are read from
+    # (a role-only first delta or a finish-only last chunk is no token).
+    content_arrivals: list[float] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)  # the text of each choice of those chunks, in order
     finish: str | None = None  # the last finish reason a choice gave
     usage: Usage | None = None
@@ -95,12 +98,16 @@ class Streamed:
         if not choices:
             return False
         self.arrivals.append(now)
+        content = False
         for choice in choices:
             text = choice.get("text")
             if text is None:  # a chat chunk
                 text = (choice.get("delta") or {}).get("content") or ""
             self.pieces.append(text)
+            content = content or bool(text)
             self.finish = choice.get("finish_reason") or self.finish
+        if content:
+            self.content_arrivals.append(now)
         return True
 
     def opened(self, status: int, headers: Iterable[tuple[str, str]], on_open: Hook | None) -> bool:

@@ -45,7 +45,7 @@ async def one_stream(session: aiohttp.ClientSession, model: str, max_tokens: int
     s = await stream_completion(session, prompt, max_tokens, model=model)
     if s.status != 200 or s.broken is not None:
         raise RuntimeError(s.broken or f"{s.status}: {s.body[:200]}")
-    return s.completion_tokens, s.started, s.arrivals
+    return s.completion_tokens, s.started, s.content_arrivals
 
 
 async def _run(base: str, model: str, streams: int, tokens: int) -> list[tuple[int, float, list[float]]]:

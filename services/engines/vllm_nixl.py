@@ -23,13 +23,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 
 
+# Where vLLM's worker reads the agent's config from; a vLLM that moved it would leave the thread
+# spinning again without a word, so a missing one stops the engine at its start instead.
+if not hasattr(base_worker, "nixl_agent_config"):
+    raise ImportError("vLLM's NIXL worker no longer reads nixl_agent_config: services/engines/vllm_nixl.py "
+                      "cannot turn NIXL's progress thread off")
+
+
 @contextmanager
-def _agents_without_progress_thread() -> Iterator[None]:
+def agents_without_progress_thread() -> Iterator[None]:
     """While the connector builds its NIXL agent, the agent's config leaves the thread off."""
     vllm_factory = base_worker.nixl_agent_config
 
     def quiet(**kwargs: Any) -> Any:
-        return vllm_factory(enable_prog_thread=False, **kwargs)
+        # None: NIXL is missing, and vLLM's worker says so itself.
+        return None if vllm_factory is None else vllm_factory(enable_prog_thread=False, **kwargs)
 
     base_worker.nixl_agent_config = quiet
     try:
@@ -43,5 +51,5 @@ class NixlConnector(NixlPullConnector):
     progress thread."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        with _agents_without_progress_thread():
+        with agents_without_progress_thread():
             super().__init__(*args, **kwargs)

@@ -98,9 +98,10 @@ def switchable_worker(cfg: LaunchConfig, common: list[str], model: str, role: Ro
 
 
 def _share_cores(workers: list[Child]) -> None:
-    """Each vLLM worker started here binds its engine to a share of this host's cores (see
-    services/engines/cpu_cores.py); workers the planner starts later keep vLLM's default."""
-    if not workers:
+    """Each vLLM worker started here binds its engine to its own physical cores (see
+    services/engines/cpu_cores.py). A single worker keeps vLLM's own binding, which also leaves a
+    core to the engine's scheduler; workers the planner starts later keep it too."""
+    if len(workers) < 2:
         return
     for child, share in zip(workers, core_shares(host_cores(), len(workers)), strict=True):
         child.env = {**(child.env or child_env()), **bind_env(share)}

@@ -24,30 +24,25 @@ async def follow_prefix(store: KeyValueStore, prefix: str, on_listing: Callable[
     """Hands every listing of `prefix` to `on_listing` (the whole of it: what is not in it is gone)
     and every change the watch reports after it to `on_event`, until cancelled.
 
-    The wait before relisting doubles, up to BACKOFF_MAX_S, while etcd is away or watches keep
-    breaking (or are not confirmed) soon after their listing: no relisting storm. After a watch
-    that held that long it starts again from BACKOFF_MIN_S."""
-    loop = asyncio.get_running_loop()
+    The wait before relisting doubles, up to BACKOFF_MAX_S, while etcd cannot be listed; a
+    listing that succeeds starts it again from BACKOFF_MIN_S, so a watch that breaks as etcd comes
+    back is set up again at once (members return to the views within the lease TTL)."""
     backoff = BACKOFF_MIN_S
     unconfirmed = 0  # watches in a row etcd did not confirm in time
     while True:
-        watching_since: float | None = None
         try:
             items, revision = await store.get_prefix(prefix)
             on_listing(items)
-            watching_since = loop.time()
+            backoff = BACKOFF_MIN_S
             async for event in store.watch_prefix(prefix, revision + 1):
                 unconfirmed = 0
                 on_event(event)
         except WatchNotConfirmed as exc:
             # Routine once on a busy machine; not when etcd keeps not confirming.
-            watching_since = None  # it never held
             unconfirmed += 1
             log.log(logging.INFO if unconfirmed < UNCONFIRMED_WARN else logging.WARNING, "%s (%d in a row); relisting",
                     exc, unconfirmed)
         except StoreUnavailable as exc:
             log.warning("watch on %s broke (%s); relisting", prefix, exc)
-        if watching_since is not None and loop.time() - watching_since >= BACKOFF_MAX_S:
-            backoff, unconfirmed = BACKOFF_MIN_S, 0
         await asyncio.sleep(backoff)
         backoff = min(backoff * 2, BACKOFF_MAX_S)

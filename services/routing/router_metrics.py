@@ -38,13 +38,21 @@ class KvTruthMetrics:
                              "do not count yet", ["worker_id"], registry=registry)
 
     def forget(self, worker_id: str) -> None:
-        """A worker that left: its load series and its source gauge go (the KV counters stay, as
-        Prometheus counters do)."""
-        for metric in (self.source, self.load_reports, self.pending):
-            try:
-                metric.remove(worker_id)
-            except KeyError:
-                pass
+        """A worker whose KV events this router no longer follows: its source gauge goes (the KV
+        counters stay, as Prometheus counters do)."""
+        _remove(self.source, worker_id)
+
+    def forget_load(self, worker_id: str) -> None:
+        """A worker that left the pool: its load series go too."""
+        for metric in (self.load_reports, self.pending):
+            _remove(metric, worker_id)
+
+
+def _remove(metric: Counter | Gauge, worker_id: str) -> None:
+    try:
+        metric.remove(worker_id)
+    except KeyError:
+        pass  # never reported
 
 
 class RouterMetrics:

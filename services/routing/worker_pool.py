@@ -25,7 +25,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.mesh.discovery import ComponentView, InstanceInfo
@@ -71,6 +71,9 @@ class WorkerState:
     pending: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=MAX_PENDING))
     # Its LoRA adapters: its latest report's states, and those this router sent it requests of.
     adapters: WorkerAdapters = field(default_factory=WorkerAdapters)
+    # Its series of the router's load metrics, once the pool follows it (WorkerPool._follow).
+    load_reports: Counter | None = None
+    pending_gauge: Gauge | None = None
 
     def add_pending(self, new_blocks: int, lora_name: str = "") -> None:
         now = time.monotonic()
@@ -172,8 +175,8 @@ class WorkerPool:
         how many are until its next load report): where its cache is predicted, its blocks are
         now. Only there (or with every worker predicted): recording costs about as much as
         hashing the prompt, which a worker whose events are healthy does not need."""
-        if (state := self.workers.get(instance_id)) is not None:
-            self._metrics.pending.labels(instance_id).set(len(state.pending))
+        if (state := self.workers.get(instance_id)) is not None and state.pending_gauge is not None:
+            state.pending_gauge.set(len(state.pending))
         if self._sources.predicted(instance_id):
             self.predicted.routed(instance_id, local_hashes)
 
@@ -273,8 +276,9 @@ class WorkerPool:
         state = self.workers[instance_id]
         publishes = state.info.kv_events
         self._metrics.source.labels(instance_id).set(0)
-        self._metrics.load_reports.labels(instance_id)  # at 0 until its first report
-        self._metrics.pending.labels(instance_id).set(0)
+        # Each worker's series looked up once: routing sets the pending gauge on every request.
+        state.load_reports = self._metrics.load_reports.labels(instance_id)  # at 0 until its first report
+        state.pending_gauge = self._metrics.pending.labels(instance_id)
         self._sources.add(instance_id, publishes)
         self._load_tasks[instance_id] = loop.create_task(self._follow_metrics(instance_id), name=f"metrics-{instance_id}")
         if publishes and not self._sources.router_off:
@@ -297,6 +301,7 @@ class WorkerPool:
         self._sources.forget(instance_id)
         self.accuracy.forget(instance_id)
         self._metrics.forget(instance_id)
+        self._metrics.forget_load(instance_id)
         if state is not None and not any(w.info.model == state.info.model for w in self.workers.values()):
             # The last worker of a model is gone: a new one may bring another block size.
             self._block_size_by_model.pop(state.info.model, None)
@@ -311,8 +316,9 @@ class WorkerPool:
             try:
                 async for load in stub.SubscribeMetrics(worker_pb2.SubscribeMetricsRequest()):
                     state.observe_load(load)
-                    self._metrics.load_reports.labels(instance_id).inc()
-                    self._metrics.pending.labels(instance_id).set(len(state.pending))
+                    if state.load_reports is not None and state.pending_gauge is not None:
+                        state.load_reports.inc()
+                        state.pending_gauge.set(len(state.pending))
                     self._load_changed(instance_id)
             except grpc.aio.AioRpcError as exc:
                 log.debug("metrics stream of %s broke: %s", instance_id, exc.code())

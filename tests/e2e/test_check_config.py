@@ -66,11 +66,15 @@ def _main(module: str) -> Callable[[list[str]], None]:
 @pytest.fixture
 def own_logging() -> Iterator[None]:
     """A service's main sets up the process's logging: put pytest's back afterwards."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
+    from services.mesh.logs import QUIET_LOGGERS
+
+    root, quiet = logging.getLogger(), [logging.getLogger(name) for name in QUIET_LOGGERS]
+    handlers, level, levels = root.handlers[:], root.level, [logger.level for logger in quiet]
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+    for logger, was in zip(quiet, levels, strict=True):
+        logger.setLevel(was)
 
 
 @pytest.mark.parametrize("module", sorted(SERVICES))

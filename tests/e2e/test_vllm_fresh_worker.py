@@ -10,8 +10,8 @@ serves both (the suite's time goes to vLLM starts).
 2. A structured-output stream whose worker dies mid-output: the grammar cannot be resumed on
    another worker (vLLM starts a request's grammar at the beginning of its output), so the stream
    ends with an error event, and every character the client got still fits the grammar. The
-   worker dies by SIGKILL, and takes its vLLM engine processes with it (test_no_orphans.py has
-   the prefill worker's case).
+   worker (with the NIXL connector, as a disaggregated decode worker has it) dies by SIGKILL, and
+   takes its vLLM engine processes with it (test_no_orphans.py has the prefill worker's case).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def fresh(etcd: Etcd) -> Iterator[FreshWorker]:
     mesh = ServiceMesh(etcd.endpoint)
     try:
         worker = service("services.decode_worker", "--etcd-endpoints", mesh.etcd, "--namespace", mesh.namespace,
-                         "--engine", "vllm", "--drain-timeout", "8", name="decode-worker")
+                         "--engine", "vllm", "--kv-transfer", "nixl", "--drain-timeout", "8", name="decode-worker")
         mesh.procs.append(worker)
         (instance,) = worker.wait_for(r"decode-worker ready: (.+)$", 240).group(1).split()
         yield FreshWorker(mesh, worker, instance)

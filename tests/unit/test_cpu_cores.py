@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engines.cpu_cores import BIND_VARIABLE, core_shares
+from services.engines.cpu_cores import BIND_VARIABLE, core_shares, host_cores
 from services.launch import config
 from services.launch.plan import plan_children
 
@@ -30,6 +30,19 @@ def test_the_cores_are_the_ones_given_not_numbered_from_zero() -> None:
     assert core_shares([4, 5, 6, 7], 2) == ["4,5", "6,7"]
 
 
+def test_hyperthread_siblings_count_as_one_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 4 cores with 2 threads each, numbered as Linux usually does on x86: cpuN's sibling is cpuN+4.
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: set(range(8)))
+    cores = host_cores(lambda cpu: (0, cpu % 4))
+    assert cores == [0, 1, 2, 3]
+    assert core_shares(cores, 2) == ["0,1", "2,3"]  # never the two threads of one core apart
+
+
+def test_cpus_of_unknown_topology_are_cores_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: {2, 3})
+    assert host_cores(lambda cpu: None) == [2, 3]
+
+
 def test_no_engines_or_no_cores_is_an_error() -> None:
     with pytest.raises(ValueError):
         core_shares([0, 1], 0)
@@ -50,8 +63,10 @@ def test_the_launcher_gives_each_vllm_worker_its_own_cores(monkeypatch: pytest.M
     assert sorted(got.values()) == ["0,1", "2", "3"], got
 
 
-def test_an_operators_binding_and_the_mocker_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_operators_binding_a_single_worker_and_the_mocker_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(BIND_VARIABLE, "nobind")
     assert set(binds(["--engine", "vllm"], monkeypatch).values()) == {"nobind"}
     monkeypatch.delenv(BIND_VARIABLE)
+    # One engine on the host: vLLM's own binding, which keeps a core for its scheduler.
+    assert set(binds(["--engine", "vllm", "--prefill-workers", "0"], monkeypatch).values()) == {None}
     assert set(binds(["--engine", "mocker", "--decode-workers", "2"], monkeypatch).values()) == {None}

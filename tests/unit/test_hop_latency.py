@@ -67,7 +67,7 @@ class Stepper(processor_pb2_grpc.ProcessorServicer):
             self.upstream.reading_ns = 0
             while self.read < k + 2:  # the first reply and this row
                 self.read_more.clear()
-                await self.read_more.wait()
+                await asyncio.wait_for(self.read_more.wait(), 10)
         yield processor_pb2.GenerateResponse(
             delta=processor_pb2.ChoiceDelta(text=".", finish_reason=common_pb2.FINISH_REASON_STOP))
 

@@ -6,6 +6,7 @@ so a late (function-level) import counts too."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
@@ -20,15 +21,27 @@ SERVICE_PACKAGES = ("frontend", "processor", "kv_router", "decode_worker", "pref
 ENGINE_MAY_USE = ("services.kv_protocol", "services.profiles", "services.config_error")
 
 
+def _statements(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """Every statement of a body and the bodies within it (an import is a statement, so this
+    finds late ones too, without walking every expression as `ast.walk` would)."""
+    for node in body:
+        yield node
+        for name in ("body", "orelse", "finalbody", "handlers", "cases"):
+            inner = getattr(node, name, None)
+            if isinstance(inner, list):
+                yield from _statements(inner)
+
+
 @cache
-def parsed(path: Path) -> ast.Module:
-    """Each file parsed once for every check of the run."""
-    return ast.parse(path.read_text(), str(path))
+def import_nodes(path: Path) -> list[ast.Import | ast.ImportFrom]:
+    """A file's import statements, read once for every check of the run."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [node for node in _statements(tree.body) if isinstance(node, (ast.Import, ast.ImportFrom))]
 
 
 def imports_of(path: Path) -> set[str]:
     found: set[str] = set()
-    for node in ast.walk(parsed(path)):
+    for node in import_nodes(path):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -74,7 +87,7 @@ def import_graph(*folders: str) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         found = set()
-        for node in ast.walk(parsed(path)):
+        for node in import_nodes(path):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 found |= {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules}
                 found |= {node.module} & modules.keys()

@@ -4,6 +4,7 @@ through the index a router serves with (index_choice.py), and the Python radix t
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,8 @@ def test_replay_runs_the_routers_own_index_by_default(tmp_path: Path, capsys: py
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     flags = write_trace(tmp_path)
     routers = "radix" if isinstance(new_index(), RadixTree) else "native"
+    if os.environ.get("KVMESH_REQUIRE_NATIVE") == "1":  # make test and make test-unit: built, so chosen
+        assert routers == "native"
     assert run(flags, tmp_path, capsys) == (routers, [{"7": 2}])
     # As a router does: KVMESH_INDEX=python runs the Python radix tree.
     monkeypatch.setenv("KVMESH_INDEX", "python")

@@ -202,11 +202,11 @@ class ManyRows(RowMaker):
 
     async def handle(self, request: processor_pb2.GenerateRequest, call: CallInfo) -> AsyncIterator[Any]:
         yield first(0)
-        await self.first_read.wait()  # the first delta left in a frame of its own
+        await asyncio.wait_for(self.first_read.wait(), 10)  # the first delta left in a frame of its own
         assert call.reply is not None
         for k in range(300):
             call.reply((0, f"r{k}", [k]))  # type: ignore[misc]
-        await self.rows_taken.wait()  # the rows left in their own frame, before the last delta
+        await asyncio.wait_for(self.rows_taken.wait(), 10)  # the rows left in their own frame, before the last delta
         yield last(0)
 
 
