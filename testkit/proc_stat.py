@@ -1,6 +1,6 @@
 """A process's /proc/<pid>/stat, read the one safe way: its command name may hold spaces and
 parentheses, so the fields are those after the last ')' (the state first, then the parent).
-Also its context switches and listening ports, for the benchmarks."""
+Also its command line, its context switches and listening ports, for the tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -17,6 +17,16 @@ def stat_fields(pid: int) -> list[str] | None:
         return None
     fields = text.rsplit(")", 1)[-1].split()
     return fields or None
+
+
+def argv(pid: int) -> list[str]:
+    """The process's command line, an argument each ([] when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return []
+    return raw.decode(errors="replace").split("\0")[:-1]
 
 
 def running(pid: int) -> bool:

@@ -8,7 +8,6 @@ import asyncio
 import time
 import uuid
 from collections.abc import Sequence
-from pathlib import Path
 
 import httpx
 
@@ -19,7 +18,7 @@ from testkit.mesh import READY, LaunchedMesh, registered, service_argv
 from testkit.metrics import metrics_url
 from testkit.proc import ROOT as ROOT
 from testkit.proc import Proc, python_module
-from testkit.proc_stat import running
+from testkit.proc_stat import argv, running
 from testkit.sse import MODEL as MODEL
 
 
@@ -167,13 +166,6 @@ def find_matches_by_tier(etcd: str, namespace: str, token_ids: list[int],
     return dict(reply.scores), dict(reply.host_scores)
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 # Whether a pid runs (a zombie does not): /proc's word, under the tests' name.
 alive = running
 
@@ -182,4 +174,4 @@ def engine_processes(worker_pid: int) -> set[int]:
     """A vLLM worker's engine processes: its descendants but the reaper it started beside them."""
     from services.worker.reaper import descendants
 
-    return {p for p in descendants(worker_pid) if "reaper" not in _cmdline(p)}
+    return {p for p in descendants(worker_pid) if "reaper" not in " ".join(argv(p))}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from testkit.proc import Proc
+from testkit.proc_stat import argv as proc_argv
 from testkit.proc_stat import stat_fields
 
 RUN_MARKER = "KVMESH_CHAOS_RUN"
@@ -55,7 +56,7 @@ def leftovers(namespace: str, our_pids: set[int]) -> list[Leftover]:
         ppid, state = _ppid_and_state(pid)
         if state in ("Z", "X", "?"):
             continue
-        cmdline = _read(entry / "cmdline").replace(b"\0", b" ").decode(errors="replace").strip()
+        cmdline = " ".join(proc_argv(pid))
         why = ""
         if namespace in cmdline:
             why = "command line names the run's namespace"

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from testkit.mesh import launched_mesh
+from testkit.proc_stat import argv as proc_argv
 from testkit.proc_stat import running
 from bench.planner.cpu import CpuMeter
 from bench.planner.load import PHASES, Arrival, Outcome, Shape, Workload, replay, schedule
@@ -183,12 +184,8 @@ def reap(pids: list[int], grace_s: float = 10.0) -> None:
 
 def _alive(pid: int) -> bool:
     """Still running, and still ours (a recycled pid would run something else)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            ours = any(name in f.read() for name in (b"services.", b"etcd"))
-    except OSError:
-        return False
-    return ours and running(pid)
+    command = " ".join(proc_argv(pid))
+    return any(name in command for name in ("services.", "etcd")) and running(pid)
 
 
 # -- figures -----------------------------------------------------------------------------------

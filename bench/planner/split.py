@@ -16,6 +16,7 @@ from pathlib import Path
 
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, InstanceInfo, component_prefix
 from services.mesh.etcd_store import EtcdStore
+from testkit.proc_stat import argv as proc_argv
 
 # Each etcd read has a deadline of its own (EtcdStore's call timeout, a few seconds).
 SAMPLE_TIMEOUT_S = 3
@@ -23,7 +24,7 @@ SAMPLE_TIMEOUT_S = 3
 
 def etcd_endpoint(etcd_pid: int) -> str:
     """The client URL of the launcher's embedded etcd, from that process's command line."""
-    argv = Path(f"/proc/{etcd_pid}/cmdline").read_bytes().decode().split("\0")
+    argv = proc_argv(etcd_pid)
     return argv[argv.index("--advertise-client-urls") + 1]
 
 

@@ -48,6 +48,7 @@ from bench.common.side_venv import Unavailable
 from bench.hot_path import dynamo
 from services.mesh.discovery import DECODE_WORKER, ROUTER
 from services.tools.make_demo_model import ensure_demo_model
+from testkit.proc_stat import argv as proc_argv
 
 MODEL = "kvmesh-demo"
 WORKERS = 4
@@ -281,7 +282,7 @@ def solo_argv(mesh: LaunchedMesh) -> list[str]:
     pids = mesh.pids(DECODE_WORKER)
     if not pids:
         raise RuntimeError(f"the launcher started no {DECODE_WORKER}: {mesh.children}")
-    argv = Path(f"/proc/{pids[0]}/cmdline").read_bytes().decode().split("\0")[:-1]
+    argv = proc_argv(pids[0])
     if "--num-workers" not in argv:
         raise RuntimeError(f"no --num-workers in the worker's command line: {argv}")
     argv[argv.index("--num-workers") + 1] = "1"

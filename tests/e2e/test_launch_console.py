@@ -22,6 +22,7 @@ from services.launch.children import Child
 from services.launch.console import Console
 from services.launch.output_filter import MAX_LINE_BYTES, parse
 from services.launch.run_dir import KEEP_RUNS, create_run_dir, log_names
+from testkit.proc_stat import argv as proc_argv
 from tests.certs import Authority
 from tests.procs import Etcd, Proc, free_port, service
 
@@ -200,7 +201,7 @@ def test_tls_files_and_reflection_reach_every_child_and_health_is_polled_on_the_
         for pid, component in _child_pids(launcher).items():
             if component == "etcd":
                 continue
-            argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+            argv = proc_argv(pid)
             assert "--grpc-reflection" in argv and argv[argv.index("--tls-ca") + 1] == str(certs.ca), component
         # Every gRPC hop of this answer was mutual TLS (the children accept nothing else).
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,

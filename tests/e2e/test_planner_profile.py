@@ -14,6 +14,7 @@ import pytest
 
 from services.profiles.profile_file import load_profile
 from tests.procs import MODEL, ROOT, Etcd, Mesh
+from testkit.proc_stat import argv as proc_argv
 
 # A small sweep: enough points for the fit, a few seconds of a worker's time.
 SWEEP = ("--prompt-lengths", "128,512,1024,2048", "--repeats", "2", "--batch-sizes", "1,8,32",
@@ -62,7 +63,7 @@ def test_a_mesh_runs_and_plans_on_a_profile_file(etcd: Etcd, tmp_path: Path) -> 
         assert r.status_code == 200, r.text
         children = {line.split()[1]: int(line.split("pid=")[1]) for line in mesh.launcher.lines
                     if line.startswith("CHILD ")}
-        argv = Path(f"/proc/{children['planner']}/cmdline").read_text().split("\0")
+        argv = proc_argv(children["planner"])
         # The planner predicts from the mocker's own profile, at the mocker's speedup (1 here).
         assert argv[argv.index("--profile") + 1] == str(profile)
         assert float(argv[argv.index("--profile-speedup") + 1]) == 1.0
