@@ -7,13 +7,15 @@ STAMP := $(VENV)/.installed
 PROTO_FILES := $(wildcard protos/kvmesh/v1/*.proto)
 NATIVE_SRC := $(wildcard services/routing/native/*.c services/routing/native/*.h)
 NATIVE_STAMP := services/routing/native/.built
-# The demo model and its two random LoRA adapters (services/tools/make_demo_adapter.py); the
-# second adapter is written last, so its config stands for all three.
+# The demo model (services/tools/make_demo_model.py; its kvmesh_demo.json records the spec it was
+# built from) and its two random LoRA adapters (services/tools/make_demo_adapter.py; the second is
+# written last, so its config stands for both).
+DEMO_MODEL := .cache/models/kvmesh-demo/kvmesh_demo.json
 DEMO_ADAPTERS := .cache/models/kvmesh-demo-lora-b/adapter_config.json
 
 .PHONY: install run test test-unit protos bench chaos lint clean
 
-install: $(STAMP) $(NATIVE_STAMP) $(DEMO_ADAPTERS)
+install: $(STAMP) $(NATIVE_STAMP) $(DEMO_MODEL) $(DEMO_ADAPTERS)
 
 $(STAMP): requirements.txt scripts/install.sh
 	bash scripts/install.sh
@@ -26,9 +28,15 @@ $(STAMP): requirements.txt scripts/install.sh
 $(NATIVE_STAMP): $(NATIVE_SRC) | $(STAMP)
 	-$(VPY) -m services.routing.native.build && touch $@
 
-# The demo model and its LoRA adapters, made once at install (and by the launcher on first use
-# if they were removed since): `make run` serves both adapters beside the model (--demo-lora).
-$(DEMO_ADAPTERS): | $(STAMP)
+# The demo model and its LoRA adapters, made at install (and by the launcher on first use if they
+# were removed since): `make run` serves both adapters beside the model (--demo-lora). Whenever
+# make_demo_model.py changed since, the model is checked again and rebuilt if its spec is not the
+# current one (a new context length: the adapters, which depend on the shapes alone, stay).
+$(DEMO_MODEL): services/tools/make_demo_model.py | $(STAMP)
+	$(VPY) -m services.tools.make_demo_model >/dev/null
+	touch $@
+
+$(DEMO_ADAPTERS): | $(DEMO_MODEL)
 	$(VPY) -m services.tools.make_demo_adapter >/dev/null
 
 # --demo-lora: with the demo model and no --lora-modules in ARGS, the workers also serve the demo

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from bench import disagg_serving, mesh_overhead
-from bench.agents import run as agents
+from bench.agents import cli as agents
 from bench.hot_path import detokenize, http_edge, one_worker
 from bench.hot_path import run as hot_path
 from bench.indexer import run as indexer
@@ -31,7 +31,7 @@ BENCHMARKS = {
     "tiers": tiers.run,
     "overload": overload.run,
     "lora": lora.run,
-    "agents": agents.run,
+    "agents": agents.run_all,
 }
 
 

@@ -13,6 +13,9 @@ from tests.procs import Etcd, Mesh
 if TYPE_CHECKING:
     import openai  # imported by the fixtures that use it: a second and a half `make test-unit` need not pay
 
+# The context length the shared mocker and aggregated vLLM meshes serve (their workers'
+# --max-model-len; the demo model's own is 131072): the tests of the limit stay small.
+MESH_CONTEXT = 4096
 # The vLLM meshes' drain: a call still open when a test module ends is cut after this, so their
 # teardown fits Mesh.stop's wait (three vLLM children draining one after another).
 TEST_DRAIN_S = 8
@@ -33,7 +36,8 @@ def etcd() -> Iterator[Etcd]:
 @pytest.fixture(scope="session")
 def mocker_mesh(etcd: Etcd) -> Iterator[Mesh]:
     # speedup 20: the timing model still orders events, but a 16-token answer takes milliseconds.
-    mesh = Mesh.launch(etcd.endpoint, "mocker", "mocker", "--speedup", "20", "--decode-workers", "1")
+    mesh = Mesh.launch(etcd.endpoint, "mocker", "mocker", "--speedup", "20", "--decode-workers", "1",
+                       "--max-model-len", str(MESH_CONTEXT))
     yield mesh
     assert mesh.stop() == 0, mesh.launcher.tail()
 
@@ -52,7 +56,7 @@ def vllm_stops() -> Iterator[list[Mesh]]:
 def vllm_mesh(etcd: Etcd, vllm_stops: list[Mesh]) -> Iterator[Mesh]:
     # The demo model's chat template writes tool calls in the format of vLLM's `hermes` parser.
     mesh = Mesh.launch(etcd.endpoint, "vllm", "vllm", "--decode-workers", "2", "--drain-timeout", str(TEST_DRAIN_S),
-                       "--tool-call-parser", "hermes", timeout_s=400)
+                       "--tool-call-parser", "hermes", "--max-model-len", str(MESH_CONTEXT), timeout_s=400)
     yield mesh
     mesh.launcher.terminate()
     vllm_stops.append(mesh)

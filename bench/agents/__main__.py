@@ -1,6 +1,7 @@
-"""python -m bench.agents [--quick] [--seeds N] [--modes ...]: the agents benchmark, scaled for development."""
+"""python -m bench.agents [--quick] [--seeds N] [--modes ...] [--clients]: the agents benchmark, scaled for
+development."""
 
-from bench.agents.run import main
+from bench.agents.cli import main
 
 if __name__ == "__main__":
     main()

@@ -39,6 +39,7 @@ class Outcome:
     cached_tokens: int = 0
     ideal_cached: int = 0  # what the trace allows a prefix cache to reuse of it (turns only)
     worker: str = ""
+    error: str = ""  # why it failed: the status and the start of the answer, or the exception
 
 
 @dataclass
@@ -98,6 +99,23 @@ async def _background(client: aiohttp.ClientSession, trace: Trace, model: str, s
         return
 
 
+async def wind_down(sessions: list[asyncio.Task[None]], feeder: asyncio.Task[None], sessions_done: asyncio.Event,
+                    open_background: set[asyncio.Task[None]], send_limit_s: float) -> int:
+    """Waits for the sessions (a session sends nothing after send_limit_s and each request ends
+    within REQUEST_TIMEOUT_S), then stops the background's arrivals and gives what is still open
+    GRACE_S; cuts the rest and returns how many were cut."""
+    _, late = await asyncio.wait(sessions, timeout=send_limit_s + REQUEST_TIMEOUT_S + GRACE_S)
+    sessions_done.set()
+    await feeder
+    pending = set(open_background) | late
+    if pending:
+        _, pending = await asyncio.wait(pending, timeout=GRACE_S)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return len(pending)
+
+
 async def drive(base: str, trace: Trace, model: str, block_size: int, send_limit_s: float) -> Driven:
     """Sends `trace` to the mesh at `base` (http://HOST:PORT); returns what came back."""
     driven = Driven()
@@ -115,17 +133,7 @@ async def drive(base: str, trace: Trace, model: str, block_size: int, send_limit
                                                  open_background))
         sessions = [asyncio.create_task(_session(c, s, model, block_size, started, send_limit_s, driven))
                     for c, s in zip(clients, trace.sessions)]
-        # A session sends nothing after send_limit_s and each request ends within REQUEST_TIMEOUT_S.
-        _, late = await asyncio.wait(sessions, timeout=send_limit_s + REQUEST_TIMEOUT_S + GRACE_S)
-        sessions_done.set()
-        await feeder
-        pending = set(open_background) | late
-        if pending:
-            _, pending = await asyncio.wait(pending, timeout=GRACE_S)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        driven.cut = len(pending)
+        driven.cut = await wind_down(sessions, feeder, sessions_done, open_background, send_limit_s)
     finally:
         for client in (*clients, background):
             await client.close()

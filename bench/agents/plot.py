@@ -22,7 +22,8 @@ def _reuse_by_turn(run: Run) -> tuple[list[int], list[float]]:
     return [k + 1 for k in turns], [cached[k] / ideal[k] for k in turns]
 
 
-def plot(runs: Sequence[Run], modes: Sequence[str]) -> Path:
+def plot(runs: Sequence[Run], modes: Sequence[str], name: str = "agents_sessions",
+         title: str = "Agent sessions: session affinity + KV retention vs plain kv routing") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -49,5 +50,5 @@ def plot(runs: Sequence[Run], modes: Sequence[str]) -> Path:
     by_turn.set_ylim(0, 1.05)
     by_turn.set_title("Reused share of the ideal by turn")
     by_turn.legend()
-    fig.suptitle("Agent sessions: session affinity + KV retention vs plain kv routing")
-    return save_figure(fig, "agents_sessions")
+    fig.suptitle(title)
+    return save_figure(fig, name)

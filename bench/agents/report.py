@@ -84,14 +84,16 @@ def _latency_table(runs: Sequence[Run], modes: Sequence[str], seeds: Sequence[in
 
 
 def report(runs: Sequence[Run], modes: Sequence[str], seeds: Sequence[int], w: AgentWorkload, seconds: float,
-           mesh: str) -> dict:
-    """Prints the tables and the goals line; the JSON section."""
+           mesh: str, sessions: str | None = None) -> dict:
+    """Prints the tables and the goals line; the JSON section. `sessions`: what the sessions were,
+    when not the synthetic trace of `w` (its background is `w`'s all the same)."""
+    sessions = sessions or (f"{w.sessions} sessions of {w.min_turns}-{w.max_turns} turns, each appending "
+                            f"{w.min_append}-{w.max_append} tokens, tool gaps {w.min_gap_s:g}-{w.max_gap_s:g} s "
+                            "(log-uniform)")
     _reuse_table(runs, modes, seeds,
-                 f"Agent sessions: {w.sessions} sessions of {w.min_turns}-{w.max_turns} turns, each appending "
-                 f"{w.min_append}-{w.max_append} tokens, tool gaps {w.min_gap_s:g}-{w.max_gap_s:g} s (log-uniform); "
-                 f"background {w.background_rate_per_s:g}/s prompts of {w.min_background_prompt}-"
-                 f"{w.max_background_prompt} tokens; {mesh}; seeds {', '.join(map(str, seeds))} (median [min-max]; "
-                 "ratios paired per seed)")
+                 f"Agent sessions: {sessions}; background {w.background_rate_per_s:g}/s prompts of "
+                 f"{w.min_background_prompt}-{w.max_background_prompt} tokens; {mesh}; seeds "
+                 f"{', '.join(map(str, seeds))} (median [min-max]; ratios paired per seed)")
     _latency_table(runs, modes, seeds)
     met = {mode: goals(runs, seeds, mode) for mode in _compared(modes) or [MODE]}
     for mode, g in met.items():

@@ -25,13 +25,13 @@ of later turns (after each session's first) and overall, against the trace's ide
 later turns; completed and failed; the background's TTFT p50 (what retention costs other traffic).
 Goals: sessions' reuse >= 0.9 of ideal, and later turns' TTFT p99 <= 0.5x plain-kv's (paired per seed).
 
-Run: `make bench ARGS="--only agents"` (2 seeds, about 14 minutes), or `python -m bench.agents --quick`
-(a small trace, one seed, about 2 minutes) / `--seeds 3` / `--modes plain-kv`.
+Run: `make bench ARGS="--only agents"` (2 seeds, about 14 minutes, then run_clients.py's run), or
+`python -m bench.agents --quick` (a small trace, one seed, about 2 minutes) / `--seeds 3` /
+`--modes plain-kv` (cli.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import time
@@ -142,15 +142,3 @@ def run(scale: Scale = FULL, modes: tuple[str, ...] = DEFAULT_MODES) -> dict:
 def describe_mesh() -> str:
     return (f"{WORKERS} mocker workers (h100-8b timing / {SPEEDUP:g}), {NUM_GPU_BLOCKS} device + {HOST_KV_BLOCKS} host "
             f"blocks of {BLOCK_SIZE} tokens each")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.agents", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a small trace, one seed (development)")
-    parser.add_argument("--seeds", type=int, default=None, help="run seeds 0..N-1")
-    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(DEFAULT_MODES))
-    args = parser.parse_args()
-    scale = QUICK if args.quick else FULL
-    if args.seeds is not None:
-        scale = Scale(scale.workload, tuple(range(args.seeds)), scale.send_limit_s)
-    run(scale, tuple(args.modes))

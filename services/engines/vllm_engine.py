@@ -156,7 +156,11 @@ class VllmEngine(Engine):
 
     def __init__(self, config: VllmConfig) -> None:
         vocab, context, eos_ids = read_model_facts(config.model_dir)
+        # vLLM serves no more than the model's positions (it refuses a longer max_model_len).
         max_len = min(config.max_model_len or context, context)
+        if max_len < (config.max_model_len or 0):
+            log.warning("--max-model-len %d is past the model's context length (max_position_embeddings %d): "
+                        "serving %d tokens", config.max_model_len, context, max_len)
         self.config = config
         self.info = EngineInfo(config.model_dir, config.served_model_name, config.block_size, max_len, vocab, eos_ids)
         self._llm: Any = None

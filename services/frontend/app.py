@@ -6,6 +6,7 @@ import logging
 import time
 import itertools
 from functools import partial
+from typing import cast
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,8 +34,12 @@ from services.frontend.inflight import InflightLimit, Lease
 from services.frontend.lora_admin import LoraAdmin
 from services.frontend.lora_api import LoadLoraAdapterRequest, UnloadLoraAdapterRequest, add_lora_routes
 from services.frontend.mesh import MeshView
-from services.frontend.messages_api import COUNT_TOKENS, MESSAGES, message_body
+from services.frontend.client_fields import ClientFields
+from services.frontend.context_edits import apply_edits
+from services.frontend.messages_api import COUNT_TOKENS, MESSAGES, MessageShape, message_body
+from services.frontend.messages_api import agent_session as messages_agent_session
 from services.frontend.messages_api import chat_body as messages_chat_body
+from services.frontend.messages_api import nested_accepted as messages_nested
 from services.frontend.messages_count import COUNT_TIMEOUT_S, count_tokens
 from services.frontend.messages_events import message_events
 from services.frontend.messages_schemas import CountTokensRequest, MessagesRequest, parse_messages
@@ -42,7 +47,10 @@ from services.frontend.metrics import FrontendMetrics
 from services.frontend.processor_stream import ProcessorStream
 from services.frontend.route_header import EXPLAIN_HEADER, ROUTE_HEADER, route_header, wants_explanation
 from services.frontend.responses import prefill_header
-from services.frontend.responses_api import ResponseBuilder, chat_body, response_events
+from services.frontend.responses_api import ResponseBuilder, response_events
+from services.frontend.responses_input import agent_session as responses_agent_session
+from services.frontend.responses_input import chat_body
+from services.frontend.responses_input import nested_accepted as responses_nested
 from services.frontend.schemas import ChatCompletionRequest, CompletionRequest, parse
 from services.mesh.channels import ChannelPool
 from services.config_error import ConfigError
@@ -126,6 +134,12 @@ def create_app(config: FrontendConfig, mesh: MeshView, metrics: FrontendMetrics,
     if config.metrics_port is None:
         add_admin_routes(app, mesh, metrics)
 
+    @app.api_route("/api/hello", methods=["GET", "HEAD"], include_in_schema=False)
+    async def hello() -> JSONResponse:
+        """Claude Code's reachability check (`HEAD /api/hello` on its base URL before its first
+        request): the gateway is here. Nothing is asked of the mesh."""
+        return JSONResponse({})
+
     # /v1/models and the LoRA admin endpoints (lora_api.py).
     add_lora_routes(app, mesh, lora, config.api_keys, config.max_body_bytes, config.allow_runtime_lora)
 
@@ -205,6 +219,7 @@ class _Gateway:
         self.failed_processors = RecentFailures()
         self.outside_queue = OutsideQueue()
         self.refusals = RefusalMemory()
+        self.fields = ClientFields(metrics.client_fields)
         metrics.refused_from_memory.set_function(lambda: self.refusals.answered)
         self._ids = request_ids()
 
@@ -227,8 +242,15 @@ class _Gateway:
             key = check_api_key(presented_key(request.headers), self.config.api_keys)
             body = await read_json(request, self.config.max_body_bytes)
             original = body if kind is RESPONSES and isinstance(body, dict) else None
+            agent: tuple[str, str] | None = None
             if kind is MESSAGES:
-                body = messages_chat_body(parse_messages(MessagesRequest, body))
+                message, shape = await self._edited(rid, parse_messages(MessagesRequest, body))
+                self.fields.note("messages", cast(dict, body), messages_nested(message))
+                agent = messages_agent_session(message)
+                body = messages_chat_body(message)
+            elif original is not None:
+                self.fields.note("responses", original, responses_nested(original))
+                agent = responses_agent_session(original)
             req = parse(kind.schema, chat_body(original) if original is not None else body)
             # A base model, or a LoRA adapter of one: the processors are the base's, and the
             # answer names the model the client named.
@@ -241,7 +263,7 @@ class _Gateway:
             explain = self.config.allow_explain and wants_explanation(request.headers.get(EXPLAIN_HEADER))
             qos = request_qos(request.headers, req.priority, self.config.tenant_of_key(key), self.config.tenant_header,
                               self.outside_queue.p90_ms)
-            session = self._session(request, req.user, kind)
+            session = self._session(request, req.user, kind, agent)
             kind_of = (req.model, qos.tenant, qos.priority, qos.ttft_objective_ms)
             if (refused := self.refusals.recall(kind_of)) is not None:
                 raise refused
@@ -281,7 +303,8 @@ class _Gateway:
         hide = self.config.hide_routing_details
         if req.stream:
             if kind is MESSAGES:
-                events = message_events(rid, req.model, route.prompt_tokens, answer.items(), answer.usage, hide)
+                events = message_events(rid, req.model, route.prompt_tokens, answer.items(), answer.usage, hide,
+                                        shape)
             elif builder is not None:
                 events = response_events(builder, answer.items(), answer.usage)
             else:
@@ -294,7 +317,7 @@ class _Gateway:
         except ApiError as exc:
             return self._shaped(shown(exc, hide), kind, headers)
         if kind is MESSAGES:
-            return JSONResponse(message_body(rid, req.model, out), headers=headers)
+            return JSONResponse(message_body(rid, req.model, out, shape), headers=headers)
         return JSONResponse(builder.from_chat(out) if builder is not None else out, headers=headers)
 
     async def count_tokens(self, request: Request) -> Response:
@@ -310,15 +333,8 @@ class _Gateway:
             # must meet the same 429, not starve generation's tokenizing.
             lease = self.inflight.acquire(1)
             body = await read_json(request, self.config.max_body_bytes)
-            req = parse(ChatCompletionRequest, messages_chat_body(parse_messages(CountTokensRequest, body)))
-            target = self.mesh.resolve(req.model)
-            if target is None:
-                raise ApiError(404, f"the model {req.model[:200]!r} does not exist", param="model",
-                               code="model_not_found")
-            [msg] = processor_requests(rid, req, target)
-            counting = count_tokens(self.mesh, self.channels, msg, self.failed_processors,
-                                    min(COUNT_TIMEOUT_S, self.config.request_timeout_s))
-            tokens = await unless_gone(counting, request.receive)
+            message, _ = await self._edited(rid, parse_messages(CountTokensRequest, body))
+            tokens = await unless_gone(self._count(rid, message), request.receive)
         except ApiError as exc:
             return self._refuse(exc, rid, COUNT_TOKENS, headers)
         finally:
@@ -327,11 +343,31 @@ class _Gateway:
         self.metrics.requests.labels(COUNT_TOKENS.endpoint, "200").inc()
         return JSONResponse({"input_tokens": tokens}, headers=headers)
 
-    def _session(self, request: Request, user: str | None, kind: Kind) -> common_pb2.SessionRef | None:
+    async def _count(self, rid: str, message: CountTokensRequest) -> int:
+        """A Messages request's prompt tokens, counted by a processor (messages_count.py)."""
+        req = parse(ChatCompletionRequest, messages_chat_body(message))
+        target = self.mesh.resolve(req.model)
+        if target is None:
+            raise ApiError(404, f"the model {req.model[:200]!r} does not exist", param="model", code="model_not_found")
+        [msg] = processor_requests(rid, req, target)
+        return await count_tokens(self.mesh, self.channels, msg, self.failed_processors,
+                                  min(COUNT_TIMEOUT_S, self.config.request_timeout_s))
+
+    async def _edited(self, rid: str, message: CountTokensRequest) -> tuple[CountTokensRequest, MessageShape]:
+        """The Messages request with its context edits applied (context_edits.py), and the
+        answer's shape that reports them."""
+        edited, applied = await apply_edits(message, partial(self._count, rid))
+        if applied:
+            log.info("request %s: context edits applied: %s", rid,
+                     ", ".join(f"{e['type']} -{e['cleared_input_tokens']} tokens" for e in applied))
+        return edited, MessageShape.of(edited, applied)
+
+    def _session(self, request: Request, user: str | None, kind: Kind,
+                 agent: tuple[str, str] | None = None) -> common_pb2.SessionRef | None:
         """The request's agent session (sessions.py); on the Messages API a bad `user` is named
         as the field the client sent, `metadata.user_id`."""
         try:
-            return request_session(request.headers, user, self.config.session_from_user)
+            return request_session(request.headers, user, self.config.session_from_user, agent)
         except ApiError as exc:
             if kind is not MESSAGES or exc.param != "user":
                 raise

@@ -15,7 +15,9 @@ answer. Both endpoints take the gateway's API key like every other.
 
 `/v1/models` lists each base model and each adapter of one (`model_cards`), in the shape vLLM
 gives them: an adapter's `parent` is its base model and its `root` the path it was loaded from
-(when this gateway loaded it; the workers' records name adapters, not paths).
+(when this gateway loaded it; the workers' records name adapters, not paths). Each card's
+`max_model_len` is the context length its (base) model is served with: the smallest its decode
+workers publish (services/contract/served_context.py), the limit the processors enforce.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from fastapi import FastAPI, Request
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from services.contract.served_context import served_context
 from services.frontend import openapi
 from services.frontend.agent_schemas import valid_unicode
 from services.frontend.auth import check_api_key, presented_key
@@ -102,13 +105,17 @@ def answer(result: LoraResult) -> Response:
 
 def model_cards(mesh: MeshView, paths: dict[str, str]) -> list[dict[str, object]]:
     """`/v1/models`' entries: the base models, then their adapters, by name."""
-    cards = [_card(model, root=model, parent=None) for model in mesh.models()]
-    cards += [_card(name, root=paths.get(name), parent=base) for name, base in sorted(mesh.adapters().items())]
+    decoders = list(mesh.decoders.instances.values())
+    served = {model: served_context(decoders, model) for model in mesh.models()}
+    cards = [_card(model, root=model, parent=None, max_model_len=served[model]) for model in served]
+    cards += [_card(name, root=paths.get(name), parent=base, max_model_len=served.get(base))
+              for name, base in sorted(mesh.adapters().items())]
     return cards
 
 
-def _card(model: str, root: str | None, parent: str | None) -> dict[str, object]:
-    return {"id": model, "object": "model", "created": 0, "owned_by": "kvmesh", "root": root, "parent": parent}
+def _card(model: str, root: str | None, parent: str | None, max_model_len: int | None) -> dict[str, object]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "kvmesh", "root": root, "parent": parent,
+            "max_model_len": max_model_len}
 
 
 def check_runtime_lora(allowed: bool) -> None:

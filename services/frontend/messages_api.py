@@ -7,10 +7,17 @@ named function does). The chat answer becomes a Message, whole (`message_body`) 
 typed events (messages_events.py).
 
 How the two APIs meet:
-- `system` is the first (system) message; text blocks are joined as the chat path joins parts.
+- `system` is the first (system) message; text blocks are joined as the chat path joins parts. A
+  message with role `system` later in the conversation (Claude Code sends its environment so) is
+  a system message where it stands.
 - a user message's `tool_result` blocks are tool messages (`tool_call_id` = the block's
   `tool_use_id`), ahead of its text, as Anthropic requires them first; `is_error: true` opens the
   tool message's content with "Error: " (chat templates have no flag for it).
+- deferred tools (`defer_loading: true`) are left out of the template's tool list; a
+  `tool_reference` block in a tool_result (a client-side tool search's answer) loads the tool it
+  names: its definition is written into that tool message, where the search returned it, so the
+  prompt before it (the tool list included) stays what the prefix cache holds. A tool_choice that
+  names a deferred tool puts it in the tool list.
 - an assistant message's text, `thinking` (as `reasoning_content`) and `tool_use` blocks (as
   tool calls, their `input` as JSON arguments) are one assistant message; `redacted_thinking`
   is dropped (nothing another model can read). A last assistant message is a prefill: the answer
@@ -21,7 +28,7 @@ How the two APIs meet:
   `stop_sequences` its `stop`; `tool_choice` any/tool/none its required/named/none, with
   `disable_parallel_tool_use` as `parallel_tool_calls: false`; `thinking` enabled or disabled
   sets the template's `enable_thinking` and `thinking` switches (adaptive leaves its default);
-  `output_config.effort` is `reasoning_effort`, `output_config.format` (or the beta's
+  `output_config.effort` is `reasoning_effort` (xhigh and max as high), `output_config.format` (or the beta's
   top-level `output_format`) a strict JSON schema.
 - usage follows Anthropic's split: `input_tokens` are the prompt tokens not read from the prefix
   cache, `cache_read_input_tokens` those that were (with --hide-routing-details both are left
@@ -33,11 +40,13 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from services.frontend.endpoints import Kind
 from services.frontend.messages_schemas import (
     CountTokensRequest,
+    CustomTool,
     MessageIn,
     MessagesRequest,
     TextBlock,
@@ -60,19 +69,25 @@ COUNT_TOKENS = Kind("count_tokens", ChatCompletionRequest, "message_tokens_count
 # A chat finish reason as Anthropic's stop_reason ("stop" may also be a stop sequence: `stop_reason`).
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 TOOL_ERROR_PREFIX = "Error: "
+# How a loaded deferred tool reads in the tool message that loaded it.
+TOOL_LOADED = "Tool loaded, callable from now on: "
+TOOL_UNKNOWN = "No such tool: "
+TOOL_OFFERED = "Tool already available: "
+# Effort levels above the templates' highest.
+_EFFORTS = {"xhigh": "high", "max": "high"}
 
 
 def chat_body(req: CountTokensRequest) -> dict[str, Any]:
     """The chat completions body a Messages (or count_tokens) request means."""
-    out: dict[str, Any] = {"model": req.model, "messages": _messages(req)}
+    tools = {t.name: t for t in req.tools or ()}
+    out: dict[str, Any] = {"model": req.model, "messages": _messages(req, tools)}
     if req.messages[-1].role == "assistant":
         out["add_generation_prompt"] = False
         out["continue_final_message"] = True
-    if req.tools:
-        out["tools"] = [{"type": "function", "function": {
-            "name": t.name, **({"description": t.description} if t.description is not None else {}),
-            "parameters": t.input_schema, **({"strict": t.strict} if t.strict is not None else {})}}
-            for t in req.tools]
+    named = req.tool_choice.name if isinstance(req.tool_choice, ToolChoiceTool) else None
+    offered = [t for t in req.tools or () if not t.defer_loading or t.name == named]
+    if offered:
+        out["tools"] = [{"type": "function", "function": _function(t)} for t in offered]
     choice = req.tool_choice
     if choice is not None:
         if isinstance(choice, ToolChoiceTool):
@@ -87,7 +102,7 @@ def chat_body(req: CountTokensRequest) -> dict[str, Any]:
         out["chat_template_kwargs"] = {"enable_thinking": on, "thinking": on}
     config = req.output_config
     if config is not None and config.effort is not None:
-        out["reasoning_effort"] = config.effort
+        out["reasoning_effort"] = _EFFORTS.get(config.effort, config.effort)
     fmt = config.format if config is not None and config.format is not None else req.output_format
     if fmt is not None:
         out["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_,
@@ -110,12 +125,48 @@ def chat_body(req: CountTokensRequest) -> dict[str, Any]:
     return out
 
 
-def _messages(req: CountTokensRequest) -> list[dict]:
+def _function(tool: CustomTool) -> dict[str, Any]:
+    return {"name": tool.name, **({"description": tool.description} if tool.description is not None else {}),
+            "parameters": tool.input_schema, **({"strict": tool.strict} if tool.strict is not None else {})}
+
+
+def _messages(req: CountTokensRequest, tools: dict[str, CustomTool]) -> list[dict]:
     out: list[dict] = []
     if req.system:
         out.append({"role": "system", "content": _text(req.system)})
     for message in req.messages:
-        out.extend(_assistant(message) if message.role == "assistant" else _user(message))
+        if message.role == "assistant":
+            out.extend(_assistant(message))
+        elif message.role == "system":
+            out.append({"role": "system", "content": _text(message.content)})  # type: ignore[arg-type]
+        else:
+            out.extend(_user(message, tools))
+    return out
+
+
+def agent_session(req: CountTokensRequest) -> tuple[str, str] | None:
+    """The session an agent names in `metadata.user_id` without being asked: Claude Code sends
+    a JSON object there whose `session_id` is its conversation's id."""
+    user_id = req.metadata.user_id if isinstance(req, MessagesRequest) and req.metadata is not None else None
+    if not user_id or not user_id.startswith("{"):
+        return None
+    try:
+        value = json.loads(user_id)
+    except ValueError:
+        return None
+    session = value.get("session_id") if isinstance(value, dict) else None
+    return (session, "metadata.user_id") if isinstance(session, str) and session else None
+
+
+def nested_accepted(req: CountTokensRequest) -> list[str]:
+    """The parts of the request taken without effect (client_fields.NESTED_ACCEPTED)."""
+    out = []
+    if req.thinking is not None and getattr(req.thinking, "display", None) is not None:
+        out.append("thinking.display")
+    if any(t.eager_input_streaming is not None for t in req.tools or ()):
+        out.append("tools.eager_input_streaming")
+    if req.output_config is not None and req.output_config.effort in _EFFORTS:
+        out.append("output_config.effort.xhigh")
     return out
 
 
@@ -125,14 +176,14 @@ def _text(content: str | list[TextBlock]) -> str | list[dict]:
     return [{"type": "text", "text": block.text} for block in content]
 
 
-def _user(message: MessageIn) -> list[dict]:
+def _user(message: MessageIn, tools: dict[str, CustomTool]) -> list[dict]:
     if isinstance(message.content, str):
         return [{"role": "user", "content": message.content}]
     out: list[dict] = []
     parts: list[dict] = []
     for block in message.content:
         if isinstance(block, ToolResultBlock):
-            text = block.text()
+            text = _result_text(block, tools)
             out.append({"role": "tool", "tool_call_id": block.tool_use_id,
                         "content": TOOL_ERROR_PREFIX + text if block.is_error else text})
         elif isinstance(block, TextBlock):
@@ -142,6 +193,26 @@ def _user(message: MessageIn) -> list[dict]:
     if parts or not out:
         out.append({"role": "user", "content": parts})
     return out
+
+
+def _result_text(block: ToolResultBlock, tools: dict[str, CustomTool]) -> str:
+    """A tool result as the tool message's text; each tool_reference as the definition of the
+    deferred tool it loads, a tool already offered as named, and one the request does not define
+    as unknown."""
+    if block.content is None or isinstance(block.content, str):
+        return block.content or ""
+    pieces = []
+    for part in block.content:
+        if isinstance(part, TextBlock):
+            pieces.append(part.text)
+        elif (tool := tools.get(part.tool_name)) is None:
+            pieces.append(f"{TOOL_UNKNOWN}{part.tool_name}")
+        elif tool.defer_loading:
+            definition = {"type": "function", "function": _function(tool)}
+            pieces.append(TOOL_LOADED + json.dumps(definition, ensure_ascii=False))
+        else:
+            pieces.append(f"{TOOL_OFFERED}{part.tool_name}")
+    return "\n".join(pieces)
 
 
 def _assistant(message: MessageIn) -> list[dict]:
@@ -197,13 +268,32 @@ def usage(prompt: int, completion: int, cached: int | None) -> dict:
             "cache_read_input_tokens": cached}
 
 
-def message_body(rid: str, model: str, chat: dict) -> dict:
+@dataclass(frozen=True)
+class MessageShape:
+    """What a request asks of its answer's form beside the chat answer: thinking blocks without
+    their text (`thinking.display: omitted`), and the context edits applied, when it asked for
+    context management (reported as `context_management.applied_edits`)."""
+
+    omit_thinking: bool = False
+    applied_edits: list[dict] | None = None
+
+    @classmethod
+    def of(cls, req: CountTokensRequest, applied: list[dict]) -> MessageShape:
+        display = getattr(req.thinking, "display", None)
+        return cls(display == "omitted", applied if req.context_management is not None else None)
+
+    def reported(self) -> dict:
+        return {} if self.applied_edits is None else {"context_management": {"applied_edits": self.applied_edits}}
+
+
+def message_body(rid: str, model: str, chat: dict, shape: MessageShape = MessageShape()) -> dict:
     """The Message for a whole chat completion body (`Answer.collect`'s)."""
     choice = chat["choices"][0]
     message = choice["message"]
     content: list[dict] = []
     if message.get("reasoning_content"):
-        content.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
+        content.append({"type": "thinking", "thinking": "" if shape.omit_thinking else message["reasoning_content"],
+                        "signature": ""})
     if message.get("content"):
         content.append({"type": "text", "text": message["content"]})
     for call in message.get("tool_calls") or ():
@@ -216,4 +306,4 @@ def message_body(rid: str, model: str, chat: dict) -> dict:
     return {"id": "msg_" + rid, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": stop_reason(choice["finish_reason"], choice.get("stop_reason")),
             "stop_sequence": choice.get("stop_reason"),
-            "usage": usage(u["prompt_tokens"], u["completion_tokens"], cached)}
+            "usage": usage(u["prompt_tokens"], u["completion_tokens"], cached), **shape.reported()}

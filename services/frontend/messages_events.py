@@ -19,7 +19,7 @@ from typing import Any
 
 from gen.kvmesh.v1 import processor_pb2
 from services.frontend.errors import ApiError, shown
-from services.frontend.messages_api import stop_reason, usage
+from services.frontend.messages_api import MessageShape, stop_reason, usage
 from services.frontend.responses import finish_name, sse
 
 _TEXT, _THINKING = "text", "thinking"
@@ -33,7 +33,8 @@ def event(kind: str, **fields: Any) -> bytes:
 class _Blocks:
     """The message's content blocks as they open and close; each method returns the events."""
 
-    def __init__(self) -> None:
+    def __init__(self, omit_thinking: bool = False) -> None:
+        self.omit_thinking = omit_thinking
         self.count = 0
         # The block open now: ("text" | "thinking", -1) or ("tool_use", the call's index).
         self.open: tuple[str, int] | None = None
@@ -62,8 +63,9 @@ class _Blocks:
         out: list[bytes] = []
         if d.reasoning:
             out += self.ensure(_THINKING, -1, {"type": "thinking", "thinking": "", "signature": ""})
-            out.append(event("content_block_delta", index=self.count - 1,
-                             delta={"type": "thinking_delta", "thinking": d.reasoning}))
+            if not self.omit_thinking:  # `display: omitted`: the block, without its text
+                out.append(event("content_block_delta", index=self.count - 1,
+                                 delta={"type": "thinking_delta", "thinking": d.reasoning}))
         if d.text:
             out += self.ensure(_TEXT, -1, {"type": "text", "text": ""})
             out.append(event("content_block_delta", index=self.count - 1,
@@ -80,10 +82,11 @@ class _Blocks:
 
 
 async def message_events(rid: str, model: str, prompt_tokens: int, deltas: AsyncIterator[processor_pb2.ChoiceDelta],
-                         totals: processor_pb2.Usage, hide_details: bool) -> AsyncIterator[bytes]:
+                         totals: processor_pb2.Usage, hide_details: bool,
+                         shape: MessageShape = MessageShape()) -> AsyncIterator[bytes]:
     """The stream of one message. `totals` is complete when `deltas` ends (Answer.items);
     `hide_details` leaves the prefix-cache hit out of the usage and a failure's internals out of
-    its message (--hide-routing-details)."""
+    its message (--hide-routing-details); `shape` what the request asked of the answer's form."""
     start_usage = {"input_tokens": prompt_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0}
     if not hide_details:
         start_usage["cache_read_input_tokens"] = 0
@@ -91,7 +94,7 @@ async def message_events(rid: str, model: str, prompt_tokens: int, deltas: Async
                                           "content": [], "stop_reason": None, "stop_sequence": None,
                                           "usage": start_usage})
     yield event("ping")
-    blocks = _Blocks()
+    blocks = _Blocks(shape.omit_thinking)
     finish: str | None = None
     stop_sequence: str | None = None
     try:
@@ -113,5 +116,5 @@ async def message_events(rid: str, model: str, prompt_tokens: int, deltas: Async
     final = usage(totals.prompt_tokens, totals.completion_tokens, None if hide_details else totals.cached_tokens)
     yield event("message_delta", delta={"stop_reason": stop_reason(finish or "stop", stop_sequence),
                                         "stop_sequence": stop_sequence},
-                usage=final)
+                usage=final, **shape.reported())
     yield event("message_stop")

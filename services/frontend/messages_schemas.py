@@ -8,7 +8,10 @@ before validation (`refuse_unsupported`), so the 400 says what is not served rat
 key a block of another type lacks: image and document blocks (a text model), server tools (a tool
 with a `type` other than `custom`), `cache_control` other than `{type: ephemeral[, ttl]}` (accepted
 as a no-op: the mesh's prefix cache needs no breakpoints), `container`, `mcp_servers`,
-`context_management`, `inference_geo`, and a `service_tier` other than auto or standard_only.
+`inference_geo`, and a `service_tier` other than auto or standard_only. What agent clients send
+beside (context editing, deferred tools, mid-conversation system messages, effort levels) is
+read here and applied in messages_api.py and context_edits.py; client_fields.py says what each
+top-level field does.
 Every refusal's message opens with the field's path (`messages.0.content.1.type: ...`): Anthropic's
 error body has no `param` of its own.
 """
@@ -38,7 +41,6 @@ _SERVER_BLOCK = "server tool blocks are not supported: the mesh runs no server t
 _REFUSED: dict[str, tuple[str, Any]] = {
     "container": ("the mesh has no containers", None),
     "mcp_servers": ("MCP servers are not supported: send client tools", None),
-    "context_management": ("context management is not supported: send the context to use", None),
     "inference_geo": ("the mesh does not choose a geography", None),
     "service_tier": ("only auto and standard_only are served", lambda v: v not in ("auto", "standard_only", None)),
 }
@@ -73,17 +75,29 @@ class ToolUseBlock(_Closed):
     cache_control: CacheControl | None = None
 
 
+class ToolReferenceBlock(_Closed):
+    """A client-side tool search's answer inside a tool_result: the deferred tool it loads."""
+
+    type: Literal["tool_reference"]
+    tool_name: FunctionName
+    cache_control: CacheControl | None = None
+
+
+ResultPart = Annotated[TextBlock | ToolReferenceBlock, Field(discriminator="type")]
+
+
 class ToolResultBlock(_Closed):
     type: Literal["tool_result"]
     tool_use_id: ToolId
-    content: Text | list[TextBlock] | None = None
+    content: Text | list[ResultPart] | None = None
     is_error: bool = False
     cache_control: CacheControl | None = None
 
-    def text(self) -> str:
+    def references(self) -> list[str]:
+        """The deferred tools this result loads (tool_reference blocks), in order."""
         if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        return "".join(block.text for block in self.content)
+            return []
+        return [part.tool_name for part in self.content if isinstance(part, ToolReferenceBlock)]
 
 
 class ThinkingBlock(_Closed):
@@ -106,7 +120,9 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | R
 
 
 class MessageIn(_Closed):
-    role: Literal["user", "assistant"]
+    # `system` mid-conversation: Claude Code's instructions that change between turns
+    # (environment, reminders) come as system messages after the first user turn.
+    role: Literal["user", "assistant", "system"]
     content: Text | list[Block]
 
 
@@ -124,7 +140,8 @@ class CustomTool(_Closed):
     strict: bool | None = None
     # Tool input streams as it is generated whatever this says.
     eager_input_streaming: bool | None = None
-    defer_loading: Literal[False] | None = None
+    # Kept out of the prompt until a tool_reference block loads it (messages_api.py).
+    defer_loading: bool | None = None
 
 
 class _ToolChoiceBase(_Closed):
@@ -155,7 +172,7 @@ class ThinkingEnabled(_Closed):
     type: Literal["enabled"]
     # Anthropic's bounds (>= 1024, < max_tokens); the whole output is bounded by max_tokens.
     budget_tokens: Annotated[int, Field(ge=1024, le=UINT32_MAX), Integral]
-    display: Literal["summarized"] | None = None
+    display: Literal["summarized", "omitted"] | None = None
 
 
 class ThinkingDisabled(_Closed):
@@ -166,7 +183,7 @@ class ThinkingAdaptive(_Closed):
     """The model decides: its chat template's default."""
 
     type: Literal["adaptive"]
-    display: Literal["summarized"] | None = None
+    display: Literal["summarized", "omitted"] | None = None
 
 
 Thinking = Annotated[ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive, Field(discriminator="type")]
@@ -179,9 +196,52 @@ class JsonOutputFormat(_Closed):
 
 class OutputConfig(_Closed):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
-    # The template's reasoning_effort; the two levels above high have no counterpart there.
-    effort: Literal["low", "medium", "high"] | None = None
+    # The template's reasoning_effort; the two levels above high have no counterpart there and
+    # are taken as high (counted: client_fields.py).
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
     format: JsonOutputFormat | None = None
+
+
+class InputTokens(_Closed):
+    type: Literal["input_tokens"]
+    value: Annotated[int, Field(ge=0, le=UINT32_MAX), Integral]
+
+
+class ToolUses(_Closed):
+    type: Literal["tool_uses"]
+    value: Annotated[int, Field(ge=0, le=UINT32_MAX), Integral]
+
+
+class ClearToolUses(_Closed):
+    """Anthropic's tool result clearing: past `trigger`, the oldest tool results (and with
+    `clear_tool_inputs` their calls' inputs) give way to a placeholder, all but the last `keep`."""
+
+    type: Literal["clear_tool_uses_20250919"]
+    trigger: Annotated[InputTokens | ToolUses, Field(discriminator="type")] | None = None
+    keep: ToolUses | None = None
+    clear_at_least: InputTokens | None = None
+    exclude_tools: list[FunctionName] | None = None
+    clear_tool_inputs: bool | list[FunctionName] | None = None
+
+
+class ThinkingTurns(_Closed):
+    type: Literal["thinking_turns"]
+    value: Annotated[int, Field(ge=1, le=UINT32_MAX), Integral]
+
+
+class ClearThinking(_Closed):
+    """Anthropic's thinking clearing: the thinking of all but the last `keep` assistant turns
+    that have some is dropped (`all`: none is)."""
+
+    type: Literal["clear_thinking_20251015"]
+    keep: ThinkingTurns | Literal["all"] | None = None
+
+
+ContextEdit = Annotated[ClearToolUses | ClearThinking, Field(discriminator="type")]
+
+
+class ContextManagement(_Closed):
+    edits: Annotated[list[ContextEdit], Field(max_length=8)] = []
 
 
 class CountTokensRequest(BaseModel):
@@ -198,6 +258,7 @@ class CountTokensRequest(BaseModel):
     # The structured-outputs beta's name for output_config.format, which some clients still send.
     output_format: JsonOutputFormat | None = None
     cache_control: CacheControl | None = None
+    context_management: ContextManagement | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -254,7 +315,7 @@ def refuse_unsupported(body: dict) -> None:
         role = message.get("role") if isinstance(message, dict) else None
         for j, block in enumerate(content if isinstance(content, list) else ()):
             where = f"messages.{i}.content.{j}"
-            _refuse_block(block, where, BLOCK_TYPES)
+            _refuse_block(block, where, ("text",) if role == "system" else BLOCK_TYPES)
             misplaced = _MISPLACED.get(role) if isinstance(role, str) else None
             if isinstance(block, dict) and block.get("type") == misplaced:
                 # Dropped, the turn would render as something else than the client sent.
@@ -263,7 +324,7 @@ def refuse_unsupported(body: dict) -> None:
                               "invalid_value")
             inner = block.get("content") if isinstance(block, dict) and block.get("type") == "tool_result" else None
             for k, part in enumerate(inner if isinstance(inner, list) else ()):
-                _refuse_block(part, f"{where}.content.{k}", ("text",))
+                _refuse_block(part, f"{where}.content.{k}", ("text", "tool_reference"))
     tools = body.get("tools")
     for i, tool in enumerate(tools if isinstance(tools, list) else ()):
         if isinstance(tool, dict):
@@ -310,7 +371,8 @@ def _refuse_cache_control(value: object, where: str) -> None:
 # As schemas.py: the error that passed the type check says more than a union's type mismatches.
 _TYPE_ERRORS = frozenset({"string_type", "int_type", "float_type", "bool_type", "list_type", "dict_type",
                           "model_type", "none_required", "literal_error", "model_attributes_type"})
-_TAGS = BLOCK_TYPES | {"auto", "any", "tool", "none", "enabled", "disabled", "adaptive"}
+_TAGS = BLOCK_TYPES | {"auto", "any", "tool", "none", "enabled", "disabled", "adaptive", "tool_reference",
+                      "clear_tool_uses_20250919", "clear_thinking_20251015", "input_tokens", "tool_uses"}
 
 
 def _param(loc: tuple[int | str, ...]) -> str | None:
@@ -319,7 +381,8 @@ def _param(loc: tuple[int | str, ...]) -> str | None:
     parts: list[str] = []
     tag_dropped = False  # one tag per choice: a field named as its block's tag (`text`) stays
     for p in loc:
-        if isinstance(p, str) and (any(c in p for c in "[(") or p in {"str", "int", "float", "bool", "none"}):
+        if isinstance(p, str) and (any(c in p for c in "[(") or p in {"str", "int", "float", "bool", "none"}
+                                   or p[:1].isupper()):  # a union member's class name (field names are lower case)
             continue
         if (isinstance(p, str) and p in _TAGS and not tag_dropped and parts and parts[-1] not in ("type",)
                 and _is_tagged(parts[-1])):
@@ -333,4 +396,4 @@ def _param(loc: tuple[int | str, ...]) -> str | None:
 def _is_tagged(previous: str) -> bool:
     """Whether the part before is where a discriminated union chose (a list index, or one of
     the fields whose value is such a union)."""
-    return previous.isdigit() or previous in ("tool_choice", "thinking")
+    return previous.isdigit() or previous in ("tool_choice", "thinking", "trigger")

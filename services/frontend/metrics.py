@@ -40,3 +40,7 @@ class FrontendMetrics:
         self.refused_from_memory = Gauge("kvmesh_frontend_refused_from_memory_total",
                                          "overload refusals the gateway answered itself, repeating the mesh's last "
                                          "refusal of the same kind of request", registry=r)
+        # Fields agent clients send that the gateway takes without effect (client_fields.py).
+        self.client_fields = Counter("kvmesh_frontend_client_fields", "request fields taken without effect on the "
+                                     "answer, by API, field and effect (accepted or unknown)",
+                                     ["api", "field", "effect"], registry=r)

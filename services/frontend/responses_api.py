@@ -1,10 +1,11 @@
-"""`POST /v1/responses`, OpenAI's Responses API, stateless, over the chat path.
+"""`POST /v1/responses`, OpenAI's Responses API, stateless, over the chat path: the answer.
 
-A request becomes a chat completions body (input items to messages, `instructions` to a system
-message, Responses-shaped tools and `text.format` to their chat forms) and runs like any chat
-request; its deltas become the Response object or its stream of typed events. The mesh keeps no
-responses: `store: true`, `previous_response_id`, `conversation` and `background` are refused by
-name (a 400 with `param`), and an absent `store` is taken as false.
+A request becomes a chat completions body (responses_input.py) and runs like any chat request;
+its deltas become the Response object or its stream of typed events. Output items are numbered in
+the order they start (reasoning, then the message, then each call, as models write them); a call
+to a namespaced function carries `name` and `namespace` apart; a reasoning item carries its text,
+and with `include: ["reasoning.encrypted_content"]` the same text as a token the next turn can
+send back (responses_input.encode_reasoning).
 """
 
 from __future__ import annotations
@@ -17,108 +18,7 @@ from typing import Any
 from gen.kvmesh.v1 import processor_pb2
 from services.frontend.errors import ApiError
 from services.frontend.responses import SSE_DONE, finish_name, sse
-
-# Responses fields that need state or features the mesh does not have.
-_REFUSED = {
-    "store": ("the mesh keeps no responses: send store: false", lambda v: v not in (False, None)),
-    "previous_response_id": ("the mesh keeps no responses: send the whole conversation as input", None),
-    "conversation": ("the mesh keeps no conversations: send the whole conversation as input", None),
-    "background": ("background responses are not supported", lambda v: v not in (False, None)),
-    "include": ("`include` is not supported", lambda v: v not in ([], None)),
-    "prompt": ("stored prompt templates are not supported", None),
-}
-# Fields passed on to the chat body under the same name.
-_SAME = ("model", "temperature", "top_p", "top_k", "seed", "stream", "parallel_tool_calls", "user", "metadata",
-         "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "stop",
-         "structured_outputs", "chat_template_kwargs")
-
-
-def chat_body(body: dict) -> dict:
-    """The chat completions body a Responses request means; a 400 naming what cannot be served."""
-    for name, (reason, refuses) in _REFUSED.items():
-        if name in body and (refuses is None or refuses(body[name])):
-            raise ApiError(400, reason, param=name, code="unsupported_parameter")
-    out: dict[str, Any] = {k: body[k] for k in _SAME if k in body}
-    out["messages"] = _messages(body)
-    if "max_output_tokens" in body:
-        out["max_completion_tokens"] = body["max_output_tokens"]
-    if "tools" in body:
-        out["tools"] = [_tool(t, i) for i, t in enumerate(_list(body["tools"], "tools"))]
-    choice = body.get("tool_choice")
-    if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise ApiError(400, "tool_choice must be auto, none, required or {type: function, name}",
-                           param="tool_choice", code="invalid_value")
-        out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
-    elif choice is not None:
-        out["tool_choice"] = choice
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-        out["response_format"] = {"type": "json_schema", "json_schema": {
-            k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
-    elif isinstance(fmt, dict):
-        out["response_format"] = fmt
-    reasoning = body.get("reasoning")
-    if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
-        out["reasoning_effort"] = reasoning["effort"]
-    return out
-
-
-def _list(value: object, param: str) -> list:
-    if not isinstance(value, list):
-        raise ApiError(400, f"{param} must be a list", param=param, code="invalid_value")
-    return value
-
-
-def _tool(tool: object, i: int) -> dict:
-    if not isinstance(tool, dict) or tool.get("type") != "function":
-        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
-        raise ApiError(400, f"only function tools are supported, not {str(kind)[:40]!r}", param=f"tools.{i}",
-                       code="unsupported_parameter")
-    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
-    return {"type": "function", "function": function}
-
-
-def _messages(body: dict) -> list[dict]:
-    messages: list[dict] = []
-    if body.get("instructions"):
-        messages.append({"role": "system", "content": body["instructions"]})
-    items = body.get("input")
-    if isinstance(items, str):
-        return messages + [{"role": "user", "content": items}]
-    for i, item in enumerate(_list(items, "input")):
-        if not isinstance(item, dict):
-            raise ApiError(400, "each input item must be an object", param=f"input.{i}", code="invalid_value")
-        kind = item.get("type", "message")
-        if kind == "message":
-            messages.append({"role": item.get("role"), "content": _content(item.get("content"), i)})
-        elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
-                last["tool_calls"].append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output")})
-        elif kind != "reasoning":  # an earlier answer's reasoning is not sent back to the model
-            raise ApiError(400, f"input items of type {str(kind)[:40]!r} are not supported", param=f"input.{i}",
-                           code="unsupported_parameter")
-    return messages
-
-
-def _content(content: object, i: int) -> object:
-    if not isinstance(content, list):
-        return content
-    parts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text"):
-            raise ApiError(400, f"content parts of type {str(kind)[:40]!r} are not supported: this model takes "
-                                f"text only", param=f"input.{i}.content.{j}", code="unsupported_content")
-        parts.append({"type": "text", "text": part.get("text")})
-    return parts
+from services.frontend.responses_input import encode_reasoning, namespaced, wants_encrypted_reasoning
 
 
 @dataclass
@@ -143,9 +43,9 @@ class ResponseBuilder:
         self.text.append(d.text)
         self.reasoning.append(d.reasoning)
         for c in d.tool_calls:
-            call = self.calls.setdefault(c.index, {"id": f"fc_{c.id or self.rid}", "type": "function_call",
-                                                   "status": "completed", "call_id": c.id, "name": c.name,
-                                                   "arguments": ""})
+            call = self.calls.get(c.index)
+            if call is None:
+                call = self.calls[c.index] = function_call(c.id or self.rid, c.id, c.name, "")
             call["arguments"] += c.arguments
         if d.finish_reason:
             self.finish = finish_name(d.finish_reason) or ""
@@ -154,13 +54,19 @@ class ResponseBuilder:
         out: list[dict] = []
         reasoning = "".join(self.reasoning)
         if reasoning:
-            out.append({"id": f"rs_{self.rid}", "type": "reasoning", "summary": [],
-                        "content": [{"type": "reasoning_text", "text": reasoning}]})
+            out.append(self.reasoning_item(reasoning))
         text = "".join(self.text)
         if text or not self.calls:
             out.append(self.message(text, "completed"))
         out.extend(self.calls[i] for i in sorted(self.calls))
         return out
+
+    def reasoning_item(self, text: str) -> dict:
+        item = {"id": f"rs_{self.rid}", "type": "reasoning", "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}]}
+        if wants_encrypted_reasoning(self.request):
+            item["encrypted_content"] = encode_reasoning(text)
+        return item
 
     def message(self, text: str, status: str) -> dict:
         content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
@@ -189,9 +95,7 @@ class ResponseBuilder:
         self.text.append(message.get("content") or "")
         self.reasoning.append(message.get("reasoning_content") or "")
         for i, call in enumerate(message.get("tool_calls") or ()):
-            self.calls[i] = {"id": f"fc_{call['id']}", "type": "function_call", "status": "completed",
-                             "call_id": call["id"], "name": call["function"]["name"],
-                             "arguments": call["function"]["arguments"]}
+            self.calls[i] = function_call(call["id"], call["id"], call["function"]["name"], call["function"]["arguments"])
         self.finish = choice["finish_reason"] or ""
         u = chat["usage"]
         self.usage = {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
@@ -207,6 +111,16 @@ class ResponseBuilder:
                       "output_tokens_details": {"reasoning_tokens": 0}}
 
 
+def function_call(item_id: str, call_id: str, name: str, arguments: str) -> dict:
+    """A function_call output item; a namespaced function's name split back (responses_input)."""
+    function, namespace = namespaced(name)
+    item = {"id": f"fc_{item_id}", "type": "function_call", "status": "completed", "call_id": call_id,
+            "name": function, "arguments": arguments}
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
+
+
 async def response_events(builder: ResponseBuilder, deltas: AsyncIterator[processor_pb2.ChoiceDelta],
                           usage: processor_pb2.Usage) -> AsyncIterator[bytes]:
     """The Responses stream: created, the message's text deltas, each tool call's argument
@@ -220,43 +134,65 @@ async def response_events(builder: ResponseBuilder, deltas: AsyncIterator[proces
 
     yield event("response.created", response=builder.body("in_progress"))
     yield event("response.in_progress", response=builder.body("in_progress"))
-    msg_id, text_open, opened_calls = f"msg_{builder.rid}", False, set()
+    msg_id, rs_id = f"msg_{builder.rid}", f"rs_{builder.rid}"
+    # Output indexes in the order items start: "reasoning", "message", or a call's index.
+    opened: dict[str | int, int] = {}
     try:
         async for d in deltas:
             builder.add(d)
+            if d.reasoning:
+                if "reasoning" not in opened:
+                    opened["reasoning"] = len(opened)
+                    yield event("response.output_item.added", output_index=opened["reasoning"],
+                                item={"id": rs_id, "type": "reasoning", "summary": []})
+                yield event("response.reasoning_text.delta", item_id=rs_id, output_index=opened["reasoning"],
+                            content_index=0, delta=d.reasoning)
             if d.text:
-                if not text_open:
-                    text_open = True
-                    yield event("response.output_item.added", output_index=0, item=builder.message("", "in_progress"))
-                    yield event("response.content_part.added", item_id=msg_id, output_index=0, content_index=0,
-                                part={"type": "output_text", "text": "", "annotations": []})
-                yield event("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0,
-                            delta=d.text, logprobs=[])
+                if "message" not in opened:
+                    opened["message"] = len(opened)
+                    yield event("response.output_item.added", output_index=opened["message"],
+                                item=builder.message("", "in_progress"))
+                    yield event("response.content_part.added", item_id=msg_id, output_index=opened["message"],
+                                content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                yield event("response.output_text.delta", item_id=msg_id, output_index=opened["message"],
+                            content_index=0, delta=d.text, logprobs=[])
             for c in d.tool_calls:
                 call = builder.calls[c.index]
-                index = 1 + c.index
-                if c.index not in opened_calls:
-                    opened_calls.add(c.index)
-                    yield event("response.output_item.added", output_index=index,
+                if c.index not in opened:
+                    opened[c.index] = len(opened)
+                    yield event("response.output_item.added", output_index=opened[c.index],
                                 item={**call, "arguments": "", "status": "in_progress"})
                 if c.arguments:
-                    yield event("response.function_call_arguments.delta", item_id=call["id"], output_index=index,
-                                delta=c.arguments)
+                    yield event("response.function_call_arguments.delta", item_id=call["id"],
+                                output_index=opened[c.index], delta=c.arguments)
     except ApiError as exc:
         yield event("error", code=exc.code, message=exc.message, param=exc.param)
         yield SSE_DONE
         return
     builder.set_usage(usage)
-    text = "".join(builder.text)
-    if text_open:
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        yield event("response.output_text.done", item_id=msg_id, output_index=0, content_index=0, text=text, logprobs=[])
-        yield event("response.content_part.done", item_id=msg_id, output_index=0, content_index=0, part=part)
-        yield event("response.output_item.done", output_index=0, item=builder.message(text, "completed"))
-    for i in sorted(builder.calls):
-        call = builder.calls[i]
-        yield event("response.function_call_arguments.done", item_id=call["id"], output_index=1 + i,
-                    name=call["name"], arguments=call["arguments"])
-        yield event("response.output_item.done", output_index=1 + i, item=call)
+    for key, index in opened.items():
+        for kind, fields in _item_done(builder, key, index):
+            yield event(kind, **fields)
     body = builder.body()
     yield event("response.completed" if body["status"] == "completed" else "response.incomplete", response=body)
+
+
+def _item_done(builder: ResponseBuilder, key: str | int, index: int) -> list[tuple]:
+    """The events that end one output item: (event type, fields)."""
+    if key == "reasoning":
+        text = "".join(builder.reasoning)
+        return [("response.reasoning_text.done", {"item_id": f"rs_{builder.rid}", "output_index": index,
+                                                   "content_index": 0, "text": text}),
+                ("response.output_item.done", {"output_index": index, "item": builder.reasoning_item(text)})]
+    if key == "message":
+        text = "".join(builder.text)
+        ids = {"item_id": f"msg_{builder.rid}", "output_index": index, "content_index": 0}
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        return [("response.output_text.done", {**ids, "text": text, "logprobs": []}),
+                ("response.content_part.done", {**ids, "part": part}),
+                ("response.output_item.done", {"output_index": index, "item": builder.message(text, "completed")})]
+    assert isinstance(key, int)
+    call = builder.calls[key]
+    return [("response.function_call_arguments.done", {"item_id": call["id"], "output_index": index,
+                                                       "name": call["name"], "arguments": call["arguments"]}),
+            ("response.output_item.done", {"output_index": index, "item": call})]

@@ -1,7 +1,9 @@
 """Which agent session a request belongs to, read at the edge.
 
-A session is named by the `x-session-id` header; where the gateway runs with `--session-from-user`,
-a request without the header is in the session its body's `user` names (OpenAI's field; the
+A session is named by the `x-session-id` header; without one, by the conversation id an agent
+client sends on its own (Claude Code's `metadata.user_id` carries a JSON object with its
+`session_id`; Codex sends `prompt_cache_key`); where the gateway runs with `--session-from-user`,
+a request without either is in the session its body's `user` names (OpenAI's field; the
 Messages API's `metadata.user_id` arrives as the same field). A sub-agent names its parent
 session in `x-parent-session-id`: it is placed where the parent's prefix is (the router's
 session bindings, services/routing/session_bindings.py). Ids travel into etcd keys and logs, so
@@ -22,11 +24,16 @@ PARENT_SESSION_HEADER = "x-parent-session-id"
 MAX_SESSION_CHARS = 256
 
 
-def request_session(headers: Mapping[str, str], user: str | None, from_user: bool) -> common_pb2.SessionRef | None:
-    """The request's session (None: it belongs to none). `user`: the body's `user` field, the
-    session id when `from_user` (--session-from-user) and no header names one."""
+def request_session(headers: Mapping[str, str], user: str | None, from_user: bool,
+                    agent: tuple[str, str] | None = None) -> common_pb2.SessionRef | None:
+    """The request's session (None: it belongs to none). `agent`: the conversation id an agent
+    client sends on its own and the field it came in (Claude Code's `metadata.user_id`
+    session_id, Codex's `prompt_cache_key`), the session when no header names one; `user`: the body's `user` field,
+    the session id when `from_user` (--session-from-user) and neither names one."""
     session_id = headers.get(SESSION_HEADER)
     where = SESSION_HEADER
+    if session_id is None and agent is not None:
+        session_id, where = agent
     if session_id is None and from_user and user:
         session_id, where = user, "user"
     parent = headers.get(PARENT_SESSION_HEADER)

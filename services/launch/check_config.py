@@ -18,7 +18,7 @@ from services.launch.config import LaunchConfig, with_demo_adapters
 from services.mesh.etcd_member import etcd_binary
 from services.launch.plan import plan_children
 from services.mesh.flags import die
-from services.tools.make_demo_model import DEFAULT_DIR, write_demo_model
+from services.tools.make_demo_model import ensure_demo_model
 
 # A child imports its engine before it checks (vLLM takes a while on a busy machine).
 CHECK_TIMEOUT_S = 120.0
@@ -51,10 +51,8 @@ def _model(cfg: LaunchConfig) -> str:
     it (it is a cache, not a process), silently: a check prints nothing but its one line."""
     if cfg.model:
         return str(Path(cfg.model).resolve())
-    if (DEFAULT_DIR / "config.json").exists():
-        return str(DEFAULT_DIR.resolve())
     with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull), contextlib.redirect_stderr(devnull):
-        return str(write_demo_model(DEFAULT_DIR))
+        return str(ensure_demo_model())
 
 
 async def _first_failure(children: list[Child]) -> str | None:

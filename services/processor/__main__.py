@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from dataclasses import replace
 
 from prometheus_client import CollectorRegistry
 
 from gen.kvmesh.v1 import processor_pb2, processor_pb2_grpc
+from services.contract.served_context import MAX_MODEL_LEN
 from services.contract.worker_roles import RoleName
 from services.routing.admission.admission_metrics import AdmissionMetrics
 from services.routing.admission.gate import Admission
@@ -18,7 +20,17 @@ from services.routing.session_store import follow_sessions
 from services.routing.router import Router
 from services.routing.router_metrics import KvTruthMetrics, RouterMetrics
 from services.routing.worker_pool import SYNC_TIMEOUT_S, WorkerPool
-from services.mesh.discovery import DECODE_WORKER, PROCESSOR, ROUTER, InstanceInfo, new_instance_id
+from services.mesh.discovery import (
+    DECODE_WORKER,
+    PROCESSOR,
+    ROUTER,
+    ComponentView,
+    InstanceInfo,
+    instance_key,
+    new_instance_id,
+)
+from services.mesh.etcd_lease import LeasedRegistration
+from services.mesh.etcd_store import StoreUnavailable
 from services.mesh.config_error import validated
 from services.mesh.flags import (
     FlagParser,
@@ -35,6 +47,7 @@ from services.routing.router_client import RouterClient, Routes
 from services.mesh.service_runner import ServiceRunner, run_service
 from services.mesh.tracing import Tracing, start_tracing
 from services.processor.flags import add_processor_flags
+from services.processor.context_limit import ContextLimit
 from services.processor.local_router import LocalRouter
 from services.processor.output_parsers import OutputParsers
 from services.processor.service import ProcessorConfig, ProcessorMetrics, ProcessorServicer
@@ -55,16 +68,15 @@ def parser() -> FlagParser:
 
 
 async def _routing(runner: ServiceRunner, args: argparse.Namespace, registry: CollectorRegistry,
-                   tracing: Tracing, namespace: str) -> Routes:
-    """The routers over sessions, or (`--routing local`) this process's own decode pool index,
-    synced with the workers' caches before the processor registers (as a router does)."""
+                   tracing: Tracing, namespace: str, decoders: ComponentView) -> Routes:
+    """The routers over sessions, or (`--routing local`) this process's own decode pool index
+    over `decoders`, synced with the workers' caches before the processor registers (as a router does)."""
     if args.routing == "service":
         client = RouterClient(await runner.watch_component(ROUTER), runner.sessions)
         runner.on_teardown("drop routing feedback not sent", client.close)
         return client
     config = router_config(args)
-    pool = WorkerPool(await runner.watch_component(DECODE_WORKER), runner.channels, config.kv_truth,
-                      KvTruthMetrics(registry))
+    pool = WorkerPool(decoders, runner.channels, config.kv_truth, KvTruthMetrics(registry))
     runner.on_teardown("stop decode worker subscriptions", pool.stop)
     late = await pool.wait_synced(SYNC_TIMEOUT_S)
     if late:
@@ -78,6 +90,20 @@ async def _routing(runner: ServiceRunner, args: argparse.Namespace, registry: Co
     bindings = await follow_sessions(runner, namespace, session_config(args))
     router = Router({RoleName.DECODE: pool}, config, RouterMetrics(registry), gate, bindings)
     return LocalRouter(router, tracing)
+
+
+async def _publish_context(context: ContextLimit, registration: LeasedRegistration, key: str,
+                           info: InstanceInfo) -> None:
+    """Keeps the processor's record's `max_model_len` at the context length it enforces. A write
+    etcd does not take now is not retried here: the registration puts its keys (this value among
+    them) again when it registers anew after an outage, and the next change writes it too."""
+    async for tokens in context.changes():
+        record = replace(info, extra={**info.extra, MAX_MODEL_LEN: tokens})
+        registration.farewell[key] = replace(record, leaving=True).to_json()
+        try:
+            await registration.put(key, record.to_json())
+        except StoreUnavailable as exc:
+            log.warning("could not publish the context length %d in etcd: %s", tokens, exc)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -97,18 +123,25 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = ModelTokenizer(model.model_dir)
         await runner.connect_store()
         registry = CollectorRegistry()
-        routers = await _routing(runner, args, registry, tracing, mesh.namespace)
+        # The decode pool: the context length its workers serve is the one enforced (context_limit.py).
+        decoders = await runner.watch_component(DECODE_WORKER)
+        context = ContextLimit(config.served_model_name, tokenizer.config_context)
+        context.follow(decoders)
+        routers = await _routing(runner, args, registry, tracing, mesh.namespace, decoders)
         parsers = validated(lambda: OutputParsers(tokenizer.hf, args.tool_call_parser, args.reasoning_parser))
         servicer = ProcessorServicer(config, tokenizer, routers, runner.sessions, ProcessorMetrics(registry), tracing,
-                                     parsers)
+                                     parsers, context)
         binding = ServiceBinding(processor_pb2_grpc.add_ProcessorServicer_to_server, servicer,
                                  processor_pb2.DESCRIPTOR.services_by_name["Processor"].full_name)
         port, _ = await runner.serve_grpc([binding], args.port)
         metrics_port = runner.serve_metrics(registry, args.metrics_port)
         info = InstanceInfo(component=PROCESSOR, instance_id=new_instance_id(), address=f"{mesh.advertise_host}:{port}",
                             model=config.served_model_name, metrics_port=metrics_port,
-                            extra={"max_model_len": tokenizer.max_model_len})
-        await runner.register(info)
+                            extra={MAX_MODEL_LEN: context.tokens})
+        registration = await runner.register(info)
+        runner.watch(asyncio.create_task(_publish_context(context, registration, instance_key(mesh.namespace, info),
+                                                          info), name="publish context length"),
+                     "publishing the context length")
         log.info("processor %s for %s at %s", info.instance_id, config.served_model_name, info.address)
 
     run_service(PROCESSOR, mesh, assemble)

@@ -1,10 +1,11 @@
 """The processor: prompt -> tokens -> router -> decode worker -> text, streamed back.
 
 Per request it tokenizes (chat template or plain text, or takes token ids), checks the context
-length, asks a router for a worker, streams each of the `n` choices (choice_stream.py: tokens to
-text, retry and migration when a worker fails) and reports usage. The choices run concurrently
-on the worker the router chose. What each worker's engine found cached of the prompt goes back to
-the router that chose it (`Routes.report`), once per routing.
+length the model is served with (its decode workers', context_limit.py), asks a router for a
+worker, streams each of the `n` choices (choice_stream.py: tokens to text, retry and migration
+when a worker fails) and reports usage. The choices run concurrently on the worker the router
+chose. What each worker's engine found cached of the prompt goes back to the router that chose it
+(`Routes.report`), once per routing.
 
 Traced as a `generate` span (under the gateway's) with a `tokenize` child; the router's `route`
 and the workers' `decode` spans join it through the calls' metadata. A request that asks to
@@ -49,6 +50,7 @@ from services.processor.choice_stream import (
     Started,
 )
 from services.processor.chat_render import chat_prompt, forced_tool_output
+from services.processor.context_limit import ContextLimit
 from services.processor.output_parsers import OutputParsers
 from services.processor.prompt_errors import ContextLengthError, PromptError
 from services.processor.tokenizer import LARGE_TEXT_CHARS, ModelTokenizer
@@ -103,8 +105,11 @@ class ProcessorMetrics:
 class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
     def __init__(self, config: ProcessorConfig, tokenizer: ModelTokenizer, routers: Routes,
                  sessions: SessionPool, metrics: ProcessorMetrics, tracing: Tracing = TRACING_OFF,
-                 parsers: OutputParsers | None = None) -> None:
+                 parsers: OutputParsers | None = None, context: ContextLimit | None = None) -> None:
+        """`context`: the context length to enforce, followed from the decode workers
+        (context_limit.py); None: the model's config.json alone, as with no worker known."""
         self._config = config
+        self._context = context or ContextLimit(config.served_model_name, tokenizer.config_context)
         self._parsers = parsers or OutputParsers(None)
         self._tracing = tracing
         self._tok = tokenizer
@@ -140,7 +145,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
             await abort_with(context, CallError(common_pb2.OUTCOME_OVERLOADED, "processor overloaded"))
         self.inflight += 1  # a large prompt's tokenizing (in a thread) is work in flight too
         try:
-            check_request(request, self._tok.max_model_len)
+            check_request(request, self._context.tokens)
             tokens = await self._tokenize(request)
         except PromptError as exc:
             await abort_with(context, _refused(exc))
@@ -167,7 +172,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         if span.is_recording():
             span.set_attributes({"kvmesh.request_id": rid, "kvmesh.n": max(request.n, 1)})
         try:
-            check_request(request, self._tok.max_model_len)
+            check_request(request, self._context.tokens)
             for resumed in request.resume:
                 # Resumed ids go to an engine as they are: the same checks as a prompt's.
                 self._tok.check_ids(list(resumed.token_ids))
@@ -226,7 +231,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         max_tokens gets `default_max_tokens` (or the room left, if less): a generation nobody
         bounded must not pin a worker for minutes. A required or named tool_choice becomes the
         structured output that enforces it."""
-        context = self._tok.max_model_len
+        context = self._context.tokens
         if prompt_len >= context:
             raise context_error(prompt_len, context)
         out = common_pb2.SamplingParams()

@@ -29,7 +29,9 @@ class ModelTokenizer:
         # The Rust tokenizer: prompts are encoded with it, and the detokenizer lanes read its vocabulary and decoder.
         self._fast: Any = getattr(self._hf, "_tokenizer", None) or self._hf.backend_tokenizer
         config = json.loads((Path(model_dir) / "config.json").read_text())
-        self.max_model_len = int(config.get("max_position_embeddings", 4096))
+        # The model's own context length: what the processor enforces only while no decode worker
+        # publishes the one it serves (context_limit.py).
+        self.config_context = int(config.get("max_position_embeddings", 4096))
         self.vocab_size = max(int(config.get("vocab_size", 0)), len(self._hf))
         eos = config.get("eos_token_id")
         ids = eos if isinstance(eos, list) else [eos]

@@ -4,16 +4,23 @@ The model is useless as a language model but exercises the real loading path of 
 and tokenizer, in Hugging Face layout, so any real model directory can replace it.
 
     python -m services.tools.make_demo_model --out DIR
+
+The directory records the spec it was built from (`kvmesh_demo.json`); `ensure_demo_model` builds
+it again when that is not the spec asked for (a new default context length, say), so `make
+install` and the launcher never serve a demo model built to an older spec.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 CORPUS = Path(__file__).with_name("corpus.txt")
@@ -41,6 +48,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 DEFAULT_DIR = Path(".cache/models/kvmesh-demo")
+# The spec a demo model directory was built from.
+SPEC_FILE = "kvmesh_demo.json"
 
 
 @dataclass(frozen=True)
@@ -51,7 +60,12 @@ class DemoModelSpec:
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
-    max_context: int = 4096
+    # Agents send 20-35k tokens of system prompt and tools (of a real model's tokenizer, ~4
+    # characters each) before the first user word. This tokenizer's vocabulary (trained on
+    # corpus.txt) is small: ~120,000 characters take 60k tokens as English, 76k as Python, 93k as
+    # JSON tool schemas. 131072 holds such a start with room for a long session; vLLM on CPU
+    # serves it at the same start cost as 4096 (docs/reference.md, "Engines").
+    max_context: int = 131072
     seed: int = 0
 
 
@@ -80,8 +94,10 @@ def build_tokenizer(spec: DemoModelSpec):
     )
 
 
-def write_demo_model(out: Path, spec: DemoModelSpec = DemoModelSpec()) -> Path:
-    """Builds the model into a temp dir and renames it into place, so a crash leaves no half model."""
+def write_demo_model(out: Path, spec: DemoModelSpec = DemoModelSpec(), replace: bool = False) -> Path:
+    """Builds the model into a temp dir and renames it into place, so a crash leaves no half model.
+    A model already at `out` is kept (another process finished first), or with `replace` moved
+    aside and removed once the new one is in place."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -111,7 +127,9 @@ def write_demo_model(out: Path, spec: DemoModelSpec = DemoModelSpec()) -> Path:
         GenerationConfig(
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
         ).save_pretrained(staging)
-        (staging / "kvmesh_demo.json").write_text(json.dumps(spec.__dict__, indent=1))
+        (staging / SPEC_FILE).write_text(json.dumps(asdict(spec), indent=1))
+        if replace and out.exists():
+            os.rename(out, Path(tmp) / "replaced")  # removed with the temp dir
         try:
             os.rename(staging, out)
         except OSError:
@@ -122,12 +140,42 @@ def write_demo_model(out: Path, spec: DemoModelSpec = DemoModelSpec()) -> Path:
 
 
 def ensure_demo_model(path: Path = DEFAULT_DIR, spec: DemoModelSpec = DemoModelSpec()) -> Path:
-    """Returns the demo model directory, creating it on first use."""
-    if (path / "config.json").exists():
+    """Returns the demo model directory, creating it on first use, and again when it was built
+    from another spec. Built under a lock file beside it, so processes that start together build
+    it once; the others wait and find it built."""
+    if built_spec(path) == asdict(spec):
         _refresh_template(path)
         return path.resolve()
-    print(f"creating the demo model in {path} (first run only) ...", file=sys.stderr, flush=True)
-    return write_demo_model(path, spec)
+    with _building(path):
+        built = built_spec(path)
+        if built == asdict(spec):
+            return path.resolve()
+        if (path / "config.json").exists():
+            changed = ", ".join(f"{k} {(built or {}).get(k)} -> {v}" for k, v in asdict(spec).items()
+                                if (built or {}).get(k) != v)
+            print(f"rebuilding the demo model in {path} ({changed}) ...", file=sys.stderr, flush=True)
+        else:
+            print(f"creating the demo model in {path} (first run only) ...", file=sys.stderr, flush=True)
+        return write_demo_model(path, spec, replace=True)
+
+
+def built_spec(path: Path) -> dict[str, object] | None:
+    """The spec the model at `path` was built from; None when there is no model there, or one that
+    does not say."""
+    try:
+        if (path / "config.json").exists():
+            return json.loads((path / SPEC_FILE).read_text())
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+@contextmanager
+def _building(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _refresh_template(path: Path) -> None:
@@ -147,10 +195,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_DIR)
     parser.add_argument("--max-context", type=int, default=DemoModelSpec.max_context, help="context length in tokens")
     args = parser.parse_args()
-    if (args.out / "config.json").exists():
-        print(f"{args.out} already holds a model; nothing to do", file=sys.stderr)
-        return
-    print(write_demo_model(args.out, DemoModelSpec(max_context=args.max_context)))
+    # Nothing to do where the model was built from this spec; built again where from another.
+    print(ensure_demo_model(args.out, DemoModelSpec(max_context=args.max_context)))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,8 @@ class EngineConfig:
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
+    # mocker: answers end after this many tokens (0: at max_tokens).
+    answer_tokens: int = 0
     # "nixl": this worker exchanges prompt KV with peers of the other role.
     kv_transfer: str = "none"
     # The address NIXL peers use to reach this worker.
@@ -88,6 +90,8 @@ class EngineConfig:
             raise ConfigError(f"--host-kv-gbps must be > 0, got {self.host_kv_gbps}")
         if self.engine == "vllm" and self.host_kv_blocks:
             self._check_vllm_host_tier()
+        if self.engine == "vllm" and self.answer_tokens:
+            raise ConfigError("--answer-tokens is the mocker's: a vLLM model's answers end where the model ends them")
         if self.session_pin_blocks < -1:
             raise ConfigError(f"--session-pin-blocks must be >= 0, or -1 for a quarter of the device's blocks; "
                               f"got {self.session_pin_blocks}")
@@ -129,7 +133,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
                    help="mocker: a worker profile file (python -m services.planner profile) to run as its "
                         "timing, instead of --timing")
     g.add_argument("--max-num-seqs", type=positive_int, default=None, help="running requests per worker")
-    g.add_argument("--max-model-len", type=positive_int, default=None)
+    g.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="the context length served (prompt plus output), in tokens, published with the worker "
+                        "and enforced by the processors (default: the model's max_position_embeddings; vLLM "
+                        "serves at most that, the mocker any length)")
+    g.add_argument("--answer-tokens", type=non_negative_int, default=0, metavar="N",
+                   help="mocker: each answer ends with the model's end-of-sequence token after N tokens, as a "
+                        "model's answers end (0 = every answer runs to max_tokens); agent clients need answers "
+                        "that end")
     g.add_argument("--kv-bytes-per-token", type=positive_int, default=DEFAULT_KV_BYTES_PER_TOKEN,
                    help="mocker: size of the synthetic KV moved per prompt token")
     g.add_argument("--host-kv-blocks", type=non_negative_int, default=0,
@@ -184,6 +195,7 @@ def engine_config(args: argparse.Namespace, advertise_host: str = "127.0.0.1") -
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         kv_bytes_per_token=args.kv_bytes_per_token,
+        answer_tokens=args.answer_tokens,
         kv_transfer=getattr(args, "kv_transfer", "none"),
         advertise_host=advertise_host,
         host_kv_blocks=args.host_kv_blocks,

@@ -8,10 +8,11 @@ import json
 import httpx
 
 from testkit.metrics import scrape, total, value
+from tests.conftest import MESH_CONTEXT
 from tests.procs import Mesh, wait_until
 
 MODEL = "kvmesh-demo"
-CONTEXT = 4096  # the demo model's
+CONTEXT = MESH_CONTEXT  # the mocker mesh's served context length (its workers' --max-model-len)
 API_KEY = "s3cret"
 GUARDED_INFLIGHT = 4
 MSG = [{"role": "user", "content": "x"}]

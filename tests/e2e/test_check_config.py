@@ -43,6 +43,7 @@ MORE_BAD = [
     ("services.decode_worker", [*WORKER, "--start-as", "prefill"], "--switchable"),
     ("services.decode_worker", [*WORKER, "--switchable"], "--kv-transfer nixl"),
     ("services.decode_worker", [*WORKER, "--host-kv-gbps", "0"], "--host-kv-gbps"),
+    ("services.decode_worker", ["--engine", "vllm", "--answer-tokens", "5"], "--answer-tokens"),
     ("services.kv_router", ["--host-overlap-weight", "1.5"], "--host-overlap-weight"),
     ("services.decode_worker", [*WORKER, "--timing-profile", "/no/such/profile.json"], "--timing-profile"),
     ("services.planner", ["--profile", "tpu-v9"], "--profile: no profile 'tpu-v9'"),

@@ -23,10 +23,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import Case, GenerationMode
 
 from testkit.metrics import scrape, value
+from tests.conftest import MESH_CONTEXT as CONTEXT  # the mocker mesh's served context length
 from tests.procs import Mesh
 
 MODEL = "kvmesh-demo"
-CONTEXT = 4096  # the demo model's
 # Cases per (operation, mode), about 600 in all (~10 s here). The GETs take no input: hypothesis
 # sends their one possible case once.
 BUDGET = {

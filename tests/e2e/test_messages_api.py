@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import json
+
 import anthropic
 import httpx
 import pytest
@@ -161,3 +163,39 @@ def test_a_stop_sequence_ends_the_message_and_is_named(client: anthropic.Anthrop
     assert whole.content[0].text == text[:text.find(stop)]
     events = list(client.messages.create(stream=True, stop_sequences=[stop], **kwargs))
     assert (events[-2].delta.stop_reason, events[-2].delta.stop_sequence) == ("stop_sequence", stop)
+
+
+def test_context_editing_clears_old_tool_results_and_reports_what_it_cleared(client: anthropic.Anthropic,
+                                                                             gateway: Gateway) -> None:
+    """Anthropic's context editing, applied by the gateway: the older of two tool results is
+    cleared, the prompt shrinks by what the processor counts, and the answer (whole and
+    streamed) says so."""
+    result = "sunny, 21 degrees, light wind from the west " * 40
+    history = [*ASK]
+    for n in (1, 2):
+        history += [{"role": "assistant", "content": [{"type": "tool_use", "id": f"toolu_{n}", "name": "get_weather",
+                                                       "input": {"city": "Paris"}}]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{n}",
+                                                  "content": result}]}]
+    edits = {"edits": [{"type": "clear_tool_uses_20250919", "trigger": {"type": "tool_uses", "value": 2},
+                        "keep": {"type": "tool_uses", "value": 1}}]}
+    body = {"model": MODEL, "max_tokens": 2, "tools": [WEATHER], "messages": history, "context_management": edits}
+    headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
+    whole = httpx.post(f"{gateway.url}/v1/messages", json=body, headers=headers, timeout=60)
+    assert whole.status_code == 200, whole.text
+    [applied] = whole.json()["context_management"]["applied_edits"]
+    unedited = client.messages.count_tokens(model=MODEL, tools=[WEATHER], messages=history).input_tokens
+    usage = whole.json()["usage"]
+    prompt = usage["input_tokens"] + usage.get("cache_read_input_tokens", 0)
+    assert applied["type"] == "clear_tool_uses_20250919" and applied["cleared_tool_uses"] == 1
+    assert applied["cleared_input_tokens"] == unedited - prompt > 200  # the long result is gone
+    counted = httpx.post(f"{gateway.url}/v1/messages/count_tokens", json={k: v for k, v in body.items()
+                                                                           if k != "max_tokens"}, headers=headers)
+    assert counted.json()["input_tokens"] == prompt  # count_tokens applies the edits too
+    streamed = httpx.post(f"{gateway.url}/v1/messages", json={**body, "stream": True}, headers=headers, timeout=60)
+    [delta] = [json.loads(line[5:]) for line in streamed.text.splitlines()
+               if line.startswith("data:") and '"message_delta"' in line]
+    assert delta["context_management"]["applied_edits"] == [applied]
+    # Nothing to clear (one tool use, kept): no count asked, nothing reported but the empty list.
+    one = httpx.post(f"{gateway.url}/v1/messages", json={**body, "messages": history[:3]}, headers=headers, timeout=60)
+    assert one.json()["context_management"] == {"applied_edits": []}

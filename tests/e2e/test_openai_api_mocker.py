@@ -190,7 +190,7 @@ def test_health_is_ok_when_router_and_worker_serve(mocker_mesh: Mesh) -> None:
 
 
 def test_a_request_without_max_tokens_is_bounded_by_the_default(mocker_client: openai.OpenAI) -> None:
-    # The demo model's context (4096) would allow ~4090 tokens; an unbounded request gets 2048.
+    # The mesh's context (4096) would allow ~4090 tokens; an unbounded request gets 2048.
     reply = mocker_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "go on"}],
                                                   extra_body={"ignore_eos": True})
     assert reply.usage.completion_tokens == 2048

@@ -6,6 +6,7 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import MESH_CONTEXT
 from tests.procs import Mesh, find_matches, wait_until
 
 pytestmark = pytest.mark.vllm
@@ -63,14 +64,15 @@ def test_logprobs_come_from_the_engine(vllm_client: openai.OpenAI) -> None:
 
 
 def test_bad_request_on_vllm_is_400_and_the_next_one_is_served(vllm_mesh: Mesh, vllm_client: openai.OpenAI) -> None:
+    # The limit is the one the vLLM workers serve (--max-model-len), not the demo model's 131072.
     r = httpx.post(f"{vllm_mesh.base_url}/completions",
-                   json={"model": MODEL, "prompt": [5] * 4096, "max_tokens": 1}, timeout=30)
-    assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
+                   json={"model": MODEL, "prompt": [5] * MESH_CONTEXT, "max_tokens": 1}, timeout=30)
+    assert r.status_code == 400 and f"context length is {MESH_CONTEXT} tokens" in r.json()["error"]["message"]
     assert vllm_client.completions.create(model=MODEL, prompt="ok", max_tokens=2).usage.completion_tokens == 2
 
 
 def test_models_and_health_on_vllm(vllm_mesh: Mesh, vllm_client: openai.OpenAI) -> None:
-    assert [m.id for m in vllm_client.models.list().data] == [MODEL]
+    assert [(m.id, m.max_model_len) for m in vllm_client.models.list().data] == [(MODEL, MESH_CONTEXT)]
     assert httpx.get(vllm_mesh.base_url.removesuffix("/v1") + "/health", timeout=10).status_code == 200
 
 

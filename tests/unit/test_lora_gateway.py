@@ -98,7 +98,10 @@ async def gateway(mesh: MeshView, admin: LoraAdmin | None = None, keys: tuple[st
 
 
 async def test_models_lists_the_base_model_then_each_adapter_with_its_parent() -> None:
-    mesh = mesh_of(worker("w1", adapters=("beta", "alpha")), worker("w2", adapters=("alpha",)),
+    # Each card says the context length its (base) model is served with: the smallest its decode
+    # workers publish (services/contract/served_context.py).
+    mesh = mesh_of(replace(worker("w1", adapters=("beta", "alpha")), extra={"max_model_len": 8192}),
+                   replace(worker("w2", adapters=("alpha",)), extra={"max_model_len": 4096}),
                    worker("w3", model="orphan", adapters=("lost",)))
     admin = LoraAdmin(mesh, ChannelPool())
     admin.paths["alpha"] = "/adapters/alpha"
@@ -106,11 +109,13 @@ async def test_models_lists_the_base_model_then_each_adapter_with_its_parent() -
         body = (await client.get("/v1/models")).json()
     assert body["object"] == "list"
     assert body["data"] == [
-        {"id": BASE, "object": "model", "created": 0, "owned_by": "kvmesh", "root": BASE, "parent": None},
+        {"id": BASE, "object": "model", "created": 0, "owned_by": "kvmesh", "root": BASE, "parent": None,
+         "max_model_len": 4096},
         {"id": "alpha", "object": "model", "created": 0, "owned_by": "kvmesh", "root": "/adapters/alpha",
-         "parent": BASE},
+         "parent": BASE, "max_model_len": 4096},
         # Loaded by another gateway (or at the worker's start): its path is not in the records.
-        {"id": "beta", "object": "model", "created": 0, "owned_by": "kvmesh", "root": None, "parent": BASE},
+        {"id": "beta", "object": "model", "created": 0, "owned_by": "kvmesh", "root": None, "parent": BASE,
+         "max_model_len": 4096},
     ]  # `lost` adapts a model no processor serves: not listed, as its base is not
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -12,7 +13,7 @@ from services.kv_protocol.events import KvRemoved, KvStored
 from services.engines.mocker.block_manager import BlockManager
 from services.engines.mocker.engine import MockerConfig, MockerEngine
 from services.engines.mocker.timing import TimingModel
-from services.tools.make_demo_model import ensure_demo_model
+from services.tools.make_demo_model import DemoModelSpec, ensure_demo_model
 from tests.procs import eventually
 
 BS = 4
@@ -125,6 +126,54 @@ async def test_a_request_resumed_on_another_worker_continues_exactly() -> None:
         await b.stop()
 
 
+async def test_answers_end_with_end_of_sequence_at_answer_tokens_unless_eos_is_ignored() -> None:
+    e = MockerEngine(MockerConfig(str(ensure_demo_model()), "demo", timing=TimingModel(speedup=float("inf")),
+                                  answer_tokens=6))
+    other = engine()
+    await e.start()
+    await other.start()
+    try:
+        prompt = list(range(20, 60))
+        eos = e.info.eos_token_ids[0]
+        out, _, finish = await run(e, "r1", prompt, 50)
+        plain, _, _ = await run(other, "r1", prompt, 50)
+        assert finish == "stop" and len(out) == 6 and out[-1] == eos
+        assert out[:5] == plain[:5]  # the same tokens up to the end: only where it ends differs
+        short, _, finish = await run(e, "r2", prompt, 4)
+        assert finish == "length" and len(short) == 4
+        ignored, _, finish = await run(e, "r3", prompt, 12, ignore_eos=True)
+        assert finish == "length" and len(ignored) == 12 and eos not in ignored
+        longer, _, finish = await run(e, "r4", prompt, 50, min_tokens=9)
+        assert finish == "stop" and len(longer) == 9
+        # Resumed on another worker after 3 tokens, the answer ends where it would have.
+        rest: list[int] = []
+        request = EngineRequest("r1~1", prompt + out[:3], Sampling(max_tokens=47), resumed_tokens=3)
+        async for o in e.generate(request):
+            rest += o.token_ids
+        assert out[:3] + rest == out
+    finally:
+        await e.stop()
+        await other.stop()
+
+
+async def test_with_answer_tokens_a_max_tokens_past_the_cache_is_served_as_the_answer_ends_sooner() -> None:
+    # 8 blocks of 16 tokens: a 40-token prompt with max_tokens 1,000 would need 65.
+    config = MockerConfig(str(ensure_demo_model()), "demo", num_gpu_blocks=8, timing=TimingModel(speedup=float("inf")))
+    ending, endless = MockerEngine(replace(config, answer_tokens=6)), MockerEngine(config)
+    await ending.start()
+    await endless.start()
+    try:
+        out, _, finish = await run(ending, "r1", list(range(20, 60)), 1000)
+        assert finish == "stop" and len(out) == 6
+        with pytest.raises(ValueError, match="KV blocks"):
+            await run(endless, "r1", list(range(20, 60)), 1000)
+        with pytest.raises(ValueError, match="KV blocks"):  # an answer that ignores EOS runs to max_tokens
+            await run(ending, "r2", list(range(20, 60)), 1000, ignore_eos=True)
+    finally:
+        await ending.stop()
+        await endless.stop()
+
+
 async def test_second_request_with_the_same_prefix_hits_the_cache() -> None:
     e = engine()
     await e.start()
@@ -173,6 +222,21 @@ async def test_a_request_larger_than_the_whole_cache_is_refused() -> None:
             await run(e, "big", list(range(100)), 10)
     finally:
         await e.stop()
+
+
+async def test_the_mocker_serves_its_max_model_len_past_the_models_own_and_refuses_a_longer_prompt() -> None:
+    model = str(ensure_demo_model())
+    assert MockerEngine(MockerConfig(model, "demo")).info.max_model_len == DemoModelSpec().max_context  # config.json's
+    e = MockerEngine(MockerConfig(model, "demo", max_model_len=200_000, num_gpu_blocks=16384))
+    assert e.info.max_model_len == 200_000  # no weights: any length (what the worker publishes)
+    short = MockerEngine(MockerConfig(model, "demo", max_model_len=64))
+    await short.start()
+    try:
+        with pytest.raises(ValueError, match="longer than the maximum model length of 64"):
+            await run(short, "long", list(range(65)), 1)
+        assert len((await run(short, "fits", list(range(60)), 4))[0]) == 4
+    finally:
+        await short.stop()
 
 
 def test_timing_model_charges_uncached_prefill_and_batch_size() -> None:

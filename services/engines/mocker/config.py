@@ -16,6 +16,13 @@ class MockerConfig:
     num_gpu_blocks: int = 16384
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # The context length it serves (a prompt plus its output), in tokens; None: the model's
+    # config.json (`max_position_embeddings`). Without weights it may exceed the model's.
+    max_model_len: int | None = None
+    # An answer ends with the model's end-of-sequence token after this many tokens, as a real
+    # model's answers end (0: every answer runs to max_tokens). Agents need answers that end:
+    # one cut at max_tokens is continued, turn after turn.
+    answer_tokens: int = 0
     timing: TimingModel = field(default_factory=TimingModel)
     # Synthetic KV size moved between prefill and decode workers (an 8B model holds ~128 KiB).
     kv_bytes_per_token: int = 4096

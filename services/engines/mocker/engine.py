@@ -64,7 +64,8 @@ class MockerEngine(Engine):
         serving); without one the engine serves aggregated only."""
         vocab, context, eos_ids = read_model_facts(config.model_dir)
         self.config = config
-        self.info = EngineInfo(config.model_dir, config.served_model_name, config.block_size, context, vocab, eos_ids)
+        self.info = EngineInfo(config.model_dir, config.served_model_name, config.block_size,
+                               config.max_model_len or context, vocab, eos_ids)
         self._tokens = OutputTokens.of_vocab(vocab)
         self.blocks = BlockManager(config.num_gpu_blocks, config.block_size, self.emit_kv_event,
                                    config.host_kv_blocks)
@@ -220,7 +221,16 @@ class MockerEngine(Engine):
             # silent wrong answer.
             raise UnsupportedFieldError(shaping[0], f"the mocker engine cannot honour {shaping[0]} (its tokens are "
                                                     f"not sampled from a distribution); serve this with vLLM")
-        max_blocks = -(-(len(request.token_ids) + request.sampling.max_tokens) // self.config.block_size)
+        if len(request.token_ids) > self.info.max_model_len:
+            # vLLM's own refusal, so a worker of either engine refuses the same prompts.
+            raise ValueError(f"the prompt ({len(request.token_ids)} tokens) is longer than the maximum model length "
+                             f"of {self.info.max_model_len}")
+        # The most it can hold at once: its prompt and the longest answer it may get (with
+        # --answer-tokens, an agent's max_tokens of 32,000 is not what it will write).
+        output = request.sampling.max_tokens
+        if self.config.answer_tokens and not request.sampling.ignore_eos:
+            output = min(output, max(self.config.answer_tokens, request.sampling.min_tokens))
+        max_blocks = -(-(len(request.token_ids) + output) // self.config.block_size)
         if max_blocks > self.config.num_gpu_blocks:
             raise ValueError(
                 f"request needs {max_blocks} KV blocks; this worker has {self.config.num_gpu_blocks}"
@@ -334,10 +344,13 @@ class MockerEngine(Engine):
             if not self._grow(seq) and not self._grow_past_pins(seq):
                 self._preempt(seq)
                 continue
-            token = self._tokens.at(seq.digest, seq.request.resumed_tokens + seq.generated)
+            position = seq.request.resumed_tokens + seq.generated
+            ends = self._answer_ends(seq, position)
+            token = self.info.eos_token_ids[0] if ends and self.info.eos_token_ids else self._tokens.at(seq.digest,
+                                                                                                     position)
             seq.tokens.append(token)
             seq.generated += 1
-            finish = self._finish_reason(seq, token)
+            finish = self._finish_reason(seq, token) or (FinishReason.STOP if ends else None)
             seq.out.put(EngineOutput([token], finish, seq.cached_tokens))
             if finish is None:
                 still.append(seq)
@@ -376,6 +389,14 @@ class MockerEngine(Engine):
         seq.blocks = []
         seq.remote_kv = False  # its pulled KV is gone with the blocks: recomputed on readmission
         self._waiting.appendleft(seq)
+
+    def _answer_ends(self, seq: Seq, position: int) -> bool:
+        """Whether the token at `position` of the output ends the answer (--answer-tokens): an
+        end-of-sequence the request does not ignore, past its min_tokens. Counted in output
+        positions, so a request moved to another worker ends where it would have."""
+        n = self.config.answer_tokens
+        sampling = seq.request.sampling
+        return n > 0 and not sampling.ignore_eos and position + 1 >= max(n, sampling.min_tokens)
 
     def _finish_reason(self, seq: Seq, token: int) -> FinishReason | None:
         sampling = seq.request.sampling
