@@ -64,6 +64,9 @@ class Proc:
         self.ids: list[str] = []
         self.ready_at: float | None = None
         self.signalled = ""
+        # SIGTERM was sent (terminate): `stop` waits for it rather than sending another, which
+        # could land after the child's handlers are gone, as it exits, and kill it by the signal.
+        self._terminated = False
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self._lines: list[str] = []
         self._offset = 0  # of a log file: the bytes read into `_lines`
@@ -207,6 +210,7 @@ class Proc:
     def terminate(self) -> None:
         """SIGTERM (a service drains); `stop` then waits for it."""
         self.send(signal.SIGTERM)
+        self._terminated = True
 
     def kill(self) -> None:
         """SIGKILL, and the wait for it."""
@@ -216,7 +220,8 @@ class Proc:
     def stop(self, timeout_s: float = 20) -> int:
         """SIGTERM, SIGKILL after `timeout_s`; the exit status."""
         if self.popen.poll() is None:
-            self.send(signal.SIGTERM)
+            if not self._terminated:
+                self.send(signal.SIGTERM)
             try:
                 self.popen.wait(timeout_s)
             except subprocess.TimeoutExpired:
