@@ -244,7 +244,11 @@ class _Gateway:
             original = body if kind is RESPONSES and isinstance(body, dict) else None
             agent: tuple[str, str] | None = None
             if kind is MESSAGES:
-                message, shape = await self._edited(rid, parse_messages(MessagesRequest, body))
+                parsed = parse_messages(MessagesRequest, body)
+                if parsed.context_management is not None:
+                    # Its edits may ask processors for counts: within the in-flight limit too.
+                    lease = self.inflight.acquire(1)
+                message, shape = await self._edited(rid, parsed)
                 self.fields.note("messages", cast(dict, body), messages_nested(message))
                 agent = messages_agent_session(message)
                 body = messages_chat_body(message)
@@ -259,7 +263,7 @@ class _Gateway:
                 raise ApiError(404, f"the model {req.model[:200]!r} does not exist", param="model",
                                code="model_not_found")
             self.metrics.arrived.inc()
-            lease = self.inflight.acquire(req.streams())
+            lease = lease or self.inflight.acquire(req.streams())
             explain = self.config.allow_explain and wants_explanation(request.headers.get(EXPLAIN_HEADER))
             qos = request_qos(request.headers, req.priority, self.config.tenant_of_key(key), self.config.tenant_header,
                               self.outside_queue.p90_ms)

@@ -58,7 +58,7 @@ RESPONSES_ACCEPTED = {
 # Parts of a request that are accepted without effect below the top level, named as a path.
 NESTED_ACCEPTED = {
     "messages": {
-        "thinking.display": "thinking is returned as generated, or not at all with `omitted`",
+        "thinking.display": "`summarized`: thinking is returned as generated, never summarized",
         "tools.eager_input_streaming": "tool input always streams as it is generated",
         "output_config.effort.xhigh": "the template knows effort up to high: xhigh and max are high",
     },

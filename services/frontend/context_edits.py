@@ -5,8 +5,10 @@ conversation is rendered, for any model.
   have some are dropped (default 1; `keep: "all"` drops none).
 - `clear_tool_uses_20250919`: once the prompt reaches `trigger` (default 100,000 input tokens, or
   a count of tool uses), the oldest tool results give way to CLEARED_RESULT, all but the last
-  `keep` tool uses (default 3) and never those of `exclude_tools`; with `clear_tool_inputs` (all,
-  or the named tools) their calls' inputs become `{}` too. With `clear_at_least`, nothing is
+  `keep` tool uses (default 3) and never those of `exclude_tools` or one cleared already (a
+  cleared result keeps its tool_reference blocks: the tools a search loaded stay loaded); with
+  `clear_tool_inputs` (all, or the named tools) their calls' inputs become `{}` too. A
+  `tool_uses` trigger counts every tool use of the conversation. With `clear_at_least`, nothing is
   cleared unless that many input tokens would be.
 
 Edits run in the order given; each one applied is reported as Anthropic reports it
@@ -30,7 +32,9 @@ from services.frontend.messages_schemas import (
     InputTokens,
     MessageIn,
     RedactedThinkingBlock,
+    TextBlock,
     ThinkingBlock,
+    ToolReferenceBlock,
     ToolResultBlock,
     ToolUseBlock,
 )
@@ -88,12 +92,13 @@ def _trigger_tokens(edit: ClearToolUses) -> int | None:
 
 def _over_trigger(req: CountTokensRequest, edit: ClearToolUses) -> bool | None:
     """Whether a tool-use trigger is reached (None: the trigger is in tokens, to be counted).
-    False also when there is nothing to clear, so nothing is counted for nothing."""
-    uses = _tool_uses(req.messages, edit)
-    if len(uses) <= _keep(edit):
+    False also when there is nothing to clear, so nothing is counted for nothing. The trigger
+    counts every tool use of the conversation; only clearing passes over `exclude_tools` and
+    results already cleared."""
+    if len(_tool_uses(req.messages, edit)) <= _keep(edit):
         return False
     if edit.trigger is not None and not isinstance(edit.trigger, InputTokens):
-        return len(uses) >= edit.trigger.value
+        return len(_tool_uses(req.messages, None)) >= edit.trigger.value
     return None
 
 
@@ -101,11 +106,25 @@ def _keep(edit: ClearToolUses) -> int:
     return edit.keep.value if edit.keep is not None else DEFAULT_KEEP_TOOL_USES
 
 
-def _tool_uses(messages: list[MessageIn], edit: ClearToolUses) -> list[str]:
-    """Ids of the tool uses the edit may clear, oldest first."""
+def _tool_uses(messages: list[MessageIn], edit: ClearToolUses | None) -> list[str]:
+    """Ids of the tool uses the edit may clear, oldest first (None: every tool use)."""
+    if edit is None:
+        return [block.id for m in messages if m.role == "assistant" and not isinstance(m.content, str)
+                for block in m.content if isinstance(block, ToolUseBlock)]
     excluded = set(edit.exclude_tools or ())
+    cleared = {block.tool_use_id for m in messages if not isinstance(m.content, str) for block in m.content
+               if isinstance(block, ToolResultBlock) and _cleared(block)}
     return [block.id for m in messages if m.role == "assistant" and not isinstance(m.content, str)
-            for block in m.content if isinstance(block, ToolUseBlock) and block.name not in excluded]
+            for block in m.content if isinstance(block, ToolUseBlock) and block.name not in excluded
+            and block.id not in cleared]
+
+
+def _cleared(block: ToolResultBlock) -> bool:
+    """Whether a result was cleared already (by an earlier edit of the same request)."""
+    content = block.content
+    if isinstance(content, list):
+        return bool(content) and isinstance(content[0], TextBlock) and content[0].text == CLEARED_RESULT
+    return content == CLEARED_RESULT
 
 
 def _clear_tool_uses(messages: list[MessageIn], edit: ClearToolUses) -> tuple[list[MessageIn], int]:
@@ -122,13 +141,22 @@ def _clear_tool_uses(messages: list[MessageIn], edit: ClearToolUses) -> tuple[li
         blocks = []
         for block in m.content:
             if isinstance(block, ToolResultBlock) and block.tool_use_id in cleared:
-                block = block.model_copy(update={"content": CLEARED_RESULT})
+                block = block.model_copy(update={"content": _placeholder(block)})
             elif isinstance(block, ToolUseBlock) and block.id in cleared and (
                     inputs is True or isinstance(inputs, list) and block.name in inputs):
                 block = block.model_copy(update={"input": {}})
             blocks.append(block)
         out.append(m.model_copy(update={"content": blocks}))
     return out, len(cleared)
+
+
+def _placeholder(block: ToolResultBlock) -> str | list[TextBlock | ToolReferenceBlock]:
+    """A cleared result's content: the placeholder, and the tool references it held (the tools
+    a search loaded stay loaded: they are defined nowhere else in the prompt)."""
+    refs = [p for p in block.content if isinstance(p, ToolReferenceBlock)] if isinstance(block.content, list) else []
+    if not refs:
+        return CLEARED_RESULT
+    return [TextBlock(type="text", text=CLEARED_RESULT), *refs]
 
 
 def _clear_thinking(messages: list[MessageIn], edit: ClearThinking) -> tuple[list[MessageIn], int]:

@@ -161,7 +161,7 @@ def agent_session(req: CountTokensRequest) -> tuple[str, str] | None:
 def nested_accepted(req: CountTokensRequest) -> list[str]:
     """The parts of the request taken without effect (client_fields.NESTED_ACCEPTED)."""
     out = []
-    if req.thinking is not None and getattr(req.thinking, "display", None) is not None:
+    if req.thinking is not None and getattr(req.thinking, "display", None) == "summarized":
         out.append("thinking.display")
     if any(t.eager_input_streaming is not None for t in req.tools or ()):
         out.append("tools.eager_input_streaming")

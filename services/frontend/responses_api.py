@@ -34,6 +34,8 @@ class ResponseBuilder:
     calls: dict[int, dict] = field(default_factory=dict)
     finish: str = ""
     usage: dict | None = None
+    # The output items in the order a stream opened them ("reasoning", "message", a call's index).
+    order: list[str | int] = field(default_factory=list)
 
     @property
     def id(self) -> str:
@@ -51,6 +53,8 @@ class ResponseBuilder:
             self.finish = finish_name(d.finish_reason) or ""
 
     def output(self) -> list[dict]:
+        if self.order:  # streamed: the items in the order the stream announced them
+            return [self._item(key) for key in self.order]
         out: list[dict] = []
         reasoning = "".join(self.reasoning)
         if reasoning:
@@ -60,6 +64,14 @@ class ResponseBuilder:
             out.append(self.message(text, "completed"))
         out.extend(self.calls[i] for i in sorted(self.calls))
         return out
+
+    def _item(self, key: str | int) -> dict:
+        if key == "reasoning":
+            return self.reasoning_item("".join(self.reasoning))
+        if key == "message":
+            return self.message("".join(self.text), "completed")
+        assert isinstance(key, int)
+        return self.calls[key]
 
     def reasoning_item(self, text: str) -> dict:
         item = {"id": f"rs_{self.rid}", "type": "reasoning", "summary": [],
@@ -137,6 +149,7 @@ async def response_events(builder: ResponseBuilder, deltas: AsyncIterator[proces
     msg_id, rs_id = f"msg_{builder.rid}", f"rs_{builder.rid}"
     # Output indexes in the order items start: "reasoning", "message", or a call's index.
     opened: dict[str | int, int] = {}
+    empty = builder.message("", "in_progress")
     try:
         async for d in deltas:
             builder.add(d)
@@ -170,6 +183,13 @@ async def response_events(builder: ResponseBuilder, deltas: AsyncIterator[proces
         yield SSE_DONE
         return
     builder.set_usage(usage)
+    if "message" not in opened and not builder.calls:
+        # No text and no call: the answer is an empty message, announced like any item.
+        opened["message"] = len(opened)
+        yield event("response.output_item.added", output_index=opened["message"], item=empty)
+        yield event("response.content_part.added", item_id=msg_id, output_index=opened["message"], content_index=0,
+                    part={"type": "output_text", "text": "", "annotations": []})
+    builder.order = list(opened)
     for key, index in opened.items():
         for kind, fields in _item_done(builder, key, index):
             yield event(kind, **fields)

@@ -4,7 +4,7 @@
   `system` (the role chat templates know).
 - `function_call` items are the assistant's tool calls, `function_call_output` items tool
   messages; a `reasoning` item is the reasoning of the assistant turn it belongs to (the next
-  assistant message or call, else the one before it), read from its `content`, or from its
+  assistant message or call of its turn, else the turn's last one), read from its `content`, or from its
   `encrypted_content` when that is a REASONING_TOKEN this gateway wrote (`include:
   ["reasoning.encrypted_content"]`: the mesh keeps nothing, so the reasoning travels to the
   client and back inside the token; other tokens, e.g. OpenAI's, say nothing a model here reads).
@@ -78,7 +78,10 @@ def chat_body(body: dict) -> dict:
         out["response_format"] = fmt
     reasoning = body.get("reasoning")
     if isinstance(reasoning, dict) and reasoning.get("effort") is not None:
-        out["reasoning_effort"] = _EFFORTS.get(reasoning["effort"], reasoning["effort"])
+        effort = reasoning["effort"]
+        if not isinstance(effort, str):
+            raise ApiError(400, "reasoning.effort must be a string", param="reasoning.effort", code="invalid_value")
+        out["reasoning_effort"] = _EFFORTS.get(effort, effort)
     _check_include(body.get("include"))
     return out
 
@@ -103,7 +106,7 @@ def nested_accepted(body: dict) -> list[str]:
     tools = body.get("tools")
     for tool in tools if isinstance(tools, list) else ():
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind in HOSTED_TOOLS:
+        if isinstance(kind, str) and kind in HOSTED_TOOLS:
             out.append(f"tools.{kind}")
     return out
 
@@ -112,19 +115,21 @@ def encode_reasoning(text: str) -> str:
     return REASONING_TOKEN + base64.urlsafe_b64encode(zlib.compress(text.encode("utf-8"))).decode("ascii")
 
 
-def decode_reasoning(token: object, param: str = "input") -> str | None:
+def decode_reasoning(token: object, param: str = "input", limit: int = MAX_REASONING_BYTES) -> str | None:
     """The reasoning inside a token this gateway wrote; None for any other (another provider's).
-    The text inflates to at most MAX_REASONING_BYTES (a token is the client's to forge)."""
+    The text inflates to at most `limit` bytes (a token is the client's to forge; a request's
+    tokens share MAX_REASONING_BYTES)."""
     if not isinstance(token, str) or not token.startswith(REASONING_TOKEN):
         return None
     try:
         inflater = zlib.decompressobj()
-        raw = inflater.decompress(base64.urlsafe_b64decode(token[len(REASONING_TOKEN):]), MAX_REASONING_BYTES)
+        raw = inflater.decompress(base64.urlsafe_b64decode(token[len(REASONING_TOKEN):]), max(limit, 0))
         if inflater.unconsumed_tail or not inflater.eof:
             raise ValueError("too large or cut short")
         return raw.decode("utf-8")
     except (ValueError, zlib.error, UnicodeDecodeError):
-        raise ApiError(400, "this encrypted_content is damaged: send it back as it was received",
+        raise ApiError(400, f"this encrypted_content is damaged, or the request's reasoning inflates past "
+                            f"{MAX_REASONING_BYTES >> 20} MiB: send items back as they were received",
                        param=param, code="invalid_value") from None
 
 
@@ -165,7 +170,7 @@ def _tools(tool: object, where: str, namespace: str | None = None) -> list[dict]
                            code="invalid_value")
         return [t for j, inner in enumerate(_list(tool.get("tools"), f"{where}.tools"))
                 for t in _tools(inner, f"{where}.tools.{j}", name)]
-    if kind in HOSTED_TOOLS:
+    if isinstance(kind, str) and kind in HOSTED_TOOLS:
         return []
     raise ApiError(400, f"tools of type {str(kind)[:40]!r} are not supported: send function or namespace tools",
                    param=where, code="unsupported_parameter")
@@ -178,18 +183,20 @@ def _messages(body: dict) -> list[dict]:
     items = body.get("input")
     if isinstance(items, str):
         return messages + [{"role": "user", "content": items}]
-    pending: str | None = None  # reasoning read, waiting for the assistant turn it belongs to
+    pending: list[str] = []  # reasoning read, waiting for the assistant item it belongs to
+    budget = _Budget(MAX_REASONING_BYTES)
     for i, item in enumerate(_list(items, "input")):
         if not isinstance(item, dict):
             raise ApiError(400, "each input item must be an object", param=f"input.{i}", code="invalid_value")
         kind = item.get("type", "message")
         if kind == "reasoning":
-            pending = _reasoning_text(item, i)
-            if pending and messages and messages[-1]["role"] == "assistant" and "reasoning_content" not in messages[-1]:
-                messages[-1]["reasoning_content"], pending = pending, None
+            if (text := _reasoning_text(item, i, budget)) is not None:
+                pending.append(text)
             continue
         if kind == "message":
             role = item.get("role")
+            if role != "assistant":
+                _attach_back(messages, pending)  # a turn ended: its reasoning joins its last assistant item
             messages.append({"role": "system" if role == "developer" else role,
                              "content": _content(item.get("content"), i)})
         elif kind == "function_call":
@@ -204,32 +211,62 @@ def _messages(body: dict) -> list[dict]:
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
+            _attach_back(messages, pending)
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                              "content": _output(item.get("output"), i)})
         else:
             raise ApiError(400, f"input items of type {str(kind)[:40]!r} are not supported", param=f"input.{i}",
                            code="unsupported_parameter")
         if pending and messages[-1]["role"] == "assistant":
-            # A turn's second reasoning (before its second call) joins the first.
-            messages[-1]["reasoning_content"] = messages[-1].get("reasoning_content", "") + pending
-            pending = None
+            # Reasoning joins the assistant item after it (a turn's second reasoning, before its
+            # second call, joins the first).
+            messages[-1]["reasoning_content"] = messages[-1].get("reasoning_content", "") + "".join(pending)
+            pending.clear()
+    _attach_back(messages, pending)
     return messages
 
 
-def _reasoning_text(item: dict, i: int) -> str | None:
+def _attach_back(messages: list[dict], pending: list[str]) -> None:
+    """Reasoning with no assistant item after it in its turn joins the turn's last one (none:
+    dropped, nothing renders reasoning outside an assistant message)."""
+    if pending and messages and messages[-1]["role"] == "assistant":
+        messages[-1]["reasoning_content"] = messages[-1].get("reasoning_content", "") + "".join(pending)
+    pending.clear()
+
+
+class _Budget:
+    """What a request's reasoning tokens may inflate to, all of them together."""
+
+    def __init__(self, limit: int) -> None:
+        self.left = limit
+
+
+def _reasoning_text(item: dict, i: int, budget: _Budget) -> str | None:
     content = item.get("content")
     if isinstance(content, list):
-        text = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "reasoning_text")
-        if text:
-            return text
-    return decode_reasoning(item.get("encrypted_content"), f"input.{i}.encrypted_content")
+        parts = [p for p in content if isinstance(p, dict) and p.get("type") == "reasoning_text"]
+        for j, p in enumerate(parts):
+            if not isinstance(p.get("text"), str):
+                raise ApiError(400, "a reasoning_text part's text must be a string", param=f"input.{i}.content.{j}.text",
+                               code="invalid_value")
+        if joined := "".join(p["text"] for p in parts):
+            return joined
+    decoded = decode_reasoning(item.get("encrypted_content"), f"input.{i}.encrypted_content", budget.left)
+    if decoded is not None:
+        budget.left -= len(decoded.encode("utf-8"))
+    return decoded
 
 
 def _output(output: object, i: int) -> object:
     """A function call's output: a string, or a list of content parts (text only here) joined."""
     if not isinstance(output, list):
         return output
-    return "".join(part["text"] or "" for part in _text_parts(output, f"input.{i}.output", "output"))
+    texts = [part["text"] for part in _text_parts(output, f"input.{i}.output", "output")]
+    for j, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise ApiError(400, "an output part's text must be a string", param=f"input.{i}.output.{j}.text",
+                           code="invalid_value")
+    return "".join(texts)
 
 
 def _content(content: object, i: int) -> object:

@@ -2,7 +2,8 @@
 
 A session is named by the `x-session-id` header; without one, by the conversation id an agent
 client sends on its own (Claude Code's `metadata.user_id` carries a JSON object with its
-`session_id`; Codex sends `prompt_cache_key`); where the gateway runs with `--session-from-user`,
+`session_id`; Codex sends `prompt_cache_key`; one that is not a valid id is used as its digest);
+where the gateway runs with `--session-from-user`,
 a request without either is in the session its body's `user` names (OpenAI's field; the
 Messages API's `metadata.user_id` arrives as the same field). A sub-agent names its parent
 session in `x-parent-session-id`: it is placed where the parent's prefix is (the router's
@@ -12,6 +13,7 @@ they are short printable ASCII; anything else is a 400 naming the header or fiel
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 
 from gen.kvmesh.v1 import common_pb2
@@ -24,6 +26,17 @@ PARENT_SESSION_HEADER = "x-parent-session-id"
 MAX_SESSION_CHARS = 256
 
 
+def agent_session_id(value: str) -> str:
+    """An agent client's own conversation id as a session id: itself when it is one (short
+    printable ASCII without `/`), else a digest of it (`h-` and 32 hex digits). The client chose
+    the value for its own purposes (OpenAI's prompt_cache_key is any string): it is never
+    refused for not being a session id."""
+    name = value.strip()
+    if name and len(name) <= MAX_SESSION_CHARS and name.isascii() and name.isprintable() and "/" not in name:
+        return name
+    return "h-" + hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
 def request_session(headers: Mapping[str, str], user: str | None, from_user: bool,
                     agent: tuple[str, str] | None = None) -> common_pb2.SessionRef | None:
     """The request's session (None: it belongs to none). `agent`: the conversation id an agent
@@ -32,8 +45,8 @@ def request_session(headers: Mapping[str, str], user: str | None, from_user: boo
     the session id when `from_user` (--session-from-user) and neither names one."""
     session_id = headers.get(SESSION_HEADER)
     where = SESSION_HEADER
-    if session_id is None and agent is not None:
-        session_id, where = agent
+    if session_id is None and agent is not None and agent[0].strip():
+        session_id, where = agent_session_id(agent[0]), agent[1]
     if session_id is None and from_user and user:
         session_id, where = user, "user"
     parent = headers.get(PARENT_SESSION_HEADER)

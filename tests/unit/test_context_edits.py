@@ -198,7 +198,7 @@ def test_an_input_token_trigger_is_compared_with_the_count() -> None:
     assert under == []
 
 
-def test_excluded_tools_are_never_cleared_nor_counted_as_tool_uses() -> None:
+def test_excluded_tools_are_never_cleared() -> None:
     names = ["read", "bash", "read", "bash", "read"]
     req = request(tool_turns(names), {"type": TOOL_USES, "trigger": {"type": "tool_uses", "value": 1},
                                       "keep": {"type": "tool_uses", "value": 1}, "exclude_tools": ["bash"]})
@@ -309,3 +309,30 @@ def test_the_original_request_is_not_changed() -> None:
     assert list(req.messages) == messages and [list(m.content) for m in req.messages] == blocks
     assert CLEARED_RESULT not in results(req).values() and {} not in inputs(req).values()
     assert len(thoughts(req)) == 6
+
+
+def test_a_tool_use_trigger_counts_the_excluded_tools_uses_too() -> None:
+    names = ["bash", "read", "bash", "read", "bash", "read"]
+    req = request(tool_turns(names), {"type": TOOL_USES, "trigger": {"type": "tool_uses", "value": 5},
+                                      "keep": {"type": "tool_uses", "value": 1}, "exclude_tools": ["read"]})
+    edited, applied = edit(req, Counting())
+    assert [e["cleared_tool_uses"] for e in applied] == [2]  # six uses reach the trigger; bash's older two go
+    assert {k for k, v in results(edited).items() if v == CLEARED_RESULT} == {"toolu_0", "toolu_2"}
+
+
+def test_a_second_identical_edit_finds_nothing_left_to_clear() -> None:
+    clear = {"type": TOOL_USES, "trigger": {"type": "tool_uses", "value": 1}, "keep": {"type": "tool_uses", "value": 1}}
+    _, applied = edit(request(tool_turns(["read"] * 4), clear, clear, clear), Counting())
+    assert [e["cleared_tool_uses"] for e in applied] == [3]
+
+
+def test_a_cleared_result_keeps_the_tools_its_search_loaded() -> None:
+    messages = tool_turns(["search", "read", "read"])
+    messages[2]["content"][0]["content"] = [{"type": "text", "text": "found it"},
+                                            {"type": "tool_reference", "tool_name": "read"}]
+    req = request(messages, {"type": TOOL_USES, "trigger": {"type": "tool_uses", "value": 1},
+                             "keep": {"type": "tool_uses", "value": 1}})
+    edited, _ = edit(req, Counting())
+    [cleared] = [v for k, v in results(edited).items() if k == "toolu_0"]
+    assert isinstance(cleared, list)
+    assert [getattr(p, "text", None) or p.tool_name for p in cleared] == [CLEARED_RESULT, "read"]

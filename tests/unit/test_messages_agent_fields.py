@@ -159,10 +159,12 @@ def test_no_session_without_metadata_or_on_count_tokens() -> None:
 
 def test_nested_accepted_names_the_parts_taken_without_effect() -> None:
     assert nested_accepted(messages()) == []
-    req = messages(thinking={"type": "adaptive", "display": "omitted"}, tools=[{**WEATHER, "eager_input_streaming": True}],
-                   output_config={"effort": "max"})
+    req = messages(thinking={"type": "adaptive", "display": "summarized"},
+                   tools=[{**WEATHER, "eager_input_streaming": True}], output_config={"effort": "max"})
     got = nested_accepted(req)
     assert got == ["thinking.display", "tools.eager_input_streaming", "output_config.effort.xhigh"]
+    # `omitted` changes the answer (thinking without its text): implemented, not counted.
+    assert nested_accepted(messages(thinking={"type": "adaptive", "display": "omitted"})) == []
     assert set(got) <= set(NESTED_ACCEPTED["messages"])
     assert nested_accepted(messages(thinking={"type": "adaptive"})) == []
 
@@ -345,13 +347,18 @@ def test_an_agent_session_may_name_a_parent() -> None:
     assert caught.value.param == PARENT_SESSION_HEADER
 
 
-@pytest.mark.parametrize("bad", ["a/b", "x" * (MAX_SESSION_CHARS + 1), "", "   ", "caf\u00e9", "tab\there"])
+@pytest.mark.parametrize("bad", ["a/b", "x" * (MAX_SESSION_CHARS + 1), "caf\u00e9", "tab\there", "\ud800"])
 @pytest.mark.parametrize("where", ["metadata.user_id", "prompt_cache_key"])
-def test_a_bad_agent_id_is_a_400_naming_its_field(bad: str, where: str) -> None:
-    with pytest.raises(ApiError) as caught:
-        request_session({}, "fine-user", True, (bad, where))
-    assert caught.value.status == 400 and caught.value.param == where
-    assert where in caught.value.message
+def test_an_agent_id_that_is_not_a_session_id_is_used_as_its_digest(bad: str, where: str) -> None:
+    session = request_session({}, "fine-user", True, (bad, where))
+    assert session is not None and session.id.startswith("h-") and len(session.id) == 34
+    assert request_session({}, None, False, (bad, where)) == session  # the same id every time
+    assert request_session({}, None, False, (bad + "!", where)) != session
+
+
+def test_a_blank_agent_id_names_no_session() -> None:
+    assert request_session({}, "fine-user", True, ("   ", "prompt_cache_key")).id == "fine-user"  # type: ignore[union-attr]
+    assert request_session({}, None, False, ("", "prompt_cache_key")) is None
 
 
 def test_a_bad_agent_id_is_not_read_when_the_header_names_the_session() -> None:

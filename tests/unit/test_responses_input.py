@@ -4,6 +4,9 @@ that travels to the client and back inside `encrypted_content`."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,7 +15,8 @@ from tests.unit.budget import examples
 
 from services.frontend.client_fields import NESTED_ACCEPTED
 from services.frontend.errors import ApiError
-from services.frontend.responses_api import ResponseBuilder, function_call
+from gen.kvmesh.v1 import processor_pb2
+from services.frontend.responses_api import ResponseBuilder, function_call, response_events
 from services.frontend.responses_input import (
     ENCRYPTED_REASONING,
     HOSTED_TOOLS,
@@ -278,3 +282,65 @@ def test_a_reasoning_token_gives_back_the_text_it_was_made_of(text: str) -> None
     token = encode_reasoning(text)
     assert token.startswith(REASONING_TOKEN) and token.isascii()
     assert decode_reasoning(token) == text
+
+
+# Shapes that must be a 400, never a 500
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"reasoning": {"effort": ["high"]}}, "reasoning.effort"),
+    ({"tools": [{"type": ["web_search"]}]}, "tools.0"),
+    ({"input": [{"type": "reasoning", "content": [{"type": "reasoning_text", "text": None}]}, user("go")]},
+     "input.0.content.0.text"),
+    ({"input": [call("c1"), output("c1", [{"type": "input_text", "text": 1}])]}, "input.1.output.0.text"),
+], ids=["effort", "tool-type", "reasoning-text", "output-text"])
+def test_a_wrong_json_type_is_a_400_naming_it(fields: dict, param: str) -> None:
+    assert nested_accepted(body(**fields)) is not None  # counting the fields never fails either
+    assert refused(body(**fields)).param == param
+
+
+def test_a_requests_reasoning_tokens_share_one_inflate_budget() -> None:
+    big = reasoning("x" * (3 << 20))  # 3 MiB each, a few KB as tokens
+    one = chat_of(body(input=[user("go"), big, assistant("a")]))
+    assert len(one["messages"][-1]["reasoning_content"]) == 3 << 20
+    error = refused(body(input=[user("go"), big, assistant("a"), user("more"), big, assistant("b")]))
+    assert error.param == "input.4.encrypted_content" and "MiB" in error.message
+
+
+def test_reasoning_joins_the_assistant_item_after_it_not_a_preamble_before() -> None:
+    chat = chat_of(body(input=[user("go"), assistant("let me look"), reasoning("think"), call("c1"), output("c1")]))
+    preamble, called = [m for m in chat["messages"] if m["role"] == "assistant"]
+    assert "reasoning_content" not in preamble and called["reasoning_content"] == "think"
+
+
+# The answer's stream
+
+
+def stream_events(deltas: list) -> list[dict]:
+    async def items():  # noqa: ANN202
+        for d in deltas:
+            yield d
+
+    async def run() -> list[bytes]:
+        builder = ResponseBuilder("r1", MODEL, body())
+        return [e async for e in response_events(builder, items(), processor_pb2.Usage(prompt_tokens=3))]
+
+    return [json.loads(line[5:]) for e in asyncio.run(run()) for line in e.decode().splitlines()
+            if line.startswith("data:")]
+
+
+def test_the_completed_output_lists_items_at_the_indexes_the_stream_announced() -> None:
+    events = stream_events([processor_pb2.ChoiceDelta(text="hello"), processor_pb2.ChoiceDelta(reasoning="hmm")])
+    added = {e["output_index"]: e["item"]["type"] for e in events if e["type"] == "response.output_item.added"}
+    assert added == {0: "message", 1: "reasoning"}
+    final = events[-1]["response"]["output"]
+    assert [item["type"] for item in final] == ["message", "reasoning"]
+    assert final[1]["content"][0]["text"] == "hmm"
+
+
+def test_an_empty_answer_announces_its_empty_message() -> None:
+    events = stream_events([])
+    kinds = [e["type"] for e in events]
+    assert "response.output_item.added" in kinds and "response.output_item.done" in kinds
+    [item] = events[-1]["response"]["output"]
+    assert item["type"] == "message" and item["content"][0]["text"] == ""
