@@ -123,8 +123,10 @@ def decode_reasoning(token: object, param: str = "input", limit: int = MAX_REASO
         return None
     try:
         inflater = zlib.decompressobj()
-        raw = inflater.decompress(base64.urlsafe_b64decode(token[len(REASONING_TOKEN):]), max(limit, 0))
-        if inflater.unconsumed_tail or not inflater.eof:
+        # One byte past the limit, so a spent budget (0) still inflates nothing: zlib reads a
+        # max_length of 0 as no limit at all.
+        raw = inflater.decompress(base64.urlsafe_b64decode(token[len(REASONING_TOKEN):]), max(limit, 0) + 1)
+        if len(raw) > limit or inflater.unconsumed_tail or not inflater.eof:
             raise ValueError("too large or cut short")
         return raw.decode("utf-8")
     except (ValueError, zlib.error, UnicodeDecodeError):

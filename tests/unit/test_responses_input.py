@@ -344,3 +344,19 @@ def test_an_empty_answer_announces_its_empty_message() -> None:
     assert "response.output_item.added" in kinds and "response.output_item.done" in kinds
     [item] = events[-1]["response"]["output"]
     assert item["type"] == "message" and item["content"][0]["text"] == ""
+
+
+def test_a_spent_reasoning_budget_inflates_nothing_more() -> None:
+    size = 1 << 20
+    token = encode_reasoning("y" * size)
+    assert decode_reasoning(token, "p", size) == "y" * size  # exactly the budget
+    with pytest.raises(ApiError):
+        decode_reasoning(token, "p", size - 1)
+    with pytest.raises(ApiError):
+        decode_reasoning(encode_reasoning("z"), "p", 0)  # nothing left: not even one byte
+    assert decode_reasoning(encode_reasoning(""), "p", 0) == ""
+    # Four tokens of a quarter of the request's budget each spend it exactly; a fifth is refused.
+    quarter = reasoning("q" * (1 << 20))
+    turns = [item for _ in range(4) for item in (user("go"), quarter, assistant("a"))]
+    assert len(chat_of(body(input=turns))["messages"]) == 8
+    assert refused(body(input=[*turns, user("go"), quarter, assistant("a")])).param == "input.13.encrypted_content"
