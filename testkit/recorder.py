@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import time
 from pathlib import Path
 
 import aiohttp
 from aiohttp import web
+
+from testkit.http_server import application, serve_until_signal
 
 # Hop-by-hop headers a proxy must not pass on (RFC 9110 7.6.1), and those aiohttp sets itself.
 _HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te",
@@ -75,18 +76,9 @@ async def serve(upstream: str, port: int, out: Path) -> None:
     # No total deadline: a streamed answer lasts as long as the gateway streams it.
     recorder.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
                                              auto_decompress=False)
-    app = web.Application(client_max_size=256 << 20)
+    app = application()
     app.router.add_route("*", "/{tail:.*}", recorder.handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    print(f"READY recorder on 127.0.0.1:{port} -> {upstream}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await runner.cleanup()
+    await serve_until_signal(app, port, f"recorder on 127.0.0.1:{port} -> {upstream}")
     await recorder.session.close()
     recorder.out.close()
 

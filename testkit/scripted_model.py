@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 from aiohttp import web
 
 from services.frontend.responses_input import encode_reasoning
+from testkit.http_server import application, serve_until_signal
 
 ANSWER = "The notes say the deploy moved to Tuesday for another database migration review."
 REASONING = "The file was read; one line is enough."
@@ -134,18 +134,10 @@ async def serve(port: int, workdir: Path) -> None:
     async def responses(request: web.Request) -> web.StreamResponse:
         return await _stream(request, script.response_events(await request.json()))
 
-    app = web.Application(client_max_size=256 << 20)
+    app = application()
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/responses", responses)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    print(f"READY scripted model on 127.0.0.1:{port}", flush=True)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await runner.cleanup()
+    await serve_until_signal(app, port, f"scripted model on 127.0.0.1:{port}")
 
 
 async def _stream(request: web.Request, events: Iterator[bytes]) -> web.StreamResponse:

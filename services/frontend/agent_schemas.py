@@ -18,6 +18,16 @@ from gen.kvmesh.v1 import common_pb2, processor_pb2
 
 
 
+# Effort levels above the highest a chat template knows (`reasoning_effort` high): Anthropic's
+# xhigh and max, OpenAI's xhigh, served as high.
+ABOVE_HIGH_EFFORTS = frozenset({"xhigh", "max"})
+
+
+def template_effort(level: str) -> str:
+    """A client's effort level as the template's `reasoning_effort`."""
+    return "high" if level in ABOVE_HIGH_EFFORTS else level
+
+
 def valid_unicode(value: str) -> str:
     """JSON may escape a lone surrogate (\\ud800); no UTF-8 wire format can carry one."""
     try:

@@ -33,7 +33,7 @@ from services.frontend.fast_paths import FastPaths
 from services.frontend.inflight import InflightLimit, Lease
 from services.frontend.lora_admin import LoraAdmin
 from services.frontend.lora_api import LoadLoraAdapterRequest, UnloadLoraAdapterRequest, add_lora_routes
-from services.frontend.mesh import MeshView
+from services.frontend.mesh import MeshView, ModelTarget
 from services.frontend.client_fields import ClientFields
 from services.frontend.context_edits import apply_edits
 from services.frontend.messages_api import COUNT_TOKENS, MESSAGES, MessageShape, message_body
@@ -258,10 +258,7 @@ class _Gateway:
             req = parse(kind.schema, chat_body(original) if original is not None else body)
             # A base model, or a LoRA adapter of one: the processors are the base's, and the
             # answer names the model the client named.
-            target = self.mesh.resolve(req.model)
-            if target is None:
-                raise ApiError(404, f"the model {req.model[:200]!r} does not exist", param="model",
-                               code="model_not_found")
+            target = self._target(req.model)
             self.metrics.arrived.inc()
             lease = lease or self.inflight.acquire(req.streams())
             explain = self.config.allow_explain and wants_explanation(request.headers.get(EXPLAIN_HEADER))
@@ -347,13 +344,17 @@ class _Gateway:
         self.metrics.requests.labels(COUNT_TOKENS.endpoint, "200").inc()
         return JSONResponse({"input_tokens": tokens}, headers=headers)
 
+    def _target(self, model: str) -> ModelTarget:
+        """What `model` names: a base model, or a LoRA adapter of one; else a 404."""
+        target = self.mesh.resolve(model)
+        if target is None:
+            raise ApiError(404, f"the model {model[:200]!r} does not exist", param="model", code="model_not_found")
+        return target
+
     async def _count(self, rid: str, message: CountTokensRequest) -> int:
         """A Messages request's prompt tokens, counted by a processor (messages_count.py)."""
         req = parse(ChatCompletionRequest, messages_chat_body(message))
-        target = self.mesh.resolve(req.model)
-        if target is None:
-            raise ApiError(404, f"the model {req.model[:200]!r} does not exist", param="model", code="model_not_found")
-        [msg] = processor_requests(rid, req, target)
+        [msg] = processor_requests(rid, req, self._target(req.model))
         return await count_tokens(self.mesh, self.channels, msg, self.failed_processors,
                                   min(COUNT_TIMEOUT_S, self.config.request_timeout_s))
 

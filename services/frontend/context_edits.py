@@ -108,12 +108,9 @@ def _keep(edit: ClearToolUses) -> int:
 
 def _tool_uses(messages: list[MessageIn], edit: ClearToolUses | None) -> list[str]:
     """Ids of the tool uses the edit may clear, oldest first (None: every tool use)."""
-    if edit is None:
-        return [block.id for m in messages if m.role == "assistant" and not isinstance(m.content, str)
-                for block in m.content if isinstance(block, ToolUseBlock)]
-    excluded = set(edit.exclude_tools or ())
+    excluded = set(edit.exclude_tools or ()) if edit is not None else set()
     cleared = {block.tool_use_id for m in messages if not isinstance(m.content, str) for block in m.content
-               if isinstance(block, ToolResultBlock) and _cleared(block)}
+               if isinstance(block, ToolResultBlock) and _cleared(block)} if edit is not None else set()
     return [block.id for m in messages if m.role == "assistant" and not isinstance(m.content, str)
             for block in m.content if isinstance(block, ToolUseBlock) and block.name not in excluded
             and block.id not in cleared]

@@ -43,6 +43,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from services.frontend.agent_schemas import ABOVE_HIGH_EFFORTS, template_effort
 from services.frontend.endpoints import Kind
 from services.frontend.messages_schemas import (
     CountTokensRequest,
@@ -73,8 +74,6 @@ TOOL_ERROR_PREFIX = "Error: "
 TOOL_LOADED = "Tool loaded, callable from now on: "
 TOOL_UNKNOWN = "No such tool: "
 TOOL_OFFERED = "Tool already available: "
-# Effort levels above the templates' highest.
-_EFFORTS = {"xhigh": "high", "max": "high"}
 
 
 def chat_body(req: CountTokensRequest) -> dict[str, Any]:
@@ -102,7 +101,7 @@ def chat_body(req: CountTokensRequest) -> dict[str, Any]:
         out["chat_template_kwargs"] = {"enable_thinking": on, "thinking": on}
     config = req.output_config
     if config is not None and config.effort is not None:
-        out["reasoning_effort"] = _EFFORTS.get(config.effort, config.effort)
+        out["reasoning_effort"] = template_effort(config.effort)
     fmt = config.format if config is not None and config.format is not None else req.output_format
     if fmt is not None:
         out["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_,
@@ -165,7 +164,7 @@ def nested_accepted(req: CountTokensRequest) -> list[str]:
         out.append("thinking.display")
     if any(t.eager_input_streaming is not None for t in req.tools or ()):
         out.append("tools.eager_input_streaming")
-    if req.output_config is not None and req.output_config.effort in _EFFORTS:
+    if req.output_config is not None and req.output_config.effort in ABOVE_HIGH_EFFORTS:
         out.append("output_config.effort.xhigh")
     return out
 

@@ -53,19 +53,18 @@ class ResponseBuilder:
             self.finish = finish_name(d.finish_reason) or ""
 
     def output(self) -> list[dict]:
-        if self.order:  # streamed: the items in the order the stream announced them
-            return [self._item(key) for key in self.order]
-        out: list[dict] = []
-        reasoning = "".join(self.reasoning)
-        if reasoning:
-            out.append(self.reasoning_item(reasoning))
-        text = "".join(self.text)
-        if text or not self.calls:
-            out.append(self.message(text, "completed"))
-        out.extend(self.calls[i] for i in sorted(self.calls))
-        return out
+        """The output items: in the order a stream announced them, else as models write them
+        (reasoning, the message when it has text or nothing else came, each call)."""
+        keys = self.order
+        if not keys:
+            keys = ["reasoning"] if "".join(self.reasoning) else []
+            if "".join(self.text) or not self.calls:
+                keys.append("message")
+            keys += sorted(self.calls)
+        return [self.item(key) for key in keys]
 
-    def _item(self, key: str | int) -> dict:
+    def item(self, key: str | int) -> dict:
+        """One output item, whole: "reasoning", "message", or a call's index."""
         if key == "reasoning":
             return self.reasoning_item("".join(self.reasoning))
         if key == "message":
@@ -198,21 +197,17 @@ async def response_events(builder: ResponseBuilder, deltas: AsyncIterator[proces
 
 
 def _item_done(builder: ResponseBuilder, key: str | int, index: int) -> list[tuple]:
-    """The events that end one output item: (event type, fields)."""
+    """The events that end one output item: (event type, fields); the last, output_item.done,
+    carries the item whole."""
+    item = builder.item(key)
+    ids = {"item_id": item["id"], "output_index": index}
     if key == "reasoning":
-        text = "".join(builder.reasoning)
-        return [("response.reasoning_text.done", {"item_id": f"rs_{builder.rid}", "output_index": index,
-                                                   "content_index": 0, "text": text}),
-                ("response.output_item.done", {"output_index": index, "item": builder.reasoning_item(text)})]
-    if key == "message":
-        text = "".join(builder.text)
-        ids = {"item_id": f"msg_{builder.rid}", "output_index": index, "content_index": 0}
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        return [("response.output_text.done", {**ids, "text": text, "logprobs": []}),
-                ("response.content_part.done", {**ids, "part": part}),
-                ("response.output_item.done", {"output_index": index, "item": builder.message(text, "completed")})]
-    assert isinstance(key, int)
-    call = builder.calls[key]
-    return [("response.function_call_arguments.done", {"item_id": call["id"], "output_index": index,
-                                                       "name": call["name"], "arguments": call["arguments"]}),
-            ("response.output_item.done", {"output_index": index, "item": call})]
+        events = [("response.reasoning_text.done", {**ids, "content_index": 0, "text": item["content"][0]["text"]})]
+    elif key == "message":
+        part = item["content"][0]
+        events = [("response.output_text.done", {**ids, "content_index": 0, "text": part["text"], "logprobs": []}),
+                  ("response.content_part.done", {**ids, "content_index": 0, "part": part})]
+    else:
+        events = [("response.function_call_arguments.done", {**ids, "name": item["name"],
+                                                             "arguments": item["arguments"]})]
+    return [*events, ("response.output_item.done", {"output_index": index, "item": item})]

@@ -24,6 +24,7 @@ import base64
 import zlib
 from typing import Any
 
+from services.frontend.agent_schemas import template_effort
 from services.frontend.errors import ApiError
 
 # Responses fields that need state or features the mesh does not have.
@@ -46,7 +47,6 @@ NAMESPACE_SEP = "."
 # base64url-encoded. Not a secret (the client already has the reasoning it asked for).
 REASONING_TOKEN = "kvmesh-r1:"
 MAX_REASONING_BYTES = 4 << 20
-_EFFORTS = {"xhigh": "high", "max": "high"}
 
 
 def chat_body(body: dict) -> dict:
@@ -81,7 +81,7 @@ def chat_body(body: dict) -> dict:
         effort = reasoning["effort"]
         if not isinstance(effort, str):
             raise ApiError(400, "reasoning.effort must be a string", param="reasoning.effort", code="invalid_value")
-        out["reasoning_effort"] = _EFFORTS.get(effort, effort)
+        out["reasoning_effort"] = template_effort(effort)
     _check_include(body.get("include"))
     return out
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 from gen.kvmesh.v1 import common_pb2
 from services.frontend.errors import ApiError
-from services.frontend.short_names import request_name
+from services.frontend.short_names import is_short_name, request_name
 
 SESSION_HEADER = "x-session-id"
 PARENT_SESSION_HEADER = "x-parent-session-id"
@@ -32,7 +32,7 @@ def agent_session_id(value: str) -> str:
     the value for its own purposes (OpenAI's prompt_cache_key is any string): it is never
     refused for not being a session id."""
     name = value.strip()
-    if name and len(name) <= MAX_SESSION_CHARS and name.isascii() and name.isprintable() and "/" not in name:
+    if is_short_name(name, MAX_SESSION_CHARS, without="/"):
         return name
     return "h-" + hashlib.blake2b(value.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 

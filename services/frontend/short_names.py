@@ -8,11 +8,15 @@ from services.config_error import ConfigError
 from services.frontend.errors import ApiError
 
 
+def is_short_name(name: str, max_chars: int, without: str = "") -> bool:
+    """Whether `name` is 1 to `max_chars` printable ASCII characters with none of `without`."""
+    return (bool(name) and len(name) <= max_chars and name.isascii() and name.isprintable()
+            and not any(c in name for c in without))
+
+
 def check_short_name(name: str, what: str, max_chars: int, without: str = "") -> None:
-    """ConfigError naming `what` unless `name` is 1 to `max_chars` printable ASCII characters with
-    none of the characters of `without`."""
-    if (not name or len(name) > max_chars or not name.isascii() or not name.isprintable()
-            or any(c in name for c in without)):
+    """ConfigError naming `what` unless `name` is a short name (`is_short_name`)."""
+    if not is_short_name(name, max_chars, without):
         but = f" without {', '.join(repr(c) for c in without)}" if without else ""
         raise ConfigError(f"{what} must be 1-{max_chars} printable ASCII characters{but}, got {name[:80]!r}")
 
