@@ -20,7 +20,7 @@ from typing import Any, Protocol
 MAX_MODEL_LEN = "max_model_len"
 
 
-class WorkerRecord(Protocol):
+class PublishedRecord(Protocol):
     """What the rule reads of a worker's discovery record (services/mesh/discovery.py's InstanceInfo)."""
 
     @property
@@ -30,13 +30,13 @@ class WorkerRecord(Protocol):
     def extra(self) -> Mapping[str, Any]: ...
 
 
-def published_context(record: WorkerRecord) -> int | None:
+def published_context(record: PublishedRecord) -> int | None:
     """The context length a worker's record publishes; None if it publishes none (or no positive int)."""
     value = record.extra.get(MAX_MODEL_LEN)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def served_context(decode_workers: Iterable[WorkerRecord], model: str) -> int | None:
+def served_context(decode_workers: Iterable[PublishedRecord], model: str) -> int | None:
     """The smallest context length the decode workers of `model` publish; None if none does."""
     lengths = [n for w in decode_workers if w.model == model and (n := published_context(w)) is not None]
     return min(lengths, default=None)

@@ -1,13 +1,14 @@
-"""A worker's etcd record (its `InstanceInfo`), and the one place it changes.
+"""An instance's etcd record (its `InstanceInfo`), and the one place it changes at run time.
 
-The record says what routers may send the worker: its pool (component and role) and the LoRA
+A worker's record says what routers may send it: its pool (component and role) and the LoRA
 adapters it knows. Both change at run time — a role switch moves the record to the other pool's
 key, a `LoadLoraAdapter` or `UnloadLoraAdapter` changes its adapter list — and each change is
 written from the record as it is now, one change at a time (under one lock), so a role switch
 never puts back an adapter list that a load changed meanwhile, and a load never writes a record
-under the pool the worker just left.
+under the pool the worker just left. A processor's record changes with the context length it
+enforces (services/processor/context_limit.py).
 
-Before the worker joins the mesh a change only changes the record in memory; joining puts the
+Before the instance joins the mesh a change only changes the record in memory; joining puts the
 record as it is then (`registered` puts it again if it changed during the registration).
 """
 
@@ -25,19 +26,19 @@ from services.mesh.etcd_store import StoreUnavailable
 log = logging.getLogger(__name__)
 
 
-class WorkerRecord:
+class InstanceRecord:
     def __init__(self, info: InstanceInfo, namespace: str) -> None:
         self._info = info
         self._namespace = namespace
         self._registration: LeasedRegistration | None = None
-        # What etcd holds (None before the worker joined): a write that failed is retried by the
+        # What etcd holds (None before the instance joined): a write that failed is retried by the
         # next change, whatever it is.
         self._written: InstanceInfo | None = None
         self._lock = asyncio.Lock()
 
     @property
     def info(self) -> InstanceInfo:
-        """The record as routers see it (or will, once the worker joined the mesh and etcd answers)."""
+        """The record as watchers see it (or will, once the instance joined the mesh and etcd answers)."""
         return self._info
 
     @property
@@ -48,8 +49,8 @@ class WorkerRecord:
         return instance_key(self._namespace, info or self._info)
 
     async def registered(self, registration: LeasedRegistration, sent: InstanceInfo) -> None:
-        """The worker joined the mesh with `sent` under `registration`'s lease; a change made while
-        it registered is written now."""
+        """The instance joined the mesh with `sent` under `registration`'s lease; a change made
+        while it registered is written now."""
         async with self._lock:
             self._registration, self._written = registration, sent
             await self._write()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from dataclasses import replace
 
 from prometheus_client import CollectorRegistry
 
@@ -26,10 +25,9 @@ from services.mesh.discovery import (
     ROUTER,
     ComponentView,
     InstanceInfo,
-    instance_key,
     new_instance_id,
 )
-from services.mesh.etcd_lease import LeasedRegistration
+from services.mesh.instance_record import InstanceRecord
 from services.mesh.etcd_store import StoreUnavailable
 from services.mesh.config_error import validated
 from services.mesh.flags import (
@@ -92,16 +90,13 @@ async def _routing(runner: ServiceRunner, args: argparse.Namespace, registry: Co
     return LocalRouter(router, tracing)
 
 
-async def _publish_context(context: ContextLimit, registration: LeasedRegistration, key: str,
-                           info: InstanceInfo) -> None:
+async def _publish_context(context: ContextLimit, record: InstanceRecord) -> None:
     """Keeps the processor's record's `max_model_len` at the context length it enforces. A write
-    etcd does not take now is not retried here: the registration puts its keys (this value among
-    them) again when it registers anew after an outage, and the next change writes it too."""
+    etcd does not take now is written by the next change (InstanceRecord), and the registration
+    puts the record again when it registers anew after an outage."""
     async for tokens in context.changes():
-        record = replace(info, extra={**info.extra, MAX_MODEL_LEN: tokens})
-        registration.farewell[key] = replace(record, leaving=True).to_json()
         try:
-            await registration.put(key, record.to_json())
+            await record.update(extra={**record.info.extra, MAX_MODEL_LEN: tokens})
         except StoreUnavailable as exc:
             log.warning("could not publish the context length %d in etcd: %s", tokens, exc)
 
@@ -138,9 +133,9 @@ def main(argv: list[str] | None = None) -> None:
         info = InstanceInfo(component=PROCESSOR, instance_id=new_instance_id(), address=f"{mesh.advertise_host}:{port}",
                             model=config.served_model_name, metrics_port=metrics_port,
                             extra={MAX_MODEL_LEN: context.tokens})
-        registration = await runner.register(info)
-        runner.watch(asyncio.create_task(_publish_context(context, registration, instance_key(mesh.namespace, info),
-                                                          info), name="publish context length"),
+        record = InstanceRecord(info, mesh.namespace)
+        await record.registered(await runner.register(info), info)
+        runner.watch(asyncio.create_task(_publish_context(context, record), name="publish context length"),
                      "publishing the context length")
         log.info("processor %s for %s at %s", info.instance_id, config.served_model_name, info.address)
 

@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from services.contract.served_context import WorkerRecord, published_context, served_context
+from services.contract.served_context import PublishedRecord, published_context, served_context
 from services.mesh.discovery import ComponentView
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ class ContextLimit:
         self.fallback = fallback
         # The longest a prompt plus its output may be, in tokens: what every request is checked against.
         self.tokens = fallback
-        self._workers: dict[str, WorkerRecord] = {}
+        self._workers: dict[str, PublishedRecord] = {}
         self._changed = asyncio.Event()
 
     def follow(self, decode_workers: ComponentView) -> None:
@@ -38,7 +38,7 @@ class ContextLimit:
         if served_context(self._workers.values(), self.model) is None:
             self._log(None)  # a limit taken from the workers was logged as they were heard
 
-    def heard(self, instance_id: str, record: WorkerRecord | None) -> None:
+    def heard(self, instance_id: str, record: PublishedRecord | None) -> None:
         """A decode worker joined or changed its record (`record`), or left (None)."""
         if record is None:
             self._workers.pop(instance_id, None)

@@ -28,7 +28,7 @@ from services.mesh.logs import LogComponent
 from services.contract.worker_roles import ROLE_OF, RoleName, requested_role
 from services.mesh.session_kind import CallError
 from services.mesh.tasks import cancel_and_wait
-from services.worker.record import WorkerRecord
+from services.mesh.instance_record import InstanceRecord
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
         self.role: RoleName | None = initial_role
         self._registered_role = initial_role
         self._drain_timeout_s = drain_timeout_s
-        self._record: WorkerRecord | None = None
+        self._record: InstanceRecord | None = None
         self._inflight: dict[RoleName, set[asyncio.Task[object]]] = {role: set() for role in RoleName}
         self._ending: set[asyncio.Task[object]] = set()
         self._lock = asyncio.Lock()
@@ -77,7 +77,7 @@ class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
     def component(self) -> str:
         return COMPONENT_OF[self._registered_role]
 
-    def registered(self, record: WorkerRecord) -> None:
+    def registered(self, record: InstanceRecord) -> None:
         """Called once the worker is in etcd: the record a switch moves (its one owner, so a
         switch writes the adapters the worker knows now, not those it knew at the start)."""
         self._record = record

@@ -51,7 +51,7 @@ from services.worker.kv_event_log import KvEventLog
 from services.worker.load_collector import WorkerLoadCollector
 from services.worker.lora_adapters import check_startup_adapters, known_adapters, register_runtime_adapters
 from services.worker.lora_collector import WorkerLoraCollector
-from services.worker.record import WorkerRecord
+from services.mesh.instance_record import InstanceRecord
 from services.worker.role_switch import RoleSwitch
 from services.worker.servicer import WorkerServicer
 
@@ -108,7 +108,7 @@ class _Running:
     instance_id: str
     engine: Engine
     # The worker's etcd record, its one owner (adapters loaded and role switches change it).
-    record: WorkerRecord
+    record: InstanceRecord
     lease_keys: dict[str, bytes]
     health: health.HealthServicer
     events: KvEventLog
@@ -177,7 +177,7 @@ async def start_worker(role: Role, ctx: WorkerContext, make_services: ServicesFa
         lora_adapters=known_adapters(built.engine),
         extra={"max_model_len": built.engine.info.max_model_len, "kv_transfer": spec.kv_transfer},
     )
-    record = WorkerRecord(info, mesh.namespace)
+    record = InstanceRecord(info, mesh.namespace)
     services.worker.record = record
     return _Running(instance_id, built.engine, record, built.lease_keys, health_servicer, events, switch)
 

@@ -42,7 +42,7 @@ from services.worker.lora_adapters import (
     state_to_proto,
     unload_adapter,
 )
-from services.worker.record import WorkerRecord
+from services.mesh.instance_record import InstanceRecord
 from services.worker.pacing import DEFAULT_INTERVAL_S, paced
 from services.worker.kv_event_log import KvEventLog, NumberedEvent
 from services.engines.base import (
@@ -222,7 +222,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._subscriptions: set[asyncio.Task[object]] = set()
         # The worker's etcd record, which lists the adapters it knows: set by the runtime once the
         # server is bound (an adapter loaded before that is in the record it builds then).
-        self.record: WorkerRecord | None = None
+        self.record: InstanceRecord | None = None
 
     async def end_subscriptions(self) -> None:
         """Ends the KV event and metrics streams (a drain: they would never finish by themselves

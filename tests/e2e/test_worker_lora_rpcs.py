@@ -25,7 +25,7 @@ from services.mesh.discovery import DECODE_WORKER, InstanceInfo
 from services.mesh.etcd_lease import LeasedRegistration
 from services.mesh.etcd_store import EtcdStore
 from services.worker.kv_event_log import KvEventLog
-from services.worker.record import WorkerRecord
+from services.mesh.instance_record import InstanceRecord
 from services.worker.servicer import WorkerServicer
 from tests.procs import Etcd
 from tests.unit.adapter_engine import AdapterEngine, adapter_dir
@@ -38,7 +38,7 @@ SAMPLING = common_pb2.SamplingParams(max_tokens=2)
 class Worker:
     engine: AdapterEngine
     stub: worker_pb2_grpc.WorkerStub
-    record: WorkerRecord
+    record: InstanceRecord
     store: EtcdStore
 
     async def listed(self) -> tuple[str, ...]:
@@ -58,7 +58,7 @@ async def running(etcd: Etcd, lora: LoraConfig | None) -> AsyncIterator[Worker]:
     servicer = WorkerServicer(engine, "w1", KvEventLog())
     store = EtcdStore((etcd.endpoint,))
     await store.connect()
-    record = WorkerRecord(InstanceInfo(component=DECODE_WORKER, instance_id="w1"), f"lora-{uuid.uuid4().hex[:8]}")
+    record = InstanceRecord(InstanceInfo(component=DECODE_WORKER, instance_id="w1"), f"lora-{uuid.uuid4().hex[:8]}")
     registration = LeasedRegistration(store)
     try:
         await registration.start({record.key(): record.info.to_json()})

@@ -1,4 +1,4 @@
-"""A worker's etcd record has one owner (services/worker/record.py): every change — adapters
+"""A worker's etcd record has one owner (services/mesh/instance_record.py): every change — adapters
 loaded at run time, a role switch — is written from the record as it is now, so no change
 writes back another's stale fields. Against a real etcd: the lease is the real LeasedRegistration
 over EtcdStore, what was written is read back from etcd and the order of the writes is etcd's own
@@ -25,7 +25,7 @@ from services.contract.worker_roles import RoleName
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, InstanceInfo, component_prefix
 from services.mesh.etcd_lease import LeasedRegistration
 from services.mesh.etcd_store import EtcdStore, StoreUnavailable
-from services.worker.record import WorkerRecord
+from services.mesh.instance_record import InstanceRecord
 from services.worker.role_switch import RoleSwitch
 from tests.procs import Etcd
 from tests.unit.in_process_grpc import serving
@@ -94,10 +94,10 @@ async def connected(endpoint: str) -> AsyncIterator[Namespace]:
 
 
 @asynccontextmanager
-async def joined_on(endpoint: str) -> AsyncIterator[tuple[WorkerRecord, Namespace, LeasedRegistration]]:
+async def joined_on(endpoint: str) -> AsyncIterator[tuple[InstanceRecord, Namespace, LeasedRegistration]]:
     """A record registered as the runtime does it: the lease puts the record, then the owner learns it."""
     async with connected(endpoint) as ns:
-        record = WorkerRecord(INFO, ns.name)
+        record = InstanceRecord(INFO, ns.name)
         registration = LeasedRegistration(ns.store)
         sent = record.info
         await registration.start({record.key(): sent.to_json()})
@@ -109,7 +109,7 @@ async def joined_on(endpoint: str) -> AsyncIterator[tuple[WorkerRecord, Namespac
 
 
 @pytest.fixture
-async def joined(etcd: Etcd) -> AsyncIterator[tuple[WorkerRecord, Namespace, LeasedRegistration]]:
+async def joined(etcd: Etcd) -> AsyncIterator[tuple[InstanceRecord, Namespace, LeasedRegistration]]:
     async with joined_on(etcd.endpoint) as out:
         yield out
 
@@ -124,7 +124,7 @@ def own_etcd() -> Iterator[Etcd]:
 
 async def test_a_change_made_while_the_worker_registered_is_written_once_it_has(etcd: Etcd) -> None:
     async with connected(etcd.endpoint) as ns:
-        record = WorkerRecord(INFO, ns.name)
+        record = InstanceRecord(INFO, ns.name)
         registration = LeasedRegistration(ns.store)
         sent = record.info
         await registration.start({record.key(): sent.to_json()})

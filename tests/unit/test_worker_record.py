@@ -1,4 +1,4 @@
-"""A worker's etcd record (services/worker/record.py) before it reaches etcd: its JSON form, and a
+"""A worker's etcd record (services/mesh/instance_record.py) before it reaches etcd: its JSON form, and a
 change made before the worker joined. What the record writes to etcd is tested against a real
 etcd in tests/e2e/test_worker_record.py."""
 
@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from services.contract.worker_roles import RoleName
 from services.mesh.discovery import DECODE_WORKER, InstanceInfo
-from services.worker.record import WorkerRecord
+from services.mesh.instance_record import InstanceRecord
 
 NS = "rec"
 INFO = InstanceInfo(component=DECODE_WORKER, instance_id="w1", address="127.0.0.1:1", model="m",
@@ -21,6 +21,6 @@ def test_the_adapter_list_round_trips_through_json_as_a_tuple() -> None:
 
 
 async def test_a_change_before_joining_is_kept_in_memory_and_written_by_nothing() -> None:
-    record = WorkerRecord(INFO, NS)
+    record = InstanceRecord(INFO, NS)
     assert await record.update(lora_adapters=("a", "b")) == replace(INFO, lora_adapters=("a", "b"))
     assert not record.is_registered and record.info.lora_adapters == ("a", "b")
