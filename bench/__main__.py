@@ -6,7 +6,7 @@ import argparse
 
 from bench import disagg_serving, mesh_overhead
 from bench.agents import cli as agents
-from bench.hot_path import detokenize, http_edge, one_worker
+from bench.hot_path import detokenize, http_edge, one_worker, request_profile
 from bench.hot_path import run as hot_path
 from bench.indexer import run as indexer
 from bench.lora import run as lora
@@ -25,6 +25,7 @@ BENCHMARKS = {
     "disagg": disagg_serving.run,
     "hot-path": hot_path.run,
     "one-worker": one_worker.run,
+    "request-profile": request_profile.run,
     "detokenize": detokenize.run,
     "http-edge": http_edge.run,
     "planner": planner.run,
@@ -36,7 +37,7 @@ BENCHMARKS = {
 
 
 # Run by name only: "hot-path" runs it too.
-PARTS = {"one-worker"}
+PARTS = {"one-worker", "request-profile"}
 
 
 def main() -> None:

@@ -13,7 +13,9 @@ import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.common.side_venv import Unavailable, side_venv, started
 from services.mesh.net import free_port
@@ -34,27 +36,42 @@ def python() -> Path:
                      f"the Dynamo {VERSION} baseline")
 
 
+@dataclass(frozen=True)
+class Served:
+    base: str  # http://127.0.0.1:PORT
+    # The pids of its processes by role ("frontend", "mocker"): their CPU is measured.
+    pids: dict[str, list[int]]
+
+
 @contextmanager
-def served(model_dir: Path, model_name: str, *, workers: int = 1, speedup: float = 100000.0,
-           num_gpu_blocks: int = 16384, frontend_flags: Sequence[str] = (),
-           mocker_flags: Sequence[str] = ()) -> Iterator[str]:
-    """Dynamo's frontend (KV router) and mocker; yields the base URL (http://127.0.0.1:PORT)."""
+def serving(model_dir: Path, model_name: str, *, workers: int = 1, speedup: float = 100000.0,
+            num_gpu_blocks: int = 16384, frontend_flags: Sequence[str] = (),
+            mocker_flags: Sequence[str] = ()) -> Iterator[Served]:
+    """Dynamo's frontend (KV router) and mocker, once its frontend lists the model."""
     interpreter = python()
     with ExitStack() as stack:
         etcd_url = stack.enter_context(_etcd())
         env = dict(os.environ, ETCD_ENDPOINTS=etcd_url, PYTHONUNBUFFERED="1")
         port = free_port()
         common = ["--discovery-backend", "etcd", "--request-plane", "tcp", "--event-plane", "zmq"]
-        stack.enter_context(started([str(interpreter), "-m", "dynamo.frontend", "--http-port", str(port),
-                                      "--router-mode", "kv", *common, *frontend_flags], env, "dynamo-frontend"))
-        stack.enter_context(started([str(interpreter), "-m", "dynamo.mocker", "--model-path", str(model_dir),
-                                      "--model-name", model_name, "--num-workers", str(workers), "--block-size", "16",
-                                      "--num-gpu-blocks-override", str(num_gpu_blocks), "--speedup-ratio",
-                                      str(speedup), "--enable-prefix-caching", *common, *mocker_flags], env,
-                                     "dynamo-mocker"))
+        frontend = stack.enter_context(started([str(interpreter), "-m", "dynamo.frontend", "--http-port", str(port),
+                                                "--router-mode", "kv", *common, *frontend_flags], env,
+                                               "dynamo-frontend"))
+        mocker = stack.enter_context(started([str(interpreter), "-m", "dynamo.mocker", "--model-path", str(model_dir),
+                                              "--model-name", model_name, "--num-workers", str(workers),
+                                              "--block-size", "16", "--num-gpu-blocks-override", str(num_gpu_blocks),
+                                              "--speedup-ratio", str(speedup), "--enable-prefix-caching", *common,
+                                              *mocker_flags], env, "dynamo-mocker"))
         base = f"http://127.0.0.1:{port}"
         _wait_for_model(base, model_name)
-        yield base
+        yield Served(base, {"frontend": [frontend.pid], "mocker": [mocker.pid]})
+
+
+@contextmanager
+def served(model_dir: Path, model_name: str, **options: Any) -> Iterator[str]:
+    """`serving`, yielding its base URL."""
+    with serving(model_dir, model_name, **options) as s:
+        yield s.base
 
 
 def _wait_for_model(base: str, model_name: str) -> None:

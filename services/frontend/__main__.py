@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -16,15 +17,20 @@ from services.frontend.app import create_admin_app, create_app
 from services.frontend.direct_write import DirectWriteProtocol
 from services.frontend.flags import add_frontend_flags, frontend_config
 from services.frontend.lora_admin import LoraAdmin
-from services.frontend.mesh import MeshView
+from services.frontend.mesh import LocalProcessor, MeshView
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.request_tracing import RequestTracing
 from services.mesh.discovery import (DECODE_WORKER, FRONTEND, PREFILL_WORKER, PROCESSOR, ROUTER, InstanceInfo,
                                      new_instance_id)
-from services.mesh.flags import FlagParser, add_mesh_flags, die, exit_if_checking, mesh_config
+from services.mesh.flags import (FlagParser, MeshConfig, add_mesh_flags, add_model_flags, die, exit_if_checking,
+                                 mesh_config, model_ref, port_number)
+from services.mesh.local_session import LocalSession
 from services.mesh.logs import setup_logging
 from services.mesh.service_runner import ServiceRunner, run_service
-from services.mesh.tracing import start_tracing
+from services.mesh.tracing import Tracing, start_tracing
+from services.processor.assembly import processor_config, start_processor
+from services.processor.flags import add_processor_flags
+from services.routing.flags import add_router_flags
 
 log = logging.getLogger("frontend")
 
@@ -36,6 +42,17 @@ def parser() -> FlagParser:
     p = FlagParser(prog="python -m services.frontend")
     add_mesh_flags(p)
     add_frontend_flags(p)
+    hosted = p.add_argument_group(
+        "embedded processor", "--embed-processor: this gateway hosts a processor and calls it in-process (one hop "
+                              "fewer per request); the model, processor and routing flags below are the processor's")
+    hosted.add_argument("--embed-processor", action="store_true",
+                        help="host a processor in this process (it still serves gRPC and registers like any)")
+    hosted.add_argument("--processor-port", type=port_number, default=0, help="the hosted processor's gRPC port")
+    hosted.add_argument("--processor-metrics-port", type=port_number, default=0,
+                        help="the hosted processor's Prometheus port (0 = any free)")
+    add_model_flags(hosted)
+    add_processor_flags(p)
+    add_router_flags(p)
     return p
 
 
@@ -68,6 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     mesh = mesh_config(args)
     setup_logging(mesh.log_level, FRONTEND, mesh.log_format)
     config = frontend_config(args)
+    if args.embed_processor:
+        processor_config(args, model_ref(args))  # its settings are checked with the gateway's
+    elif args.model is not None:
+        die("--model is the embedded processor's: give --embed-processor too")
     exit_if_checking(args)
     sock = bind(mesh.host, args.http_port, reuse_port=args.reuse_port)
     admin_sock = None if config.metrics_port is None else bind(mesh.host, config.metrics_port, "--metrics-port")
@@ -75,11 +96,12 @@ def main(argv: list[str] | None = None) -> None:
     async def assemble(runner: ServiceRunner) -> None:
         tracing = start_tracing(runner)  # first: torn down last, after the drain's last spans
         await runner.connect_store()
+        local = await _embedded_processor(runner, args, mesh, tracing) if args.embed_processor else None
         view = MeshView(processors=await runner.watch_component(PROCESSOR),
                         routers=await runner.watch_component(ROUTER),
                         decoders=await runner.watch_component(DECODE_WORKER),
                         sessions=runner.sessions,
-                        prefills=await runner.watch_component(PREFILL_WORKER))
+                        prefills=await runner.watch_component(PREFILL_WORKER), local=local)
         metrics = FrontendMetrics()
         runner.time_gc(metrics.registry)
         lora = LoraAdmin(view, runner.channels, store=runner.store, namespace=mesh.namespace)
@@ -99,6 +121,18 @@ def main(argv: list[str] | None = None) -> None:
         log.info("frontend %s listening on http://%s:%d/v1", info.instance_id, mesh.host, port)
 
     run_service(FRONTEND, mesh, assemble)
+
+
+async def _embedded_processor(runner: ServiceRunner, args: argparse.Namespace, mesh: MeshConfig,
+                              tracing: Tracing) -> LocalProcessor:
+    """The processor this gateway hosts (services/processor/assembly.py) and the in-process
+    session its requests take to it; the session closes after the HTTP server has drained."""
+    model = model_ref(args)
+    servicer, info = await start_processor(runner, args, model, processor_config(args, model), mesh, tracing,
+                                           args.processor_port, args.processor_metrics_port)
+    session = LocalSession(servicer.sessions, info.address, clock=runner.sessions.clock)
+    runner.on_teardown("close the embedded processor's session", session.close)
+    return LocalProcessor(info.instance_id, info.model, session)
 
 
 def _serve_http(runner: ServiceRunner, app: ASGIApp, sock: socket.socket, label: str, drain_timeout_s: float) -> None:

@@ -21,6 +21,16 @@ class ModelTarget:
     lora_name: str = ""
 
 
+@dataclass(frozen=True)
+class LocalProcessor:
+    """The processor a gateway hosts (--embed-processor): its registration's id and model, and the
+    in-process session to it."""
+
+    instance_id: str
+    model: str
+    session: Session
+
+
 @dataclass
 class MeshView:
     """Live views of the components the gateway needs (their lifetimes belong to the service runner)."""
@@ -31,6 +41,8 @@ class MeshView:
     sessions: SessionPool
     # The prefill pool: only the LoRA admin endpoints reach it (None: they reach decode workers alone).
     prefills: ComponentView | None = None
+    # The processor this gateway hosts, taken before any other for its model.
+    local: LocalProcessor | None = None
     _turn: count = field(default_factory=count)
 
     def models(self) -> list[str]:
@@ -74,7 +86,12 @@ class MeshView:
         return [i for pool in pools for i in pool.instances.values() if base is None or i.model == base]
 
     def processor_for(self, model: str, exclude: Sequence[str] = ()) -> tuple[str, Session] | None:
-        """The next processor of `model` in turn, skipping `exclude`: its id and the session to it."""
+        """The processor this gateway hosts, or else the next processor of `model` in turn, skipping
+        `exclude`: its id and the session to it. The hosted one is also registered like any, so
+        once it is excluded (it failed a stream) the others are taken in turn without it."""
+        local = self.local
+        if local is not None and local.model == model and local.instance_id not in exclude:
+            return local.instance_id, local.session
         candidates = in_turn((p for p in self.processors.instances.values()
                               if p.model == model and p.instance_id not in exclude),
                              next(self._turn), lambda p: p.instance_id)

@@ -108,6 +108,8 @@ class LaunchConfig:
     # --demo-lora (`make run` passes it): with the demo model and no --lora-modules, the workers
     # serve the demo LoRA adapters (see `with_demo_adapters`).
     demo_lora: bool = False
+    # Each frontend hosts its processor (--embed-processor): no processor processes.
+    embed_processors: bool = False
     # Where the mesh is reached: what the children register and the READY line names, and where
     # the embedded etcd listens (--advertise-host, else --host; loopback by default).
     advertise_host: str = "127.0.0.1"
@@ -117,6 +119,9 @@ class LaunchConfig:
             raise ConfigError("--decode-workers must be >= 1 and --prefill-workers >= 0")
         if self.processors < 1 or self.routers < 1 or self.frontends < 1:
             raise ConfigError("--processors, --routers and --frontends must be >= 1")
+        if self.embed_processors and self.processors != 1:
+            raise ConfigError("--processors with --embed-processors: each frontend hosts one processor, so "
+                              "--frontends sets how many there are")
         if not self.drain_timeout_s >= 0:
             raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         if not self.ready_timeout_s > 0:
@@ -149,6 +154,10 @@ def parser() -> tuple[FlagParser, _Groups]:
     p.add_argument("--decode-workers", type=positive_int, default=1)
     p.add_argument("--prefill-workers", type=non_negative_int, default=1, help="0 = aggregated serving")
     p.add_argument("--processors", type=positive_int, default=1, help="processor replicas")
+    p.add_argument("--embed-processors", action="store_true",
+                   help="each frontend hosts its processor in its own process and calls it in-process (one hop "
+                        "and one process fewer per request; the processor flags apply to them); no processor "
+                        "processes are started")
     p.add_argument("--frontends", type=positive_int, default=1, help="frontend replicas, sharing --http-port")
     p.add_argument("--routers", type=positive_int, default=1, help="kv-router replicas")
     p.add_argument("--ready-timeout", type=positive_float, default=600.0, help="seconds to wait for /health")
@@ -244,6 +253,7 @@ def load(argv: list[str] | None = None) -> LaunchConfig:
         tls=mesh.tls,
         advertise_host=mesh.advertise_host,
         demo_lora=args.demo_lora,
+        embed_processors=args.embed_processors,
     ))
 
 

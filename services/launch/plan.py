@@ -28,9 +28,10 @@ def plan_children(cfg: LaunchConfig, etcd: str, model: str, console: Console | N
     env = child_env()
     children = [_child("kv-router", python_module("services.kv_router", *common, *cfg.router_argv), env)
                 for _ in range(cfg.routers)]
-    children += [_child("processor", python_module("services.processor", *common, "--model", model, *named,
-                                                   *cfg.processor_argv, *cfg.router_argv), env)
-                 for _ in range(cfg.processors)]
+    processor_argv = ["--model", model, *named, *cfg.processor_argv, *cfg.router_argv]
+    if not cfg.embed_processors:
+        children += [_child("processor", python_module("services.processor", *common, *processor_argv), env)
+                     for _ in range(cfg.processors)]
     if cfg.planner_switches:
         children += [switchable_worker(cfg, common, model, RoleName.DECODE, env) for _ in range(cfg.decode_workers)]
         children += [switchable_worker(cfg, common, model, RoleName.PREFILL, env) for _ in range(cfg.prefill_workers)]
@@ -42,7 +43,8 @@ def plan_children(cfg: LaunchConfig, etcd: str, model: str, console: Console | N
         children.append(_child("planner", python_module("services.planner", *common, *_connector_argv(cfg),
                                                          *cfg.planner_argv), env))
     shared_port = ["--reuse-port"] if cfg.frontends > 1 and "--reuse-port" not in cfg.frontend_argv else []
-    frontend = python_module("services.frontend", *common, *cfg.frontend_argv, *shared_port)
+    hosted = ["--embed-processor", *processor_argv] if cfg.embed_processors else []
+    frontend = python_module("services.frontend", *common, *cfg.frontend_argv, *shared_port, *hosted)
     children += [_child("frontend", frontend, child_env({"KVMESH_API_KEY": cfg.api_key} if cfg.api_key else None))
                  for _ in range(cfg.frontends)]
     for child, name in zip(children, log_names([c.component for c in children]), strict=True):

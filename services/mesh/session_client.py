@@ -212,9 +212,14 @@ class Session:
         if timeout_s is not None:
             timeout_ms = max(1, int(timeout_s * 1000))
             stream._timer = asyncio.get_running_loop().call_later(timeout_s, self._expire, stream, timeout_s)
-        self._opened.append((sid, timeout_ms, metadata, request))
-        self._wake.set()
+        self._send_open(stream, timeout_ms, metadata, request)
         return stream
+
+    def _send_open(self, stream: SessionStream, timeout_ms: int, metadata: Iterable[tuple[str, str]] | None,
+                   request: Any) -> None:
+        """The call goes out with the next frame."""
+        self._opened.append((stream.stream_id, timeout_ms, metadata, request))
+        self._wake.set()
 
     async def call(self, request: Any, timeout_s: float | None = None,
                    metadata: Iterable[tuple[str, str]] | None = None) -> Any:

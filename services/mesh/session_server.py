@@ -49,7 +49,7 @@ class SessionHub:
                  max_outbox: int = MAX_OUTBOX, latency: HopLatency | None = None) -> None:
         """`latency`: where this hop records the time from a reply's origin to its frame's write."""
         self.kind = kind
-        self._handler = handler
+        self.handler = handler
         self.latency = latency
         self._max_calls = max_calls
         self._max_outbox = max_outbox
@@ -162,7 +162,7 @@ class _ServerSession:
 
     async def _serve_call(self, sid: int, request: Any, metadata: dict[str, str]) -> None:
         try:
-            async for response in self.hub._handler(request, CallInfo(metadata, partial(self._reply_open, sid))):
+            async for response in self.hub.handler(request, CallInfo(metadata, partial(self._reply_open, sid))):
                 self._reply(sid, response)
             end = common_pb2.StreamEnd(stream_id=sid, outcome=OK)
         except CallError as exc:

@@ -69,6 +69,9 @@ class WorkerState:
     synced: bool = False
     # (dispatch time, new blocks) of requests this router sent that the worker has not reported yet.
     pending: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=MAX_PENDING))
+    # The sum of `pending`'s blocks, kept with it: routing reads it per request, and between two
+    # load reports `pending` holds every request dispatched (thousands at a high rate).
+    pending_blocks: int = 0
     # Its LoRA adapters: its latest report's states, and those this router sent it requests of.
     adapters: WorkerAdapters = field(default_factory=WorkerAdapters)
     # Its series of the router's load metrics, once the pool follows it (WorkerPool._follow).
@@ -77,7 +80,11 @@ class WorkerState:
 
     def add_pending(self, new_blocks: int, lora_name: str = "") -> None:
         now = time.monotonic()
-        self.pending.append((now, new_blocks))
+        pending = self.pending
+        if len(pending) == pending.maxlen:
+            self.pending_blocks -= pending[0][1]  # the append drops the oldest
+        pending.append((now, new_blocks))
+        self.pending_blocks += new_blocks
         self.adapters.dispatched(lora_name, now)
 
     def observe_load(self, load: worker_pb2.LoadMetrics) -> None:
@@ -85,8 +92,9 @@ class WorkerState:
         now = time.monotonic()
         self.adapters.observe(load, now)
         horizon = now - PENDING_GRACE_S
-        while self.pending and self.pending[0][0] < horizon:
-            self.pending.popleft()
+        pending = self.pending
+        while pending and pending[0][0] < horizon:
+            self.pending_blocks -= pending.popleft()[1]
 
     def knows_adapter(self, lora_name: str) -> bool:
         """Whether the worker serves LoRA adapter `lora_name` (always, the base model ""): its
@@ -98,7 +106,7 @@ class WorkerState:
         return self.adapters.view(lora_name)
 
     def pending_counts(self) -> tuple[int, int]:
-        return len(self.pending), sum(b for _, b in self.pending)
+        return len(self.pending), self.pending_blocks
 
 
 class WorkerPool:

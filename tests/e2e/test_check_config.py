@@ -48,6 +48,8 @@ MORE_BAD = [
     ("services.decode_worker", [*WORKER, "--timing-profile", "/no/such/profile.json"], "--timing-profile"),
     ("services.planner", ["--profile", "tpu-v9"], "--profile: no profile 'tpu-v9'"),
     ("services.planner", ["--profile", "README.md"], "--profile: README.md: not JSON"),
+    ("services.frontend", ["--model", "/some/model"], "--embed-processor"),
+    ("services.frontend", ["--embed-processor", "--default-max-tokens", "0"], "--default-max-tokens"),
 ]
 
 

@@ -181,6 +181,9 @@ def test_no_engine_reaches_into_the_mocker() -> None:
 # are services.routing, which the kv-router and a processor with `--routing local` both embed).
 SERVICE_MAY_USE = {
     "launch": tuple(f"services.{p}.flags" for p in SERVICE_PACKAGES),
+    # A gateway that hosts its processor (--embed-processor) assembles it from the processor's
+    # own entry points, its flags and its assembly, and reaches nothing else of it.
+    "frontend": ("services.processor.flags", "services.processor.assembly"),
 }
 
 

@@ -26,7 +26,7 @@ from services.routing.pickers import PICKERS, ROUTER_MODES, make_picker
 from services.routing.router import Router
 from services.routing.router_metrics import RouterMetrics
 from services.routing.servicer import RouterServicer
-from services.routing.worker_pool import WorkerPool
+from services.routing.worker_pool import MAX_PENDING, PENDING_GRACE_S, WorkerPool
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, InstanceInfo, Listener
 from services.kv_protocol.hashing import chained_block_hashes, local_block_hashes
 
@@ -212,6 +212,26 @@ async def test_pending_blocks_count_only_what_the_worker_does_not_cache() -> Non
     cache(pool, "a", PROMPT[: 3 * BS])
     await router(pool).route()
     assert pool.workers["a"].pending_counts() == (1, 1)
+
+
+def test_pending_blocks_are_a_running_sum_that_follows_the_bounded_queue(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sum routing reads per request is kept with the queue: right after the queue's bound drops
+    the oldest entries and after a report retires those older than its grace."""
+    state = make_pool(info("a")).workers["a"]
+    now = [100.0]
+    monkeypatch.setattr("services.routing.worker_pool.time.monotonic", lambda: now[0])
+    entries = []
+    for i in range(MAX_PENDING + 10):
+        now[0] += 0.001
+        blocks = 1 + i % 7
+        state.add_pending(blocks)
+        entries.append((now[0], blocks))
+    kept = entries[-MAX_PENDING:]
+    assert state.pending_counts() == (MAX_PENDING, sum(b for _, b in kept))
+    now[0] = kept[99][0] + PENDING_GRACE_S  # a report: entries older than the grace are retired
+    state.observe_load(worker_pb2.LoadMetrics())
+    left = [b for t, b in kept if t >= now[0] - PENDING_GRACE_S]
+    assert state.pending_counts() == (len(left), sum(left)) and len(left) == MAX_PENDING - 99
 
 
 async def test_pool_waiting_adds_reported_queues_to_pending_requests_of_the_candidates() -> None:
