@@ -293,7 +293,7 @@ def _mesh_argv(mesh: MeshConfig) -> tuple[str, ...]:
     `make run` is for development: gRPC server reflection is on, so `grpcurl` can list and call
     every service."""
     argv = ["--log-format", mesh.log_format, "--grpc-reflection", "--host", mesh.host,
-            "--advertise-host", mesh.advertise_host]
+            "--advertise-host", mesh.advertise_host, "--session-carrier", mesh.session_carrier]
     if mesh.tls is not None:
         # Absolute, so a child's check or a restart does not depend on its working directory.
         argv += ["--tls-cert", str(Path(mesh.tls.cert_file).resolve()), "--tls-key", str(Path(mesh.tls.key_file).resolve()),

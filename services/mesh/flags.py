@@ -26,6 +26,8 @@ DEFAULT_LOG_LEVEL = "INFO"
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMATS = ("text", "json")
+# What a process's sessions to its peers travel on (services/mesh/session_carrier.py).
+SESSION_CARRIERS = ("tcp", "grpc")
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ class MeshConfig:
     tls: TlsConfig | None = None
     # Server reflection lets anyone list and call the RPCs: a development aid, off by default.
     grpc_reflection: bool = False
+    # What this process's sessions to peers travel on (session_carrier.py): "tcp" where the peer
+    # offers it (else its gRPC stream), or "grpc" always. Its own sessions are served on both.
+    session_carrier: str = "tcp"
 
     def __post_init__(self) -> None:
         if not self.drain_timeout_s >= 0:
@@ -57,6 +62,8 @@ class MeshConfig:
             raise ConfigError(f"--namespace: {self.namespace!r} must be non-empty and contain no '/'")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"--log-level: {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+        if self.session_carrier not in SESSION_CARRIERS:
+            raise ConfigError(f"--session-carrier: {self.session_carrier!r} is not one of {', '.join(SESSION_CARRIERS)}")
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"--log-format: {self.log_format!r} is not one of {', '.join(LOG_FORMATS)}")
         https = [e for e in self.etcd_endpoints if e.startswith("https://")]
@@ -120,6 +127,11 @@ def add_mesh_flags(parser: argparse.ArgumentParser, *, embedded_etcd: bool = Fal
                              "registered, so one certificate can serve the whole mesh (env KVMESH_TLS_SERVER_NAME)")
     parser.add_argument("--grpc-reflection", action="store_true",
                         help="serve gRPC server reflection (development; off by default)")
+    parser.add_argument("--session-carrier", choices=SESSION_CARRIERS,
+                        default=os.environ.get("KVMESH_SESSION_CARRIER", "tcp"),
+                        help="tcp: this process's sessions to peers (requests to processors, routers and workers) "
+                             "travel as frames on a TCP connection of their own where the peer offers one, else on "
+                             "its gRPC stream; grpc: always on the gRPC stream (env KVMESH_SESSION_CARRIER)")
     what = "every process it starts binds (its embedded etcd too)" if embedded_etcd else "to bind"
     parser.add_argument("--host", default="127.0.0.1", help=f"address {what}")
     parser.add_argument("--advertise-host", default=None,
@@ -137,7 +149,7 @@ def mesh_config(args: argparse.Namespace) -> MeshConfig:
     return validated(lambda: MeshConfig(split_endpoints(args.etcd_endpoints), args.namespace, args.log_level,
                                         host, advertise, args.drain_timeout, args.log_format,
                                         tls_config(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name),
-                                        args.grpc_reflection))
+                                        args.grpc_reflection, getattr(args, "session_carrier", "tcp")))
 
 
 def exit_if_checking(args: argparse.Namespace) -> None:

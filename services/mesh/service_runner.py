@@ -42,6 +42,7 @@ from services.mesh.flags import MeshConfig
 from services.mesh.gc_pauses import GcPauses
 from services.mesh.grpc_server import ServiceBinding, start_server
 from services.mesh.metrics_http import serve_metrics
+from services.mesh.session_carrier import CarrierDialer, CarrierListener
 from services.mesh.session_client import SessionPool
 from services.mesh.session_server import SessionHub
 from services.mesh.tasks import cancel_and_wait
@@ -213,7 +214,11 @@ class ServiceRunner:
         before the channels they use."""
         if self._sessions is None:
             channels = self.channels
-            self._sessions = pool = SessionPool(channels)
+            mesh = self.mesh
+            dialer = None
+            if mesh is None or mesh.session_carrier == "tcp":
+                dialer = CarrierDialer(channels, mesh.tls if mesh is not None else None)
+            self._sessions = pool = SessionPool(channels, dialer=dialer)
             self.on_teardown("close sessions", pool.close)
         return self._sessions
 
@@ -284,17 +289,22 @@ class ServiceRunner:
         At teardown it first reports NOT_SERVING, then stops: new calls are refused at once,
         calls in flight get the drain timeout to finish."""
         mesh = self._mesh()
-        server, bound, health_servicer = await start_server(bindings, mesh.host, port, tls=mesh.tls,
-                                                            reflect=mesh.grpc_reflection)
-        grace = self.drain_timeout_s
         # A session carries many calls and never ends by itself: it refuses new calls and ends
         # once its calls have, like the server does with whole calls.
         hubs = [b.servicer.sessions for b in bindings if isinstance(getattr(b.servicer, "sessions", None), SessionHub)]
+        # The sessions are served on a TCP port of their own too (session_carrier.py), which
+        # the gRPC server tells callers.
+        carrier = CarrierListener(hubs, mesh.tls) if hubs else None
+        if carrier is not None:
+            bindings = [*bindings, carrier.binding(await carrier.start(mesh.host))]
+        server, bound, health_servicer = await start_server(bindings, mesh.host, port, tls=mesh.tls,
+                                                            reflect=mesh.grpc_reflection)
+        grace = self.drain_timeout_s
 
         async def stop() -> None:
             for hub in hubs:
                 hub.drain()
-            await server.stop(grace=grace)
+            await asyncio.gather(server.stop(grace=grace), *([carrier.stop(grace)] if carrier is not None else []))
 
         self.on_teardown("stop gRPC server", stop, grace + TEARDOWN_STEP_S)
         self.on_teardown("report NOT_SERVING", health_servicer.enter_graceful_shutdown)

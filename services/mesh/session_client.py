@@ -32,6 +32,7 @@ from typing import Any
 import grpc
 
 from services.mesh.channels import ChannelPool
+from services.mesh.session_carrier import Carrier, CarrierDialer, GrpcCarrier
 from services.mesh.hop_latency import FrameClock
 from gen.kvmesh.v1 import common_pb2
 from services.mesh.session_kind import OK, CallError, SessionKind
@@ -179,7 +180,9 @@ class Session:
     """One stream to one peer carrying many calls."""
 
     def __init__(self, kind: SessionKind, channel: grpc.aio.Channel, address: str, limits: SessionLimits,
-                 clock: FrameClock | None = None) -> None:
+                 clock: FrameClock | None = None, dialer: CarrierDialer | None = None) -> None:
+        """`dialer`: carries the session over TCP where the peer offers it (session_carrier.py);
+        None, or a peer that offers none: over the service's gRPC stream."""
         self.kind = kind
         self.address = address
         self.limits = limits
@@ -193,9 +196,10 @@ class Session:
         self._opened: list[tuple[int, int, Iterable[tuple[str, str]] | None, Any]] = []
         self._cancelled: list[int] = []
         self._wake = asyncio.Event()
-        method = channel.stream_stream(kind.method, request_serializer=kind.down.SerializeToString,
-                                       response_deserializer=kind.up.FromString)
-        self._call = method()
+        self._channel = channel
+        self._dialer = dialer
+        self._carrier: Carrier | None = None
+        self._connected = asyncio.create_task(self._connect(), name=f"{kind.name} session carrier {address}")
         self._reader = asyncio.create_task(self._read(), name=f"{kind.name} session reader {address}")
         self._writer = asyncio.create_task(self._write(), name=f"{kind.name} session writer {address}")
 
@@ -231,7 +235,24 @@ class Session:
 
     async def close(self) -> None:
         self._break(f"the session to {self.address} was closed")
-        await cancel_and_wait(self._reader, self._writer)
+        await cancel_and_wait(self._reader, self._writer, self._connected)
+
+    @property
+    def carrier(self) -> str:
+        """What the session travels on: "tcp" or "grpc" ("" while it connects)."""
+        return self._carrier.name if self._carrier is not None else ""
+
+    async def _connect(self) -> Carrier:
+        """The session's connection: TCP where the dialer finds the peer offers it, else gRPC.
+        Calls opened meanwhile wait in the first frame."""
+        carrier: Carrier | None = None
+        if self._dialer is not None:
+            carrier = await self._dialer.open(self.address, self.kind.method, self.kind.up)
+        if carrier is None:
+            carrier = GrpcCarrier(self._channel, self.kind.method, self.kind.down, self.kind.up)
+        self._carrier = carrier
+        log.info("%s session to %s over %s", self.kind.name, self.address, carrier.name)
+        return carrier
 
     # -- calls ending ------------------------------------------------------------------------
 
@@ -267,7 +288,10 @@ class Session:
         streams, self.streams = self.streams, {}
         for stream in streams.values():
             stream._finish(CallError(PEER_GONE, message))
-        self._call.cancel()
+        if self._carrier is not None:
+            self._carrier.cancel()
+        else:
+            self._connected.cancel()
         self._wake.set()
 
     # -- the stream ------------------------------------------------------------------------------
@@ -275,9 +299,10 @@ class Session:
     async def _read(self) -> None:
         clock = self.clock
         try:
+            carrier = await self._connected
             while True:
-                frame = await self._call.read()
-                if frame is grpc.aio.EOF:
+                frame = await carrier.read()
+                if frame is None:
                     self._break(f"{self.address} closed the {self.kind.name} session")
                     return
                 self.frames_received += 1
@@ -290,6 +315,8 @@ class Session:
                     clock.reading_ns = 0  # replies made from here on are not made of this frame
         except grpc.aio.AioRpcError as exc:
             self._break(f"the {self.kind.name} session to {self.address} broke: {exc.code().name} {exc.details()}")
+        except OSError as exc:  # the TCP carrier's connection (ConnectionError, TLS errors)
+            self._break(f"the {self.kind.name} session to {self.address} broke: {exc or type(exc).__name__}")
 
     async def _hand_out_rows(self, frame: Any) -> None:
         """A frame's rows to their calls, before its replies and ends (session_kind.py), letting
@@ -327,6 +354,7 @@ class Session:
         # The first frame says this end reads rows (session_kind.ReplyRows), where the kind has them.
         announce = self.kind.rows is not None
         try:
+            carrier = await self._connected
             while not self.closed:
                 if not self._opened and not self._cancelled:
                     self._wake.clear()
@@ -355,16 +383,19 @@ class Session:
                 if announce:
                     frame.accepts_rows = True
                     announce = False
-                await self._call.write(frame)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+                await carrier.write(frame)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError, OSError) as exc:
             self._break(f"the {self.kind.name} session to {self.address} broke: {exc}")
 
 
 class SessionPool:
     """One session per (kind, peer address), reopened after a break, closed with the owner."""
 
-    def __init__(self, channels: ChannelPool, limits: SessionLimits | None = None) -> None:
+    def __init__(self, channels: ChannelPool, limits: SessionLimits | None = None,
+                 dialer: CarrierDialer | None = None) -> None:
+        """`dialer`: sessions over TCP where peers offer it (session_carrier.py); None: over gRPC."""
         self._channels = channels
+        self._dialer = dialer
         self._limits = limits or SessionLimits()
         # Shared by the pool's sessions: the upstream frame this process is reading right now.
         self.clock = FrameClock()
@@ -378,7 +409,7 @@ class SessionPool:
             if session is not None:
                 self._retire(session)
             session = self._sessions[key] = Session(kind, self._channels.get(address), address, self._limits,
-                                                    self.clock)
+                                                    self.clock, self._dialer)
         return session
 
     def _retire(self, session: Session) -> None:

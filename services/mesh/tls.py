@@ -57,6 +57,22 @@ class TlsConfig:
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
                                             certificate_chain=self.cert)
 
+    def server_ssl_context(self) -> ssl.SSLContext:
+        """The same rule for a plain TLS server (session_carrier.py): a client certificate the CA signed."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.cert_file, self.key_file)
+        context.load_verify_locations(cadata=self.ca.decode())
+        context.verify_mode = ssl.CERT_REQUIRED
+        return context
+
+    def client_ssl_context(self) -> ssl.SSLContext:
+        """The same rule for a plain TLS client: this process's certificate, a server the CA signed
+        (its name checked against `server_name` where set, as the channels do)."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.load_cert_chain(self.cert_file, self.key_file)
+        context.load_verify_locations(cadata=self.ca.decode())
+        return context
+
 
 def tls_config(cert: str | None, key: str | None, ca: str | None,
                server_name: str | None = None) -> TlsConfig | None:

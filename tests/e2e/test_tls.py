@@ -9,7 +9,10 @@ refused, while a client holding a mesh certificate gets its answer.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import ssl
+import struct
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -19,8 +22,10 @@ import grpc
 import httpx
 import pytest
 
-from gen.kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from gen.kvmesh.v1 import carrier_pb2, carrier_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.mesh.etcd_store import StoreUnavailable
+from services.mesh.session_carrier import read_frame
+from services.mesh.session_kind import ROUTER_SESSION
 from services.mesh.tls import TlsConfig
 from testkit.etcd import Etcd, EtcdTls
 from tests.certs import Authority, CertFiles
@@ -58,6 +63,7 @@ class TlsMesh:
     namespace: str
     http_port: int
     tls: TlsConfig
+    mesh: ServiceMesh
 
     def address(self, component: str) -> str:
         (info, *_) = registered(self.etcd, self.namespace, component, self.tls)
@@ -70,7 +76,7 @@ def tls_mesh(tls_etcd: str, pki: Pki) -> Iterator[TlsMesh]:
         mesh.worker()
         assert wait_until(lambda: mesh.complete().status_code == 200, 20)
         yield TlsMesh(tls_etcd, mesh.namespace, mesh.port,
-                      TlsConfig(str(pki.mesh.cert), str(pki.mesh.key), str(pki.ca.ca_file)))
+                      TlsConfig(str(pki.mesh.cert), str(pki.mesh.key), str(pki.ca.ca_file)), mesh)
 
 
 def test_a_request_crosses_a_mesh_whose_every_hop_is_mutual_tls(tls_mesh: TlsMesh) -> None:
@@ -79,6 +85,48 @@ def test_a_request_crosses_a_mesh_whose_every_hop_is_mutual_tls(tls_mesh: TlsMes
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 4
     assert reply.headers["x-kvmesh-worker"]
+
+
+def _knock(port: int, context: ssl.SSLContext | None) -> str:
+    """A session hello to the router's TCP carrier: "accepted", or how it was refused."""
+    async def knock() -> str:
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(
+                "127.0.0.1", port, ssl=context, server_hostname="127.0.0.1" if context else None), 10)
+            method = ROUTER_SESSION.method.encode()
+            writer.write(struct.pack("<I", len(method)) + method)
+            await writer.drain()
+            answer = await asyncio.wait_for(read_frame(reader, 16), 10)
+            writer.close()
+        except (OSError, ssl.SSLError) as exc:
+            return f"refused: {type(exc).__name__}"
+        return "accepted" if answer == b"\x01" else f"refused: answered {answer!r}"
+
+    return asyncio.run(knock())
+
+
+def test_sessions_cross_tls_on_their_tcp_carrier_which_refuses_strangers(tls_mesh: TlsMesh, pki: Pki) -> None:
+    # The mesh's own sessions took the TCP carrier, under TLS.
+    processor = next(p for p in tls_mesh.mesh.procs if p.name.startswith("processor"))
+    said = "\n".join(processor.lines)
+    assert "session to" in said and " over tcp" in said and "over gRPC instead" not in said, processor.tail()
+    creds = grpc.ssl_channel_credentials(pki.ca.ca_file.read_bytes(), pki.mesh.key.read_bytes(),
+                                         pki.mesh.cert.read_bytes())
+    with grpc.secure_channel(tls_mesh.address("kv-router"), creds) as channel:
+        port = carrier_pb2_grpc.SessionCarrierStub(channel).Endpoint(carrier_pb2.CarrierRequest(), timeout=5).port
+    assert port
+
+    def client(cert: CertFiles | None) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.load_verify_locations(str(pki.ca.ca_file))
+        if cert is not None:
+            context.load_cert_chain(str(cert.cert), str(cert.key))
+        return context
+
+    assert _knock(port, client(pki.mesh)) == "accepted"
+    assert _knock(port, None).startswith("refused")  # plaintext
+    assert _knock(port, client(None)).startswith("refused")  # no certificate
+    assert _knock(port, client(pki.stranger)).startswith("refused")  # another CA's
 
 
 def _find_matches(channel: grpc.Channel, token_ids: Sequence[int] = range(64)) -> dict[str, int]:

@@ -18,6 +18,7 @@ import pytest
 
 from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.mesh.channels import ChannelPool
+from services.mesh.session_carrier import CarrierDialer, CarrierListener
 from services.mesh.session_client import SessionLimits, SessionPool
 from services.mesh.session_kind import ROUTER_SESSION, CallError, CallInfo, bad_request
 from services.mesh.session_server import SessionHub
@@ -91,6 +92,13 @@ class Bed:
     server: grpc.aio.Server
     address: str
     sessions: SessionPool
+    listener: CarrierListener | None = None
+
+    async def stop_server(self) -> None:
+        """The peer goes away: its gRPC server and its TCP carrier."""
+        await self.server.stop(None)
+        if self.listener is not None:
+            await self.listener.stop(0)
 
     def open(self, rid: str, behaviour: str = "ok", count: int = 1, timeout_s: float | None = 10.0,
              metadata: tuple[tuple[str, str], ...] | None = None):
@@ -102,29 +110,41 @@ class Bed:
         await asyncio.wait_for(asyncio.gather(*(self.servicer.started[rid].wait() for rid in rids)), 5)
 
 
+@pytest.fixture(params=["grpc", "tcp"])
+def carrier(request: pytest.FixtureRequest) -> str:
+    """Every rule holds on both carriers of a session (session_carrier.py)."""
+    return request.param
+
+
 @asynccontextmanager
-async def bed(limits: SessionLimits | None = None) -> AsyncIterator[Bed]:
+async def bed(limits: SessionLimits | None = None, carrier: str = "grpc") -> AsyncIterator[Bed]:
     servicer = Scripted()
     server = grpc.aio.server()
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
+    listener = None
+    if carrier == "tcp":
+        listener = CarrierListener([servicer.sessions])
+        binding = listener.binding(await listener.start("127.0.0.1"))
+        binding.add_to_server(binding.servicer, server)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
     channels = ChannelPool()
-    sessions = SessionPool(channels, limits)
+    sessions = SessionPool(channels, limits, CarrierDialer(channels) if carrier == "tcp" else None)
+    b = Bed(servicer, server, address, sessions, listener)
     try:
-        yield Bed(servicer, server, address, sessions)
+        yield b
     finally:
         await sessions.close()
         await channels.close()
-        await server.stop(None)
+        await b.stop_server()
 
 
 async def replies(stream) -> list[str]:
     return [r.worker_id async for r in stream]
 
 
-async def test_concurrent_calls_share_one_stream_and_frames_carry_many_replies() -> None:
-    async with bed() as b:
+async def test_concurrent_calls_share_one_stream_and_frames_carry_many_replies(carrier: str) -> None:
+    async with bed(carrier=carrier) as b:
         streams = [b.open(f"r{i}", "lockstep", 20) for i in range(50)]
         got = await asyncio.gather(*(replies(s) for s in streams))
         session = b.sessions.get(ROUTER_SESSION, b.address)
@@ -135,16 +155,16 @@ async def test_concurrent_calls_share_one_stream_and_frames_carry_many_replies()
     assert frames < 200, frames
 
 
-async def test_a_call_carries_its_own_trace_metadata() -> None:
-    async with bed() as b:
+async def test_a_call_carries_its_own_trace_metadata(carrier: str) -> None:
+    async with bed(carrier=carrier) as b:
         await replies(b.open("traced", metadata=(("traceparent", "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"),)))
         await replies(b.open("untraced"))
     assert b.servicer.metadata["traced"] == {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}
     assert b.servicer.metadata["untraced"] == {}
 
 
-async def test_errors_keep_their_outcome_and_field() -> None:
-    async with bed() as b:
+async def test_errors_keep_their_outcome_and_field(carrier: str) -> None:
+    async with bed(carrier=carrier) as b:
         with pytest.raises(CallError) as bad:
             await replies(b.open("bad", "bad", 2))
         with pytest.raises(CallError) as busy:
@@ -156,8 +176,8 @@ async def test_errors_keep_their_outcome_and_field() -> None:
     assert busy.value.outcome == common_pb2.OUTCOME_PEER_DRAINING
 
 
-async def test_replies_before_a_failure_are_delivered_before_it() -> None:
-    async with bed() as b:
+async def test_replies_before_a_failure_are_delivered_before_it(carrier: str) -> None:
+    async with bed(carrier=carrier) as b:
         stream = b.open("partial", "bad", 3)
         got = []
         with pytest.raises(CallError):
@@ -166,8 +186,8 @@ async def test_replies_before_a_failure_are_delivered_before_it() -> None:
     assert got == ["partial:0", "partial:1", "partial:2"]
 
 
-async def test_a_cancelled_call_stops_at_the_server_and_the_others_go_on() -> None:
-    async with bed() as b:
+async def test_a_cancelled_call_stops_at_the_server_and_the_others_go_on(carrier: str) -> None:
+    async with bed(carrier=carrier) as b:
         hung = b.open("hung", "hang")
         other = b.open("other", "gated", 3)
         await b.running("hung", "other")
@@ -180,20 +200,20 @@ async def test_a_cancelled_call_stops_at_the_server_and_the_others_go_on() -> No
     assert cancelled.value.outcome == common_pb2.OUTCOME_CANCELLED
 
 
-async def test_a_deadline_ends_the_call_here_and_at_the_server() -> None:
-    async with bed() as b:
+async def test_a_deadline_ends_the_call_here_and_at_the_server(carrier: str) -> None:
+    async with bed(carrier=carrier) as b:
         with pytest.raises(CallError) as late:
             await replies(b.open("late", "hang", timeout_s=0.3))
         await asyncio.wait_for(b.servicer.stopped["late"].wait(), 5)
     assert late.value.outcome == common_pb2.OUTCOME_DEADLINE
 
 
-async def test_a_broken_session_fails_every_open_call_retryably_and_the_next_call_gets_a_new_one() -> None:
-    async with bed() as b:
+async def test_a_broken_session_fails_every_open_call_retryably_and_the_next_call_gets_a_new_one(carrier: str) -> None:
+    async with bed(carrier=carrier) as b:
         open_calls = [b.open(f"h{i}", "hang") for i in range(5)]
         await b.running(*(f"h{i}" for i in range(5)))
         first = b.sessions.get(ROUTER_SESSION, b.address)
-        await b.server.stop(None)  # the peer goes away with five calls open
+        await b.stop_server()  # the peer goes away with five calls open
         for stream in open_calls:
             with pytest.raises(CallError) as broken:
                 await asyncio.wait_for(replies(stream), 5)
@@ -202,8 +222,8 @@ async def test_a_broken_session_fails_every_open_call_retryably_and_the_next_cal
         assert b.sessions.get(ROUTER_SESSION, b.address) is not first
 
 
-async def test_a_consumer_that_reads_nothing_fails_its_own_call_only() -> None:
-    async with bed(SessionLimits(max_buffered_per_call=100)) as b:
+async def test_a_consumer_that_reads_nothing_fails_its_own_call_only(carrier: str) -> None:
+    async with bed(SessionLimits(max_buffered_per_call=100), carrier=carrier) as b:
         unread = b.open("unread", "ok", 500)
         read = b.open("read", "outlives-unread", 300)
         got = await asyncio.wait_for(b.servicer.read_reporting("read", read), 30)
@@ -213,8 +233,8 @@ async def test_a_consumer_that_reads_nothing_fails_its_own_call_only() -> None:
     assert overflow.value.outcome == common_pb2.OUTCOME_READ_TOO_SLOWLY
 
 
-async def test_a_drain_refuses_new_calls_finishes_open_ones_then_ends_the_session() -> None:
-    async with bed() as b:
+async def test_a_drain_refuses_new_calls_finishes_open_ones_then_ends_the_session(carrier: str) -> None:
+    async with bed(carrier=carrier) as b:
         running = b.open("running", "gated", 2)
         await b.running("running")
         session = b.sessions.get(ROUTER_SESSION, b.address)

@@ -1,0 +1,272 @@
+"""What carries a session's frames (session_kind.py): a plain TCP connection beside gRPC, or the
+service's gRPC `Session` stream.
+
+Why: a message on a `grpc.aio` stream costs each end tens of microseconds of CPU (the
+completion queue's poller thread hands every write and read to the event loop), which made the
+session messages the largest share of a request's CPU across the mesh (bench/hot_path/
+request_profile.py). The same frame as a length-prefixed write on a TCP socket costs a few.
+
+The protocol, per connection (TLS with the mesh's certificates where the mesh uses TLS: a client
+certificate the CA signed is required, as on the gRPC port):
+- the caller's hello: one frame holding the session method's full name
+  (`kvmesh.v1.Worker/Session`); the server answers one frame `ACCEPTED`, or closes the connection
+  for a method it does not serve;
+- then frames both ways, each a 4-byte little-endian length and the serialized frame message
+  (the kind's `down` from the caller, `up` from the server), exactly what the gRPC stream
+  carries. Closing the connection ends the session (the caller's calls fail OUTCOME_PEER_GONE).
+
+A caller learns the port from the peer's gRPC server (`SessionCarrier.Endpoint`). A peer that
+does not implement it, offers no port, or whose port cannot be reached gets the session over
+its gRPC stream as before (logged), so a mesh mixing versions, or a network that lets only the
+gRPC port through, still works. A peer gone silent is found by TCP keepalive within the time the
+gRPC channels' keepalive takes (`KEEPALIVE_*`), and a write nobody acknowledges fails after
+`USER_TIMEOUT_MS`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+import struct
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
+
+import grpc
+
+from gen.kvmesh.v1 import carrier_pb2, carrier_pb2_grpc
+from services.mesh.channels import ChannelPool
+from services.mesh.grpc_server import MAX_MESSAGE_BYTES, ServiceBinding
+from services.mesh.session_server import SessionHub
+from services.mesh.tls import TlsConfig
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("<I")
+MAX_FRAME_BYTES = MAX_MESSAGE_BYTES
+MAX_HELLO_BYTES = 256
+ACCEPTED = b"\x01"
+CONNECT_TIMEOUT_S = 5.0
+HELLO_TIMEOUT_S = 5.0
+# As the gRPC channels' keepalive (grpc_server.CHANNEL_OPTIONS): probe after 10 s of silence,
+# give up 5 s later.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 1
+USER_TIMEOUT_MS = 15_000
+SERVICE_NAME = carrier_pb2.DESCRIPTOR.services_by_name["SessionCarrier"].full_name
+
+
+class Carrier(Protocol):
+    """A session's connection as its calling end sees it."""
+
+    name: str
+
+    async def write(self, frame: Any) -> None: ...
+
+    async def read(self) -> Any | None:
+        """The next frame from the peer; None once it closed the session."""
+
+    def cancel(self) -> None: ...
+
+
+class GrpcCarrier:
+    """The session over the service's gRPC `Session` stream."""
+
+    name = "grpc"
+
+    def __init__(self, channel: grpc.aio.Channel, method: str, down: type, up: type) -> None:
+        self._call = channel.stream_stream(method, request_serializer=down.SerializeToString,
+                                           response_deserializer=up.FromString)()
+
+    async def write(self, frame: Any) -> None:
+        await self._call.write(frame)
+
+    async def read(self) -> Any | None:
+        frame = await self._call.read()
+        return None if frame is grpc.aio.EOF else frame
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class TcpCarrier:
+    """The session over its own TCP connection."""
+
+    name = "tcp"
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: type) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._parse = up.FromString
+
+    async def write(self, frame: Any) -> None:
+        write_frame(self._writer, frame.SerializeToString())
+        await self._writer.drain()
+
+    async def read(self) -> Any | None:
+        data = await read_frame(self._reader, MAX_FRAME_BYTES)
+        return None if data is None else self._parse(data)
+
+    def cancel(self) -> None:
+        self._writer.transport.abort()
+
+
+def write_frame(writer: asyncio.StreamWriter, payload: bytes) -> None:
+    writer.write(_HEADER.pack(len(payload)) + payload)
+
+
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes | None:
+    """The next frame's bytes; None at a clean end (the peer closed between frames)."""
+    try:
+        header = await reader.readexactly(_HEADER.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise ConnectionError("the peer closed the connection inside a frame header") from None
+    (size,) = _HEADER.unpack(header)
+    if size > max_bytes:
+        raise ConnectionError(f"a frame of {size} bytes is over the {max_bytes}-byte limit")
+    try:
+        return await reader.readexactly(size)
+    except asyncio.IncompleteReadError:
+        raise ConnectionError("the peer closed the connection inside a frame") from None
+
+
+def _tune(writer: asyncio.StreamWriter) -> None:
+    """No Nagle delay (frames are flushed once per loop turn already); a silent peer is found."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                          ("TCP_KEEPCNT", KEEPALIVE_PROBES), ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS)):
+        if hasattr(socket, option):  # Linux has them all; elsewhere the system's defaults apply
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
+def _host(address: str) -> str:
+    host = address.rsplit(":", 1)[0]
+    return host[1:-1] if host.startswith("[") else host
+
+
+class CarrierDialer:
+    """Opens the calling end of sessions over TCP where the peer offers it."""
+
+    def __init__(self, channels: ChannelPool, tls: TlsConfig | None = None) -> None:
+        self._channels = channels
+        self._tls = tls
+        self._ssl = tls.client_ssl_context() if tls is not None else None
+
+    async def open(self, address: str, method: str, up: type) -> TcpCarrier | None:
+        """A TCP carrier to `address`'s sessions of `method`; None where the peer offers none or
+        it cannot be reached (the caller uses the gRPC stream). Raises ConnectionError when the
+        peer's gRPC server does not answer at all (the session fails as a broken stream would)."""
+        try:
+            endpoint = await carrier_pb2_grpc.SessionCarrierStub(self._channels.get(address)).Endpoint(
+                carrier_pb2.CarrierRequest(), timeout=CONNECT_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                return None  # a peer from before the TCP carrier
+            raise ConnectionError(f"{address}: {exc.code().name} {exc.details()}") from None
+        if not endpoint.port:
+            return None
+        host = _host(address)
+        try:
+            return await asyncio.wait_for(self._connect(host, endpoint.port, method, up), CONNECT_TIMEOUT_S)
+        except (OSError, TimeoutError, ConnectionError, ssl.SSLError) as exc:
+            log.warning("sessions to %s: its TCP carrier at port %d cannot be used (%s); over gRPC instead",
+                        address, endpoint.port, exc or type(exc).__name__)
+            return None
+
+    async def _connect(self, host: str, port: int, method: str, up: type) -> TcpCarrier:
+        server_hostname = None
+        if self._ssl is not None:
+            server_hostname = (self._tls.server_name if self._tls is not None else None) or host
+        reader, writer = await asyncio.open_connection(host, port, ssl=self._ssl, server_hostname=server_hostname)
+        try:
+            _tune(writer)
+            write_frame(writer, method.encode())
+            await writer.drain()
+            if await read_frame(reader, MAX_HELLO_BYTES) != ACCEPTED:
+                raise ConnectionError(f"the peer does not serve {method} there")
+        except BaseException:
+            writer.transport.abort()
+            raise
+        return TcpCarrier(reader, writer, up)
+
+
+class _FrameWriter:
+    """What a SessionHub writes its frames to (the part of a gRPC servicer context it uses)."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
+
+    async def write(self, frame: Any) -> None:
+        write_frame(self._writer, frame.SerializeToString())
+        await self._writer.drain()
+
+
+async def _frames(reader: asyncio.StreamReader, down: type) -> AsyncIterator[Any]:
+    while (data := await read_frame(reader, MAX_FRAME_BYTES)) is not None:
+        yield down.FromString(data)
+
+
+class CarrierListener:
+    """The serving end: sessions of this process's hubs over TCP, on a port of their own."""
+
+    def __init__(self, hubs: Sequence[SessionHub], tls: TlsConfig | None = None) -> None:
+        self._hubs = {hub.kind.method: hub for hub in hubs}
+        self._ssl = tls.server_ssl_context() if tls is not None else None
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+
+    async def start(self, host: str) -> int:
+        """Listens on `host` (a free port); returns the port."""
+        self._server = await asyncio.start_server(self._serve, host, 0, ssl=self._ssl,
+                                                  ssl_handshake_timeout=HELLO_TIMEOUT_S if self._ssl else None)
+        return self._server.sockets[0].getsockname()[1]
+
+    def binding(self, port: int) -> ServiceBinding:
+        """The gRPC service that tells callers the port."""
+        return ServiceBinding(carrier_pb2_grpc.add_SessionCarrierServicer_to_server, _Endpoint(port), SERVICE_NAME)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        try:
+            _tune(writer)
+            hello = await asyncio.wait_for(read_frame(reader, MAX_HELLO_BYTES), HELLO_TIMEOUT_S)
+            hub = self._hubs.get(hello.decode(errors="replace")) if hello is not None else None
+            if hub is None:
+                return
+            write_frame(writer, ACCEPTED)
+            await writer.drain()
+            await hub.serve(_frames(reader, hub.kind.down), _FrameWriter(writer))
+        except (OSError, TimeoutError, ConnectionError, ssl.SSLError) as exc:
+            log.debug("a session connection ended: %s", exc or type(exc).__name__)
+        finally:
+            self._connections.discard(task)
+            writer.close()
+
+    async def stop(self, grace_s: float) -> None:
+        """Takes no new connection; sessions get `grace_s` to end (their hubs drain them), then
+        are cut."""
+        if self._server is not None:
+            self._server.close()
+        open_now = set(self._connections)
+        if open_now:
+            await asyncio.wait(open_now, timeout=grace_s)
+        for task in open_now:
+            task.cancel()
+        await asyncio.gather(*open_now, return_exceptions=True)
+
+
+class _Endpoint(carrier_pb2_grpc.SessionCarrierServicer):
+    def __init__(self, port: int) -> None:
+        self._reply = carrier_pb2.CarrierEndpoint(port=port)
+
+    async def Endpoint(self, request: carrier_pb2.CarrierRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> carrier_pb2.CarrierEndpoint:
+        return self._reply
