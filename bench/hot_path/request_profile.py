@@ -30,7 +30,7 @@ import aiohttp
 from bench.common.report import save_json, table
 from bench.hot_path import dynamo
 from bench.hot_path.steps import step_names, steps_of
-from bench.hot_path.stream_load import PROMPT, one_stream
+from bench.hot_path.stream_load import one_stream, one_token_completion
 from testkit.mesh import LaunchedMesh, launched_mesh
 from services.tools.make_demo_model import ensure_demo_model
 from testkit.proc_stat import cpu_seconds
@@ -83,13 +83,9 @@ async def _for(seconds: float, one: Callable[[], Awaitable[int]], concurrency: i
 
 
 async def _requests(base: str, seconds: float) -> int:
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
     async with aiohttp.ClientSession(base, connector=aiohttp.TCPConnector(limit=64)) as session:
         async def one() -> int:
-            async with session.post("/v1/completions", json=body) as r:
-                await r.read()
-                if r.status != 200:
-                    raise RuntimeError(f"{r.status}: {(await r.text())[:200]}")
+            await one_token_completion(session, MODEL)
             return 1
 
         return await _for(seconds, one, CONCURRENCY)

@@ -2,9 +2,13 @@
 frontend, one processor (Dynamo: its frontend, which tokenizes itself) and one zero-compute mocker
 worker, both systems on this machine in the same run.
 
-Measures (the issue's table):
+Measures (the issue's table), for each layout of the mesh (the kv-router service; the processor
+routing in-process; a gateway hosting its processor and routing in-process) and for Dynamo, in
+REPEATS rounds (each round every layout, then Dynamo), as median [lowest-highest]:
 - streamed output tokens/s, 64 concurrent streams of 128 tokens (rounds of 64, best of 3);
 - 1-token completions/s at concurrency 64 and 16, and p50 latency at concurrency 1;
+- CPU per 1-token request and per streamed token of the served processes (etcd excluded);
+- where a request's and a token's CPU go, by process and step (request_profile.py);
 - streams on one mocker worker stepping every 20 ms, 512 to 4,096 of them (one_worker.py): how
   close to the engine's pace the mesh keeps them, and what each process and hop adds;
 - what a token and a request cost in CPU across the mesh's processes (to size a cluster), and
@@ -16,19 +20,21 @@ impossible its column says why and kvmesh's figures still print.
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import aiohttp
 
-from bench.hot_path import dynamo, one_worker
+from bench.hot_path import dynamo, one_worker, request_profile
 from bench.mesh_overhead import Level, drive
 from bench.hot_path.scale import run_scale
-from testkit.mesh import LaunchedMesh, launched_mesh
+from testkit.mesh import launched_mesh
 from testkit.proc_stat import cpu_seconds
-from bench.hot_path.stream_load import PROMPT, one_stream
-from bench.common.report import bar_plot, save_json, table
+from bench.hot_path.stream_load import one_stream, one_token_completion
+from bench.common.report import bar_plot, median_range, save_json, table
 from services.tools.make_demo_model import ensure_demo_model
 
 STREAMS, STREAM_TOKENS, STREAM_ROUNDS = 64, 128, 3
@@ -80,22 +86,11 @@ WARM_UP_REQUESTS = 50
 async def one_token_levels(base: str, model: str, levels: dict[int, int],
                            warm_up: int = WARM_UP_REQUESTS) -> dict[int, Level]:
     """1-token completions: `warm_up` one by one, then for each concurrency its count of requests."""
-    body = {"model": model, "prompt": PROMPT, "max_tokens": 1}
     async with aiohttp.ClientSession(base, connector=aiohttp.TCPConnector(limit=256)) as session:
-        async def one() -> None:
-            async with session.post("/v1/completions", json=body) as r:
-                await r.read()
-                if r.status != 200:
-                    raise RuntimeError(f"{r.status}: {(await r.text())[:200]}")
-
+        one = partial(one_token_completion, session, model)
         for _ in range(warm_up):
             await one()
         return {c: await drive(c, total, one, LEVEL_TIME_LIMIT_S) for c, total in levels.items()}
-
-
-def measure(base: str, model: str, figures: Figures) -> None:
-    figures.tokens_per_s = asyncio.run(streamed_tokens_per_s(base, model))
-    _record_levels(figures, asyncio.run(one_token_levels(base, model, RPS_LEVELS)))
 
 
 def _record_levels(figures: Figures, levels: dict[int, Level]) -> None:
@@ -103,21 +98,22 @@ def _record_levels(figures: Figures, levels: dict[int, Level]) -> None:
         figures.rps[c], figures.p50_ms[c] = level.rps, level.p50
 
 
-def _measure_with_cpu(mesh: LaunchedMesh, figures: Figures) -> None:
-    """`measure`, with the CPU the mesh's processes spend per streamed token (every round, warm-up
-    included) and per 1-token request at concurrency 64 (its warm-up included)."""
-    before, client = mesh.cpu(), time.process_time()
-    figures.tokens_per_s = asyncio.run(streamed_tokens_per_s(mesh.base, "kvmesh-demo"))
+def _measure_with_cpu(base: str, cpu: Callable[[], float], figures: Figures) -> None:
+    """The measures, with the CPU the served processes spend (`cpu`: their CPU seconds so far)
+    per streamed token (every round, warm-up included) and per 1-token request at concurrency
+    64 (its warm-up included), and the load generator's own apart."""
+    before, client = cpu(), time.process_time()
+    figures.tokens_per_s = asyncio.run(streamed_tokens_per_s(base, "kvmesh-demo"))
     tokens = STREAM_ROUNDS * STREAMS * STREAM_TOKENS + 8
-    figures.cpu_us_per_token = (mesh.cpu() - before) / tokens * 1e6
+    figures.cpu_us_per_token = (cpu() - before) / tokens * 1e6
     figures.client_cpu_us_per_token = (time.process_time() - client) / tokens * 1e6
-    before, client = mesh.cpu(), time.process_time()
+    before, client = cpu(), time.process_time()
     first, *rest = RPS_LEVELS.items()
-    levels = asyncio.run(one_token_levels(mesh.base, "kvmesh-demo", dict([first])))
+    levels = asyncio.run(one_token_levels(base, "kvmesh-demo", dict([first])))
     requests = levels[first[0]].requests + WARM_UP_REQUESTS
-    figures.cpu_us_per_request = (mesh.cpu() - before) / requests * 1e6
+    figures.cpu_us_per_request = (cpu() - before) / requests * 1e6
     figures.client_cpu_us_per_request = (time.process_time() - client) / requests * 1e6
-    levels |= asyncio.run(one_token_levels(mesh.base, "kvmesh-demo", dict(rest), warm_up=0))
+    levels |= asyncio.run(one_token_levels(base, "kvmesh-demo", dict(rest), warm_up=0))
     _record_levels(figures, levels)
 
 
@@ -137,69 +133,109 @@ def replicas() -> Replicas:
     return Replicas(tokens_per_s, rps, _spread(used["frontend"]), _spread(used["processor"]))
 
 
-def _kvmesh(figures: Figures, local: Figures) -> None:
-    print("hot path: kvmesh, zero-compute mocker ...", flush=True)
-    with launched_mesh("--engine", "mocker", "--speedup", "inf", "--decode-workers", "1") as mesh:
-        _measure_with_cpu(mesh, figures)
-    print("hot path: kvmesh, zero-compute mocker, the processor routing in-process ...", flush=True)
-    with launched_mesh("--engine", "mocker", "--speedup", "inf", "--decode-workers", "1", "--routing", "local") as mesh:
-        _measure_with_cpu(mesh, local)
+# (label, launcher flags after the zero-compute mocker's): every layout measured beside Dynamo.
+LAYOUTS = (
+    ("kvmesh", ()),
+    ("kvmesh, local routing", ("--routing", "local")),
+    ("kvmesh, embedded processor + local routing", ("--embed-processors", "--routing", "local")),
+)
+REPEATS = 3
 
 
-def _dynamo(figures: Figures) -> None:
-    model_dir = ensure_demo_model()
+def _kvmesh(flags: tuple[str, ...]) -> Figures:
+    figures = Figures()
+    with launched_mesh("--engine", "mocker", "--speedup", "inf", "--decode-workers", "1", *flags) as mesh:
+        _measure_with_cpu(mesh.base, mesh.cpu, figures)
+    return figures
+
+
+def _dynamo() -> Figures:
+    figures = Figures()
     try:
-        print("hot path: NVIDIA Dynamo, zero-compute mocker ...", flush=True)
-        with dynamo.served(model_dir, "kvmesh-demo", speedup=100000.0) as base:
-            measure(base, "kvmesh-demo", figures)
+        with dynamo.serving(ensure_demo_model(), "kvmesh-demo", speedup=100000.0) as served:
+            _measure_with_cpu(served.base, lambda: sum(cpu_seconds(p) for g in served.pids.values() for p in g),
+                              figures)
     except dynamo.Unavailable as exc:
         figures.note = str(exc)
         print(f"hot path: Dynamo skipped: {exc}", flush=True)
+    return figures
 
 
 def _ratio(ours: float, theirs: float) -> str:
     return f"{ours / theirs:.2f}x" if theirs == theirs and theirs > 0 else "-"
 
 
+MEASURES: tuple[tuple[str, Callable[[Figures], float], bool], ...] = (
+    # (measure, figure, higher is better)
+    ("streamed output tokens/s, 64 x 128", lambda f: f.tokens_per_s, True),
+    ("1-token completions/s, concurrency 64", lambda f: f.rps.get(64, NAN), True),
+    ("1-token completions/s, concurrency 16", lambda f: f.rps.get(16, NAN), True),
+    ("p50 ms, 1-token completion, concurrency 1", lambda f: f.p50_ms.get(1, NAN), False),
+    ("mesh CPU us per 1-token request", lambda f: f.cpu_us_per_request, False),
+    ("mesh CPU us per streamed token", lambda f: f.cpu_us_per_token, False),
+)
+NAN = float("nan")
+
+
+def _repeated() -> tuple[dict[str, list[Figures]], list[Figures]]:
+    """REPEATS rounds, each every layout then Dynamo, so drifts of the machine hit them alike."""
+    ours: dict[str, list[Figures]] = {label: [] for label, _ in LAYOUTS}
+    theirs: list[Figures] = []
+    for round_ in range(1, REPEATS + 1):
+        for label, flags in LAYOUTS:
+            print(f"hot path: {label}, zero-compute mocker (round {round_} of {REPEATS}) ...", flush=True)
+            ours[label].append(_kvmesh(flags))
+        print(f"hot path: NVIDIA Dynamo, zero-compute mocker (round {round_} of {REPEATS}) ...", flush=True)
+        theirs.append(_dynamo())
+    return ours, theirs
+
+
+def _ratios(ours: list[Figures], theirs: list[Figures], pick: Callable[[Figures], float]) -> list[float]:
+    """kvmesh / Dynamo per round (the two measured minutes apart)."""
+    return [pick(a) / pick(b) for a, b in zip(ours, theirs, strict=True) if pick(b) == pick(b) and pick(b) > 0]
+
+
 def run(with_scale: bool = True) -> dict:
-    ours, local, theirs = Figures(), Figures(), Figures()
-    _kvmesh(ours, local)
-    _dynamo(theirs)
-
-    def row(measure: str, pick: Callable[[Figures], float]) -> list[object]:
-        return [measure, pick(theirs), pick(ours), _ratio(pick(ours), pick(theirs)), pick(local),
-                _ratio(pick(local), pick(theirs))]
-
-    nan = float("nan")
-    rows = [row("streamed output tokens/s, 64 x 128", lambda f: f.tokens_per_s)]
-    for c in (64, 16):
-        rows.append(row(f"1-token completions/s, concurrency {c}", lambda f, c=c: f.rps.get(c, nan)))
-    rows.append(row("p50 ms, 1-token completion, concurrency 1", lambda f: f.p50_ms.get(1, nan)))
-    rows.append(row("mesh CPU us per 1-token request", lambda f: f.cpu_us_per_request))
-    rows.append(row("mesh CPU us per streamed token", lambda f: f.cpu_us_per_token))
-    table("Hot path: kvmesh against NVIDIA Dynamo 1.6.1 (same machine, same run; ratio = kvmesh / Dynamo; "
-          "routing by the kv-router service (default) and inside the processor (--routing local))",
-          ["measure", "Dynamo", "kvmesh", "ratio", "kvmesh, local routing", "ratio"], rows)
-    if theirs.note:
-        print(f"(Dynamo: {theirs.note})")
-    table("What the mesh's processes spend (kvmesh; etcd excluded), and apart the load generator's",
-          ["CPU us per streamed token", "CPU us per 1-token request", "tokens/s per core", "requests/s per core",
-           "client us/token", "client us/request"],
-          [[ours.cpu_us_per_token, ours.cpu_us_per_request, 1e6 / ours.cpu_us_per_token,
-            1e6 / ours.cpu_us_per_request, ours.client_cpu_us_per_token, ours.client_cpu_us_per_request]])
+    ours, theirs = _repeated()
+    dynamo_ok = not any(f.note for f in theirs)
+    headers = ["measure", "Dynamo"] + [h for label, _ in LAYOUTS for h in (label, "ratio")]
+    rows = []
+    for measure, pick, _ in MEASURES:
+        row: list[object] = [measure, median_range([pick(f) for f in theirs], "{:.1f}") if dynamo_ok else "-"]
+        for label, _ in LAYOUTS:
+            row.append(median_range([pick(f) for f in ours[label]], "{:.1f}"))
+            row.append(median_range(_ratios(ours[label], theirs, pick), "{:.2f}") if dynamo_ok else "-")
+        rows.append(row)
+    table(f"Hot path: kvmesh against NVIDIA Dynamo 1.6.1 (same machine; {REPEATS} rounds, median [lowest-highest]; "
+          "ratio = kvmesh / Dynamo in each round; Dynamo: its frontend with --router-mode kv, its mocker, "
+          "--request-plane tcp, --event-plane zmq)", headers, rows)
+    if not dynamo_ok:
+        print(f"(Dynamo: {theirs[0].note})")
+    table("What the mesh's processes spend (etcd excluded), and apart the load generator's (median of the rounds)",
+          ["layout", "CPU us per streamed token", "CPU us per 1-token request", "client us/token", "client us/request"],
+          [[label, *(statistics.median(getattr(f, name) for f in ours[label])
+                     for name in ("cpu_us_per_token", "cpu_us_per_request", "client_cpu_us_per_token",
+                                  "client_cpu_us_per_request"))] for label, _ in LAYOUTS]
+          + ([["NVIDIA Dynamo", *(statistics.median(getattr(f, name) for f in theirs)
+                                  for name in ("cpu_us_per_token", "cpu_us_per_request", "client_cpu_us_per_token",
+                                               "client_cpu_us_per_request"))]] if dynamo_ok else []))
+    profile = request_profile.run()
+    default = ours[LAYOUTS[0][0]]
     rep = replicas()
     table("Replicas (kvmesh): 2 frontends sharing one port (SO_REUSEPORT), 2 processors",
           ["streamed tokens/s", "vs 1+1", "req/s c64", "vs 1+1", "frontend CPU max/mean", "processor CPU max/mean"],
-          [[rep.tokens_per_s, _ratio(rep.tokens_per_s, ours.tokens_per_s), rep.rps, _ratio(rep.rps, ours.rps[64]),
-            rep.frontend_spread, rep.processor_spread]])
+          [[rep.tokens_per_s, _ratio(rep.tokens_per_s, statistics.median(f.tokens_per_s for f in default)), rep.rps,
+            _ratio(rep.rps, statistics.median(f.rps[64] for f in default)), rep.frontend_spread,
+            rep.processor_spread]])
     steps = one_worker.run()
     scale = run_scale() if with_scale else {}
-    if not theirs.note:
-        bar_plot("hot_path", "kvmesh relative to NVIDIA Dynamo (1.0 = equal)", ["tokens/s", "req/s c64", "req/s c16"],
-                 {"kvmesh / Dynamo": [ours.tokens_per_s / theirs.tokens_per_s, ours.rps[64] / theirs.rps[64],
-                                      ours.rps[16] / theirs.rps[16]]}, "ratio")
-    result = {"kvmesh": ours.__dict__, "kvmesh_local_routing": local.__dict__,
-              "dynamo": theirs.__dict__, "replicas": rep.__dict__, "one_worker": steps,
-              **scale}
+    if dynamo_ok:
+        bar_plot("hot_path", "kvmesh relative to NVIDIA Dynamo (1.0 = equal; median of the rounds)",
+                 ["tokens/s", "req/s c64", "req/s c16"],
+                 {label: [statistics.median(_ratios(ours[label], theirs, pick)) for _, pick, _ in MEASURES[:3]]
+                  for label, _ in LAYOUTS}, "ratio")
+    result = {"layouts": {label: [f.__dict__ for f in figures] for label, figures in ours.items()},
+              "dynamo": [f.__dict__ for f in theirs], "request_profile": profile, "replicas": rep.__dict__,
+              "one_worker": steps, **scale}
     save_json("hot_path", result)
     return result

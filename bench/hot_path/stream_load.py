@@ -48,6 +48,14 @@ async def one_stream(session: aiohttp.ClientSession, model: str, max_tokens: int
     return s.completion_tokens, s.started, s.content_arrivals
 
 
+async def one_token_completion(session: aiohttp.ClientSession, model: str) -> None:
+    """One 1-token completion of PROMPT, read to its end; raises unless it is a 200."""
+    async with session.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 1}) as r:
+        await r.read()
+        if r.status != 200:
+            raise RuntimeError(f"{r.status}: {(await r.text())[:200]}")
+
+
 async def _run(base: str, model: str, streams: int, tokens: int) -> list[tuple[int, float, list[float]]]:
     connector = aiohttp.TCPConnector(limit=streams + 16)
     timeout = aiohttp.ClientTimeout(total=STREAM_TIMEOUT_S)

@@ -19,7 +19,6 @@ remote caller gets unpacked from a frame.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -42,16 +41,8 @@ class LocalSession(Session):
         """`clock`: the caller's session pool's (SessionPool.clock). A reply made while a frame
         from further up is handed out (a processor's row made of a decode worker's frame) carries
         that frame's write time, so the caller's hop measures from there (hop_latency.py)."""
-        # Session's own constructor opens a gRPC stream: only its bookkeeping is set here.
-        self.kind = hub.kind
-        self.address = address
-        self.limits = limits or SessionLimits()
-        self.clock = clock or FrameClock()
-        self.streams: dict[int, SessionStream] = {}
-        self.buffered = 0
-        self.closed = False
-        self.frames_received = 0
-        self._ids = itertools.count(1)
+        # Session's own constructor connects to a peer: only its calls' bookkeeping is set here.
+        self._calls(hub.kind, address, limits or SessionLimits(), clock)
         self._hub = hub
         self._tasks: dict[int, asyncio.Task[None]] = {}
         rows = hub.kind.rows

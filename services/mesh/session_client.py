@@ -183,6 +183,19 @@ class Session:
                  clock: FrameClock | None = None, dialer: CarrierDialer | None = None) -> None:
         """`dialer`: carries the session over TCP where the peer offers it (session_carrier.py);
         None, or a peer that offers none: over the service's gRPC stream."""
+        self._calls(kind, address, limits, clock)
+        self._opened: list[tuple[int, int, Iterable[tuple[str, str]] | None, Any]] = []
+        self._cancelled: list[int] = []
+        self._wake = asyncio.Event()
+        self._channel = channel
+        self._dialer = dialer
+        self._carrier: Carrier | None = None
+        self._connected = asyncio.create_task(self._connect(), name=f"{kind.name} session carrier {address}")
+        self._reader = asyncio.create_task(self._read(), name=f"{kind.name} session reader {address}")
+        self._writer = asyncio.create_task(self._write(), name=f"{kind.name} session writer {address}")
+
+    def _calls(self, kind: SessionKind, address: str, limits: SessionLimits, clock: FrameClock | None) -> None:
+        """The bookkeeping of the session's calls, whatever carries them."""
         self.kind = kind
         self.address = address
         self.limits = limits
@@ -193,15 +206,6 @@ class Session:
         self.closed = False
         self.frames_received = 0
         self._ids = itertools.count(1)
-        self._opened: list[tuple[int, int, Iterable[tuple[str, str]] | None, Any]] = []
-        self._cancelled: list[int] = []
-        self._wake = asyncio.Event()
-        self._channel = channel
-        self._dialer = dialer
-        self._carrier: Carrier | None = None
-        self._connected = asyncio.create_task(self._connect(), name=f"{kind.name} session carrier {address}")
-        self._reader = asyncio.create_task(self._read(), name=f"{kind.name} session reader {address}")
-        self._writer = asyncio.create_task(self._write(), name=f"{kind.name} session writer {address}")
 
     def open(self, request: Any, timeout_s: float | None = None,
              metadata: Iterable[tuple[str, str]] | None = None) -> SessionStream:
