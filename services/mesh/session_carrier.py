@@ -74,7 +74,7 @@ class GrpcCarrier:
 
     name = "grpc"
 
-    def __init__(self, channel: grpc.aio.Channel, method: str, down: type, up: type) -> None:
+    def __init__(self, channel: grpc.aio.Channel, method: str, down: Any, up: Any) -> None:
         self._call = channel.stream_stream(method, request_serializer=down.SerializeToString,
                                            response_deserializer=up.FromString)()
 
@@ -94,7 +94,7 @@ class TcpCarrier:
 
     name = "tcp"
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: type) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: Any) -> None:
         self._reader = reader
         self._writer = writer
         self._parse = up.FromString
@@ -158,7 +158,7 @@ class CarrierDialer:
         self._tls = tls
         self._ssl = tls.client_ssl_context() if tls is not None else None
 
-    async def open(self, address: str, method: str, up: type) -> TcpCarrier | None:
+    async def open(self, address: str, method: str, up: Any) -> TcpCarrier | None:
         """A TCP carrier to `address`'s sessions of `method`; None where the peer offers none or
         it cannot be reached (the caller uses the gRPC stream). Raises ConnectionError when the
         peer's gRPC server does not answer at all (the session fails as a broken stream would)."""
@@ -179,7 +179,7 @@ class CarrierDialer:
                         address, endpoint.port, exc or type(exc).__name__)
             return None
 
-    async def _connect(self, host: str, port: int, method: str, up: type) -> TcpCarrier:
+    async def _connect(self, host: str, port: int, method: str, up: Any) -> TcpCarrier:
         server_hostname = None
         if self._ssl is not None:
             server_hostname = (self._tls.server_name if self._tls is not None else None) or host
@@ -207,7 +207,7 @@ class _FrameWriter:
         await self._writer.drain()
 
 
-async def _frames(reader: asyncio.StreamReader, down: type) -> AsyncIterator[Any]:
+async def _frames(reader: asyncio.StreamReader, down: Any) -> AsyncIterator[Any]:
     while (data := await read_frame(reader, MAX_FRAME_BYTES)) is not None:
         yield down.FromString(data)
 
