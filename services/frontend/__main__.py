@@ -118,6 +118,11 @@ def main(argv: list[str] | None = None) -> None:
         info = InstanceInfo(component=FRONTEND, instance_id=new_instance_id(), address=f"{mesh.advertise_host}:{port}",
                             metrics_port=metrics_port)
         await runner.register(info)
+        if local is not None:
+            # At a drain the hosted processor leaves etcd with the gateway (this runs first), so
+            # other gateways stop sending it work while this one's HTTP answers finish; its
+            # sessions are drained after them, with its gRPC server.
+            runner.on_teardown("deregister the embedded processor", local.registration.stop)
         log.info("frontend %s listening on http://%s:%d/v1", info.instance_id, mesh.host, port)
 
     run_service(FRONTEND, mesh, assemble)
@@ -128,11 +133,12 @@ async def _embedded_processor(runner: ServiceRunner, args: argparse.Namespace, m
     """The processor this gateway hosts (services/processor/assembly.py) and the in-process
     session its requests take to it; the session closes after the HTTP server has drained."""
     model = model_ref(args)
-    servicer, info = await start_processor(runner, args, model, processor_config(args, model), mesh, tracing,
-                                           args.processor_port, args.processor_metrics_port)
-    session = LocalSession(servicer.sessions, info.address, clock=runner.sessions.clock)
+    started = await start_processor(runner, args, model, processor_config(args, model), mesh, tracing,
+                                    args.processor_port, args.processor_metrics_port)
+    info = started.info
+    session = LocalSession(started.servicer.sessions, info.address, clock=runner.sessions.clock)
     runner.on_teardown("close the embedded processor's session", session.close)
-    return LocalProcessor(info.instance_id, info.model, session)
+    return LocalProcessor(info.instance_id, info.model, session, started.registration)
 
 
 def _serve_http(runner: ServiceRunner, app: ASGIApp, sock: socket.socket, label: str, drain_timeout_s: float) -> None:

@@ -69,7 +69,11 @@ class LocalSession(Session):
         except CallError as exc:
             error = exc
         except asyncio.CancelledError:
-            return  # cancelled by its caller, its deadline or the session's close: no end from here
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                return  # cancelled by its caller, its deadline or the session's close: no end from here
+            # A cancellation the handler let out of its own work (not this call's): the call fails.
+            error = CallError(common_pb2.OUTCOME_PEER_FAILED, "the handler was cancelled")
         except Exception as exc:  # noqa: BLE001 - a bug in one call must not end the others
             log.exception("%s local session: call %d failed", self.kind.name, stream.stream_id)
             error = CallError(common_pb2.OUTCOME_PEER_FAILED, f"{type(exc).__name__}: {exc}")

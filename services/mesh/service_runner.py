@@ -228,7 +228,10 @@ class ServiceRunner:
         return self.mesh
 
     async def connect_store(self) -> KeyValueStore:
-        """Connects to etcd or exits with status 3 and a one-line reason."""
+        """Connects to etcd or exits with status 3 and a one-line reason; once per process (a
+        gateway hosting a processor asks for both)."""
+        if self._store is not None:
+            return self._store
         store = EtcdStore(self._mesh().etcd_endpoints, tls=self._mesh().tls)
         try:
             await store.connect()

@@ -17,9 +17,12 @@ certificate the CA signed is required, as on the gRPC port):
 
 A caller learns the port from the peer's gRPC server (`SessionCarrier.Endpoint`). A peer that
 does not implement it, offers no port, or whose port cannot be reached gets the session over
-its gRPC stream as before (logged), so a mesh mixing versions, or a network that lets only the
-gRPC port through, still works. A peer gone silent is found by TCP keepalive within the time the
-gRPC channels' keepalive takes (`KEEPALIVE_*`), and a write nobody acknowledges fails after
+its gRPC stream as before (logged; that peer's port is not tried again for
+`UNREACHABLE_RETRY_S`), so a mesh mixing versions, or a network that lets only the gRPC port
+through, still works. A frame of length 0 is a heartbeat (`Liveness`): each end writes one after
+`HEARTBEAT_S` without writing and cuts the connection after `SILENT_PEER_S` without reading, so
+a stopped peer process is found as a gRPC keepalive would find it; a vanished host is also
+found by TCP keepalive (`KEEPALIVE_*`), and a write nobody acknowledges fails after
 `USER_TIMEOUT_MS`.
 """
 
@@ -28,9 +31,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-import ssl
 import struct
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -53,6 +56,15 @@ HELLO_TIMEOUT_S = 5.0
 # give up 5 s later.
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 1
 USER_TIMEOUT_MS = 15_000
+# How long a peer whose carrier port could not be used gets its sessions over gRPC before the
+# port is tried again.
+UNREACHABLE_RETRY_S = 60.0
+# Each end writes an empty frame after this long without writing, and takes the other for gone
+# after SILENT_PEER_S without reading anything: a peer process that stopped (SIGSTOP, a hang)
+# while its host's kernel still acknowledges, which TCP keepalive cannot tell from a live one.
+HEARTBEAT_S = 5.0
+SILENT_PEER_S = 15.0
+_EMPTY_FRAME = _HEADER.pack(0)
 SERVICE_NAME = carrier_pb2.DESCRIPTOR.services_by_name["SessionCarrier"].full_name
 
 
@@ -89,25 +101,67 @@ class GrpcCarrier:
         self._call.cancel()
 
 
+class Liveness:
+    """One end of a TCP connection's heartbeat (HEARTBEAT_S, SILENT_PEER_S): its watch task is
+    the connection's, stopped with it."""
+
+    def __init__(self, writer: asyncio.StreamWriter, peer: str) -> None:
+        self._writer = writer
+        self._peer = peer
+        self._loop = asyncio.get_running_loop()
+        self.last_read = self.last_write = self._loop.time()
+        self._watch_task = self._loop.create_task(self._watch(), name=f"session heartbeat {peer}")
+
+    def read(self) -> None:
+        self.last_read = self._loop.time()
+
+    def wrote(self) -> None:
+        self.last_write = self._loop.time()
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            now = self._loop.time()
+            if now - self.last_read > SILENT_PEER_S:
+                log.warning("session connection with %s: nothing read for %.0f s; taken for gone", self._peer,
+                            now - self.last_read)
+                self._writer.transport.abort()
+                return
+            if now - self.last_write >= HEARTBEAT_S:
+                self._writer.write(_EMPTY_FRAME)  # a few bytes: no wait for the buffer to drain
+                self.last_write = now
+
+    def stop(self) -> None:
+        self._watch_task.cancel()
+
+
 class TcpCarrier:
     """The session over its own TCP connection."""
 
     name = "tcp"
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: Any) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: Any, peer: str) -> None:
         self._reader = reader
         self._writer = writer
         self._parse = up.FromString
+        self._live = Liveness(writer, peer)
 
     async def write(self, frame: Any) -> None:
         write_frame(self._writer, frame.SerializeToString())
+        self._live.wrote()
         await self._writer.drain()
 
     async def read(self) -> Any | None:
-        data = await read_frame(self._reader, MAX_FRAME_BYTES)
-        return None if data is None else self._parse(data)
+        while True:
+            data = await read_frame(self._reader, MAX_FRAME_BYTES)
+            self._live.read()
+            if data is None:
+                return None
+            if data:  # an empty frame is the server's heartbeat
+                return self._parse(data)
 
     def cancel(self) -> None:
+        self._live.stop()
         self._writer.transport.abort()
 
 
@@ -153,10 +207,15 @@ def _host(address: str) -> str:
 class CarrierDialer:
     """Opens the calling end of sessions over TCP where the peer offers it."""
 
-    def __init__(self, channels: ChannelPool, tls: TlsConfig | None = None) -> None:
+    def __init__(self, channels: ChannelPool, tls: TlsConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._channels = channels
         self._tls = tls
         self._ssl = tls.client_ssl_context() if tls is not None else None
+        self._clock = clock
+        # Peers whose carrier port could not be used, until when: their next sessions go over
+        # gRPC at once instead of waiting out a connect that a firewall may drop again.
+        self._unreachable: dict[str, float] = {}
 
     async def open(self, address: str, method: str, up: Any) -> TcpCarrier | None:
         """A TCP carrier to `address`'s sessions of `method`; None where the peer offers none or
@@ -169,14 +228,15 @@ class CarrierDialer:
             if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
                 return None  # a peer from before the TCP carrier
             raise ConnectionError(f"{address}: {exc.code().name} {exc.details()}") from None
-        if not endpoint.port:
+        if not endpoint.port or self._unreachable.get(address, 0.0) > self._clock():
             return None
         host = _host(address)
         try:
             return await asyncio.wait_for(self._connect(host, endpoint.port, method, up), CONNECT_TIMEOUT_S)
-        except (OSError, TimeoutError, ConnectionError, ssl.SSLError) as exc:
-            log.warning("sessions to %s: its TCP carrier at port %d cannot be used (%s); over gRPC instead",
-                        address, endpoint.port, exc or type(exc).__name__)
+        except (OSError, TimeoutError, ValueError) as exc:  # ssl.SSLError and ConnectionError are OSErrors
+            self._unreachable[address] = self._clock() + UNREACHABLE_RETRY_S
+            log.warning("sessions to %s: its TCP carrier at port %d cannot be used (%s); over gRPC instead for "
+                        "%.0f s", address, endpoint.port, exc or type(exc).__name__, UNREACHABLE_RETRY_S)
             return None
 
     async def _connect(self, host: str, port: int, method: str, up: Any) -> TcpCarrier:
@@ -193,23 +253,27 @@ class CarrierDialer:
         except BaseException:
             writer.transport.abort()
             raise
-        return TcpCarrier(reader, writer, up)
+        return TcpCarrier(reader, writer, up, f"{host}:{port}")
 
 
 class _FrameWriter:
     """What a SessionHub writes its frames to (the part of a gRPC servicer context it uses)."""
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, writer: asyncio.StreamWriter, live: Liveness) -> None:
         self._writer = writer
+        self._live = live
 
     async def write(self, frame: Any) -> None:
         write_frame(self._writer, frame.SerializeToString())
+        self._live.wrote()
         await self._writer.drain()
 
 
-async def _frames(reader: asyncio.StreamReader, down: Any) -> AsyncIterator[Any]:
+async def _frames(reader: asyncio.StreamReader, down: Any, live: Liveness) -> AsyncIterator[Any]:
     while (data := await read_frame(reader, MAX_FRAME_BYTES)) is not None:
-        yield down.FromString(data)
+        live.read()
+        if data:  # an empty frame is the caller's heartbeat
+            yield down.FromString(data)
 
 
 class CarrierListener:
@@ -222,10 +286,14 @@ class CarrierListener:
         self._connections: set[asyncio.Task[None]] = set()
 
     async def start(self, host: str) -> int:
-        """Listens on `host` (a free port); returns the port."""
-        self._server = await asyncio.start_server(self._serve, host, 0, ssl=self._ssl,
+        """Listens on `host` (a free port; one socket, as the gRPC server binds `host`: a name
+        that resolves to several addresses takes the first, `::` takes IPv4 too); returns the port."""
+        family = socket.getaddrinfo(host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        sock = socket.create_server((host, 0), family=family,
+                                    dualstack_ipv6=family == socket.AF_INET6 and socket.has_dualstack_ipv6())
+        self._server = await asyncio.start_server(self._serve, sock=sock, ssl=self._ssl,
                                                   ssl_handshake_timeout=HELLO_TIMEOUT_S if self._ssl else None)
-        return self._server.sockets[0].getsockname()[1]
+        return sock.getsockname()[1]
 
     def binding(self, port: int) -> ServiceBinding:
         """The gRPC service that tells callers the port."""
@@ -243,8 +311,12 @@ class CarrierListener:
                 return
             write_frame(writer, ACCEPTED)
             await writer.drain()
-            await hub.serve(_frames(reader, hub.kind.down), _FrameWriter(writer))
-        except (OSError, TimeoutError, ConnectionError, ssl.SSLError) as exc:
+            live = Liveness(writer, str(writer.get_extra_info("peername")))
+            try:
+                await hub.serve(_frames(reader, hub.kind.down, live), _FrameWriter(writer, live))
+            finally:
+                live.stop()
+        except (OSError, TimeoutError) as exc:  # ConnectionError and ssl.SSLError are OSErrors
             log.debug("a session connection ended: %s", exc or type(exc).__name__)
         finally:
             self._connections.discard(task)

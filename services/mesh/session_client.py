@@ -254,6 +254,10 @@ class Session:
             carrier = await self._dialer.open(self.address, self.kind.method, self.kind.up)
         if carrier is None:
             carrier = GrpcCarrier(self._channel, self.kind.method, self.kind.down, self.kind.up)
+        if self.closed:
+            # Closed while connecting (a cancellation the connect's own wait swallowed on 3.11).
+            carrier.cancel()
+            raise ConnectionError(f"the session to {self.address} was closed while connecting")
         self._carrier = carrier
         log.info("%s session to %s over %s", self.kind.name, self.address, carrier.name)
         return carrier
@@ -319,8 +323,12 @@ class Session:
                     clock.reading_ns = 0  # replies made from here on are not made of this frame
         except grpc.aio.AioRpcError as exc:
             self._break(f"the {self.kind.name} session to {self.address} broke: {exc.code().name} {exc.details()}")
-        except OSError as exc:  # the TCP carrier's connection (ConnectionError, TLS errors)
-            self._break(f"the {self.kind.name} session to {self.address} broke: {exc or type(exc).__name__}")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the TCP carrier's connection, a frame that does not parse
+            # Whatever ends the reader ends the session: its calls must fail now, not at their deadline.
+            self._break(f"the {self.kind.name} session to {self.address} broke: "
+                        f"{type(exc).__name__} {exc}".rstrip())
 
     async def _hand_out_rows(self, frame: Any) -> None:
         """A frame's rows to their calls, before its replies and ends (session_kind.py), letting
@@ -388,8 +396,10 @@ class Session:
                     frame.accepts_rows = True
                     announce = False
                 await carrier.write(frame)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError, OSError) as exc:
-            self._break(f"the {self.kind.name} session to {self.address} broke: {exc}")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - as the reader: the session ends with its writer
+            self._break(f"the {self.kind.name} session to {self.address} broke: {type(exc).__name__} {exc}".rstrip())
 
 
 class SessionPool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
@@ -19,6 +20,7 @@ from services.contract.served_context import MAX_MODEL_LEN
 from services.contract.worker_roles import RoleName
 from services.mesh.config_error import validated
 from services.mesh.discovery import DECODE_WORKER, PROCESSOR, ROUTER, ComponentView, InstanceInfo, new_instance_id
+from services.mesh.etcd_lease import LeasedRegistration
 from services.mesh.etcd_store import StoreUnavailable
 from services.mesh.flags import ModelRef, MeshConfig
 from services.mesh.grpc_server import ServiceBinding
@@ -51,12 +53,17 @@ def processor_config(args: argparse.Namespace, model: ModelRef) -> ProcessorConf
                                              default_max_tokens=args.default_max_tokens))
 
 
+@dataclass(frozen=True)
+class StartedProcessor:
+    servicer: ProcessorServicer
+    info: InstanceInfo
+    registration: LeasedRegistration
+
+
 async def start_processor(runner: ServiceRunner, args: argparse.Namespace, model: ModelRef, config: ProcessorConfig,
-                          mesh: MeshConfig, tracing: Tracing, port: int,
-                          metrics_port: int) -> tuple[ProcessorServicer, InstanceInfo]:
+                          mesh: MeshConfig, tracing: Tracing, port: int, metrics_port: int) -> StartedProcessor:
     """Loads the tokenizer, follows the decode pool, routes (by the kv-router service or
-    locally), serves gRPC on `port` and metrics on `metrics_port` (0: any free), and registers;
-    returns the servicer and its registration."""
+    locally), serves gRPC on `port` and metrics on `metrics_port` (0: any free), and registers."""
     tokenizer = ModelTokenizer(model.model_dir)
     await runner.connect_store()
     registry = CollectorRegistry()
@@ -76,11 +83,12 @@ async def start_processor(runner: ServiceRunner, args: argparse.Namespace, model
                         model=config.served_model_name, metrics_port=served_metrics,
                         extra={MAX_MODEL_LEN: context.tokens})
     record = InstanceRecord(info, mesh.namespace)
-    await record.registered(await runner.register(info), info)
+    registration = await runner.register(info)
+    await record.registered(registration, info)
     runner.watch(asyncio.create_task(_publish_context(context, record), name="publish context length"),
                  "publishing the context length")
     log.info("processor %s for %s at %s", info.instance_id, config.served_model_name, info.address)
-    return servicer, info
+    return StartedProcessor(servicer, info, registration)
 
 
 async def _routing(runner: ServiceRunner, args: argparse.Namespace, registry: CollectorRegistry,

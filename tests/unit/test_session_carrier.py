@@ -12,12 +12,18 @@ import struct
 import grpc
 import pytest
 
-from gen.kvmesh.v1 import carrier_pb2, carrier_pb2_grpc, router_pb2, router_pb2_grpc
+from gen.kvmesh.v1 import carrier_pb2, carrier_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc
 from services.mesh.channels import ChannelPool
 from services.mesh.net import free_port
-from services.mesh.session_carrier import MAX_FRAME_BYTES, CarrierDialer, CarrierListener, read_frame
+from services.mesh.session_carrier import (
+    MAX_FRAME_BYTES,
+    UNREACHABLE_RETRY_S,
+    CarrierDialer,
+    CarrierListener,
+    read_frame,
+)
 from services.mesh.session_client import SessionPool
-from services.mesh.session_kind import ROUTER_SESSION
+from services.mesh.session_kind import ROUTER_SESSION, CallError
 from tests.unit.test_sessions import Scripted, replies
 
 
@@ -120,3 +126,62 @@ async def test_a_frame_over_the_limit_ends_the_connection(scripted: Scripted) ->
         writer.close()
     finally:
         await listener.stop(0)
+
+
+async def test_a_port_that_failed_is_not_tried_again_until_the_retry_time(scripted: Scripted) -> None:
+    port = free_port()
+    server, address = await _served(scripted, port)
+    now = [100.0]
+    channels = ChannelPool()
+    dialer = CarrierDialer(channels, clock=lambda: now[0])
+    knocks: list[int] = []
+
+    async def count(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        knocks.append(1)
+        writer.close()  # no hello answered: the dialer falls back again
+
+    try:
+        assert await dialer.open(address, ROUTER_SESSION.method, ROUTER_SESSION.up) is None  # refused: remembered
+        knocker = await asyncio.start_server(count, "127.0.0.1", port)
+        now[0] += UNREACHABLE_RETRY_S - 1
+        assert await dialer.open(address, ROUTER_SESSION.method, ROUTER_SESSION.up) is None
+        assert knocks == [], "within the retry time the port is not tried"
+        now[0] += 2
+        assert await dialer.open(address, ROUTER_SESSION.method, ROUTER_SESSION.up) is None
+        assert knocks == [1], "past it, it is tried again"
+        knocker.close()
+    finally:
+        await channels.close()
+        await server.stop(None)
+
+
+async def test_a_peer_that_answers_the_hello_then_goes_silent_is_taken_for_gone(monkeypatch: pytest.MonkeyPatch,
+                                                                               scripted: Scripted) -> None:
+    """A stopped peer process whose kernel still acknowledges: the heartbeat finds it, and the
+    session's calls fail retryably instead of waiting for their deadlines."""
+    monkeypatch.setattr("services.mesh.session_carrier.HEARTBEAT_S", 0.05)
+    monkeypatch.setattr("services.mesh.session_carrier.SILENT_PEER_S", 0.3)
+    held: list[asyncio.StreamWriter] = []
+
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_frame(reader, 256)
+        writer.write(struct.pack("<I", 1) + b"\x01")  # ACCEPTED, then nothing ever again
+        held.append(writer)
+
+    silent = await asyncio.start_server(mute, "127.0.0.1", 0)
+    server, address = await _served(scripted, silent.sockets[0].getsockname()[1])
+    channels = ChannelPool()
+    pool = SessionPool(channels, dialer=CarrierDialer(channels))
+    try:
+        session = pool.get(ROUTER_SESSION, address)
+        stream = session.open(router_pb2.RouteRequest(request_id="r", model="ok", token_ids=[1]), 30)
+        with pytest.raises(CallError) as gone:
+            await asyncio.wait_for(replies(stream), 10)
+        assert gone.value.outcome == common_pb2.OUTCOME_PEER_GONE and session.carrier == "tcp"
+    finally:
+        await pool.close()
+        await channels.close()
+        await server.stop(None)
+        silent.close()
+        for writer in held:
+            writer.close()
