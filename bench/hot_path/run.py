@@ -3,7 +3,8 @@ frontend, one processor (Dynamo: its frontend, which tokenizes itself) and one z
 worker, both systems on this machine in the same run.
 
 Measures (the issue's table), for each layout of the mesh (the kv-router service; the processor
-routing in-process; a gateway hosting its processor and routing in-process) and for Dynamo, in
+routing in-process; a gateway hosting its processor and routing in-process; two such gateways
+sharing the port) and for Dynamo, in
 REPEATS rounds (each round every layout, then Dynamo), as median [lowest-highest]:
 - streamed output tokens/s, 64 concurrent streams of 128 tokens (rounds of 64, best of 3);
 - 1-token completions/s at concurrency 64 and 16, and p50 latency at concurrency 1;
@@ -138,6 +139,9 @@ LAYOUTS = (
     ("kvmesh", ()),
     ("kvmesh, local routing", ("--routing", "local")),
     ("kvmesh, embedded processor + local routing", ("--embed-processors", "--routing", "local")),
+    # Dynamo's frontend is one process with a thread per core: this is the mesh's way to use both.
+    ("kvmesh, 2 gateways with embedded processors + local routing",
+     ("--frontends", "2", "--embed-processors", "--routing", "local")),
 )
 REPEATS = 3
 
