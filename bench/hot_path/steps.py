@@ -17,9 +17,9 @@ EVENT_LOOP = "event loop (uvloop, asyncio, C)"
 
 # (step, substrings of a frame's `function (file)`): the steps, as this code names them.
 STEPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("session frames out (gRPC write)", ("Session._write (", "_ServerSession._write (", "_ServerSession._fill (",
+    ("session frames out (TCP or gRPC write)", ("Session._write (", "_ServerSession._write (", "_ServerSession._fill (",
                                          "_StreamRequestMixin", "SerializeToString", "_pack_")),
-    ("session frames in (gRPC read)", ("Session._read (", "_ServerSession._read (", "_StreamResponseMixin",
+    ("session frames in (TCP or gRPC read)", ("Session._read (", "_ServerSession._read (", "_StreamResponseMixin",
                                        "Session._hand_out", "_unpack_", "FromString")),
     ("session calls: open, hand-off", ("session_client.py", "session_server.py", "local_session.py")),
     ("gRPC poller thread", ("Thread.run (threading.py", "_bootstrap_inner (threading.py")),
