@@ -22,6 +22,7 @@ OUTCOME_PEER_GONE; the next `get` opens a new session.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 from collections import deque
@@ -190,9 +191,13 @@ class Session:
         self._channel = channel
         self._dialer = dialer
         self._carrier: Carrier | None = None
-        self._connected = asyncio.create_task(self._connect(), name=f"{kind.name} session carrier {address}")
-        self._reader = asyncio.create_task(self._read(), name=f"{kind.name} session reader {address}")
-        self._writer = asyncio.create_task(self._write(), name=f"{kind.name} session writer {address}")
+        # The session's tasks serve every request on it: they run outside the context of the
+        # request that happened to open it (its request id would stand on the session's log lines).
+        own = contextvars.Context()
+        self._connected = asyncio.create_task(self._connect(), name=f"{kind.name} session carrier {address}",
+                                              context=own)
+        self._reader = asyncio.create_task(self._read(), name=f"{kind.name} session reader {address}", context=own)
+        self._writer = asyncio.create_task(self._write(), name=f"{kind.name} session writer {address}", context=own)
 
     def _calls(self, kind: SessionKind, address: str, limits: SessionLimits, clock: FrameClock | None) -> None:
         """The bookkeeping of the session's calls, whatever carries them."""
