@@ -169,14 +169,13 @@ def _ratio(ours: float, theirs: float) -> str:
     return f"{ours / theirs:.2f}x" if theirs == theirs and theirs > 0 else "-"
 
 
-MEASURES: tuple[tuple[str, Callable[[Figures], float], bool], ...] = (
-    # (measure, figure, higher is better)
-    ("streamed output tokens/s, 64 x 128", lambda f: f.tokens_per_s, True),
-    ("1-token completions/s, concurrency 64", lambda f: f.rps.get(64, NAN), True),
-    ("1-token completions/s, concurrency 16", lambda f: f.rps.get(16, NAN), True),
-    ("p50 ms, 1-token completion, concurrency 1", lambda f: f.p50_ms.get(1, NAN), False),
-    ("mesh CPU us per 1-token request", lambda f: f.cpu_us_per_request, False),
-    ("mesh CPU us per streamed token", lambda f: f.cpu_us_per_token, False),
+MEASURES: tuple[tuple[str, Callable[[Figures], float]], ...] = (
+    ("streamed output tokens/s, 64 x 128", lambda f: f.tokens_per_s),
+    ("1-token completions/s, concurrency 64", lambda f: f.rps.get(64, NAN)),
+    ("1-token completions/s, concurrency 16", lambda f: f.rps.get(16, NAN)),
+    ("p50 ms, 1-token completion, concurrency 1", lambda f: f.p50_ms.get(1, NAN)),
+    ("mesh CPU us per 1-token request", lambda f: f.cpu_us_per_request),
+    ("mesh CPU us per streamed token", lambda f: f.cpu_us_per_token),
 )
 NAN = float("nan")
 
@@ -204,7 +203,7 @@ def run(with_scale: bool = True) -> dict:
     dynamo_ok = not any(f.note for f in theirs)
     headers = ["measure", "Dynamo"] + [h for label, _ in LAYOUTS for h in (label, "ratio")]
     rows = []
-    for measure, pick, _ in MEASURES:
+    for measure, pick in MEASURES:
         row: list[object] = [measure, median_range([pick(f) for f in theirs], "{:.1f}") if dynamo_ok else "-"]
         for label, _ in LAYOUTS:
             row.append(median_range([pick(f) for f in ours[label]], "{:.1f}"))
@@ -236,7 +235,7 @@ def run(with_scale: bool = True) -> dict:
     if dynamo_ok:
         bar_plot("hot_path", "kvmesh relative to NVIDIA Dynamo (1.0 = equal; median of the rounds)",
                  ["tokens/s", "req/s c64", "req/s c16"],
-                 {label: [statistics.median(_ratios(ours[label], theirs, pick)) for _, pick, _ in MEASURES[:3]]
+                 {label: [statistics.median(_ratios(ours[label], theirs, pick)) for _, pick in MEASURES[:3]]
                   for label, _ in LAYOUTS}, "ratio")
     result = {"layouts": {label: [f.__dict__ for f in figures] for label, figures in ours.items()},
               "dynamo": [f.__dict__ for f in theirs], "request_profile": profile, "replicas": rep.__dict__,

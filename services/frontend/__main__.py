@@ -22,13 +22,14 @@ from services.frontend.metrics import FrontendMetrics
 from services.frontend.request_tracing import RequestTracing
 from services.mesh.discovery import (DECODE_WORKER, FRONTEND, PREFILL_WORKER, PROCESSOR, ROUTER, InstanceInfo,
                                      new_instance_id)
+from services.mesh.etcd_lease import LeasedRegistration
 from services.mesh.flags import (FlagParser, MeshConfig, add_mesh_flags, add_model_flags, die, exit_if_checking,
-                                 mesh_config, model_ref, port_number)
+                                 mesh_config, port_number)
 from services.mesh.local_session import LocalSession
 from services.mesh.logs import setup_logging
 from services.mesh.service_runner import ServiceRunner, run_service
 from services.mesh.tracing import Tracing, start_tracing
-from services.processor.assembly import processor_config, start_processor
+from services.processor.assembly import ProcessorSettings, processor_settings, start_processor
 from services.processor.flags import add_processor_flags
 from services.routing.flags import add_router_flags
 
@@ -85,9 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     mesh = mesh_config(args)
     setup_logging(mesh.log_level, FRONTEND, mesh.log_format)
     config = frontend_config(args)
-    if args.embed_processor:
-        processor_config(args, model_ref(args))  # its settings are checked with the gateway's
-    elif args.model is not None:
+    # The hosted processor's settings are checked with the gateway's.
+    hosted = processor_settings(args) if args.embed_processor else None
+    if hosted is None and args.model is not None:
         die("--model is the embedded processor's: give --embed-processor too")
     exit_if_checking(args)
     sock = bind(mesh.host, args.http_port, reuse_port=args.reuse_port)
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     async def assemble(runner: ServiceRunner) -> None:
         tracing = start_tracing(runner)  # first: torn down last, after the drain's last spans
         await runner.connect_store()
-        local = await _embedded_processor(runner, args, mesh, tracing) if args.embed_processor else None
+        local, registration = (None, None) if hosted is None else await _embedded_processor(
+            runner, args, mesh, tracing, hosted)
         view = MeshView(processors=await runner.watch_component(PROCESSOR),
                         routers=await runner.watch_component(ROUTER),
                         decoders=await runner.watch_component(DECODE_WORKER),
@@ -118,27 +120,26 @@ def main(argv: list[str] | None = None) -> None:
         info = InstanceInfo(component=FRONTEND, instance_id=new_instance_id(), address=f"{mesh.advertise_host}:{port}",
                             metrics_port=metrics_port)
         await runner.register(info)
-        if local is not None:
+        if registration is not None:
             # At a drain the hosted processor leaves etcd with the gateway (this runs first), so
             # other gateways stop sending it work while this one's HTTP answers finish; its
             # sessions are drained after them, with its gRPC server.
-            runner.on_teardown("deregister the embedded processor", local.registration.stop)
+            runner.on_teardown("deregister the embedded processor", registration.stop)
         log.info("frontend %s listening on http://%s:%d/v1", info.instance_id, mesh.host, port)
 
     run_service(FRONTEND, mesh, assemble)
 
 
-async def _embedded_processor(runner: ServiceRunner, args: argparse.Namespace, mesh: MeshConfig,
-                              tracing: Tracing) -> LocalProcessor:
-    """The processor this gateway hosts (services/processor/assembly.py) and the in-process
-    session its requests take to it; the session closes after the HTTP server has drained."""
-    model = model_ref(args)
-    started = await start_processor(runner, args, model, processor_config(args, model), mesh, tracing,
-                                    args.processor_port, args.processor_metrics_port)
+async def _embedded_processor(runner: ServiceRunner, args: argparse.Namespace, mesh: MeshConfig, tracing: Tracing,
+                              settings: ProcessorSettings) -> tuple[LocalProcessor, LeasedRegistration]:
+    """The processor this gateway hosts (services/processor/assembly.py), the in-process session
+    its requests take to it (closed after the HTTP server has drained), and its registration."""
+    started = await start_processor(runner, args, settings, mesh, tracing, args.processor_port,
+                                    args.processor_metrics_port)
     info = started.info
     session = LocalSession(started.servicer.sessions, info.address, clock=runner.sessions.clock)
     runner.on_teardown("close the embedded processor's session", session.close)
-    return LocalProcessor(info.instance_id, info.model, session, started.registration)
+    return LocalProcessor(info.instance_id, info.model, session), started.registration
 
 
 def _serve_http(runner: ServiceRunner, app: ASGIApp, sock: socket.socket, label: str, drain_timeout_s: float) -> None:

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from services.mesh.discovery import ComponentView, InstanceInfo
-from services.mesh.etcd_lease import LeasedRegistration
 from services.mesh.session_client import Session, SessionPool
 from services.mesh.session_kind import PROCESSOR_SESSION
 from services.mesh.turns import in_turn
@@ -30,8 +29,6 @@ class LocalProcessor:
     instance_id: str
     model: str
     session: Session
-    # Its etcd registration, ended with the gateway's at a drain (a second stop does nothing).
-    registration: LeasedRegistration
 
 
 @dataclass

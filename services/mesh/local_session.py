@@ -97,13 +97,7 @@ class LocalSession(Session):
         if task is not None:
             task.cancel()
 
-    def _break(self, message: str) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        streams, self.streams = self.streams, {}
-        for stream in streams.values():
-            stream._finish(CallError(common_pb2.OUTCOME_PEER_GONE, message))
+    def _stop_carrying(self) -> None:
         for task in self._tasks.values():
             task.cancel()
 

@@ -42,7 +42,7 @@ from services.mesh.flags import MeshConfig
 from services.mesh.gc_pauses import GcPauses
 from services.mesh.grpc_server import ServiceBinding, start_server
 from services.mesh.metrics_http import serve_metrics
-from services.mesh.session_carrier import CarrierDialer, CarrierListener
+from services.mesh.session_carrier import CarrierDialer, CarrierListener, endpoint_binding
 from services.mesh.session_client import SessionPool
 from services.mesh.session_server import SessionHub
 from services.mesh.tasks import cancel_and_wait
@@ -299,7 +299,7 @@ class ServiceRunner:
         # the gRPC server tells callers.
         carrier = CarrierListener(hubs, mesh.tls) if hubs else None
         if carrier is not None:
-            bindings = [*bindings, carrier.binding(await carrier.start(mesh.host))]
+            bindings = [*bindings, endpoint_binding(await carrier.start(mesh.host))]
         server, bound, health_servicer = await start_server(bindings, mesh.host, port, tls=mesh.tls,
                                                             reflect=mesh.grpc_reflection)
         grace = self.drain_timeout_s

@@ -136,14 +136,16 @@ class Liveness:
 
 
 class TcpCarrier:
-    """The session over its own TCP connection."""
+    """The session over its own TCP connection, at either end: frames of `incoming` (the kind's
+    `up` at the caller, `down` at the server) in, any frame out, and the heartbeat both ways."""
 
     name = "tcp"
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: Any, peer: str) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, incoming: Any,
+                 peer: str) -> None:
         self._reader = reader
         self._writer = writer
-        self._parse = up.FromString
+        self._parse = incoming.FromString
         self._live = Liveness(writer, peer)
 
     async def write(self, frame: Any) -> None:
@@ -157,12 +159,22 @@ class TcpCarrier:
             self._live.read()
             if data is None:
                 return None
-            if data:  # an empty frame is the server's heartbeat
+            if data:  # an empty frame is the peer's heartbeat
                 return self._parse(data)
+
+    async def frames(self) -> AsyncIterator[Any]:
+        """Every frame until the peer closes (what a SessionHub serves)."""
+        while (frame := await self.read()) is not None:
+            yield frame
 
     def cancel(self) -> None:
         self._live.stop()
         self._writer.transport.abort()
+
+    def close(self) -> None:
+        """Ends the connection after what was written (a session that ended)."""
+        self._live.stop()
+        self._writer.close()
 
 
 def write_frame(writer: asyncio.StreamWriter, payload: bytes) -> None:
@@ -221,6 +233,8 @@ class CarrierDialer:
         """A TCP carrier to `address`'s sessions of `method`; None where the peer offers none or
         it cannot be reached (the caller uses the gRPC stream). Raises ConnectionError when the
         peer's gRPC server does not answer at all (the session fails as a broken stream would)."""
+        if self._unreachable.get(address, 0.0) > self._clock():
+            return None  # its port failed lately: not asked again yet
         try:
             endpoint = await carrier_pb2_grpc.SessionCarrierStub(self._channels.get(address)).Endpoint(
                 carrier_pb2.CarrierRequest(), timeout=CONNECT_TIMEOUT_S)
@@ -228,7 +242,7 @@ class CarrierDialer:
             if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
                 return None  # a peer from before the TCP carrier
             raise ConnectionError(f"{address}: {exc.code().name} {exc.details()}") from None
-        if not endpoint.port or self._unreachable.get(address, 0.0) > self._clock():
+        if not endpoint.port:
             return None
         host = _host(address)
         try:
@@ -256,26 +270,6 @@ class CarrierDialer:
         return TcpCarrier(reader, writer, up, f"{host}:{port}")
 
 
-class _FrameWriter:
-    """What a SessionHub writes its frames to (the part of a gRPC servicer context it uses)."""
-
-    def __init__(self, writer: asyncio.StreamWriter, live: Liveness) -> None:
-        self._writer = writer
-        self._live = live
-
-    async def write(self, frame: Any) -> None:
-        write_frame(self._writer, frame.SerializeToString())
-        self._live.wrote()
-        await self._writer.drain()
-
-
-async def _frames(reader: asyncio.StreamReader, down: Any, live: Liveness) -> AsyncIterator[Any]:
-    while (data := await read_frame(reader, MAX_FRAME_BYTES)) is not None:
-        live.read()
-        if data:  # an empty frame is the caller's heartbeat
-            yield down.FromString(data)
-
-
 class CarrierListener:
     """The serving end: sessions of this process's hubs over TCP, on a port of their own."""
 
@@ -295,10 +289,6 @@ class CarrierListener:
                                                   ssl_handshake_timeout=HELLO_TIMEOUT_S if self._ssl else None)
         return sock.getsockname()[1]
 
-    def binding(self, port: int) -> ServiceBinding:
-        """The gRPC service that tells callers the port."""
-        return ServiceBinding(carrier_pb2_grpc.add_SessionCarrierServicer_to_server, _Endpoint(port), SERVICE_NAME)
-
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
@@ -311,11 +301,11 @@ class CarrierListener:
                 return
             write_frame(writer, ACCEPTED)
             await writer.drain()
-            live = Liveness(writer, str(writer.get_extra_info("peername")))
+            connection = TcpCarrier(reader, writer, hub.kind.down, str(writer.get_extra_info("peername")))
             try:
-                await hub.serve(_frames(reader, hub.kind.down, live), _FrameWriter(writer, live))
+                await hub.serve(connection.frames(), connection)
             finally:
-                live.stop()
+                connection.close()
         except (OSError, TimeoutError) as exc:  # ConnectionError and ssl.SSLError are OSErrors
             log.debug("a session connection ended: %s", exc or type(exc).__name__)
         finally:
@@ -333,6 +323,11 @@ class CarrierListener:
         for task in open_now:
             task.cancel()
         await asyncio.gather(*open_now, return_exceptions=True)
+
+
+def endpoint_binding(port: int) -> ServiceBinding:
+    """The gRPC service that tells callers where this process's carrier listens (`port`; 0: none)."""
+    return ServiceBinding(carrier_pb2_grpc.add_SessionCarrierServicer_to_server, _Endpoint(port), SERVICE_NAME)
 
 
 class _Endpoint(carrier_pb2_grpc.SessionCarrierServicer):

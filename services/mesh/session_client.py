@@ -301,6 +301,10 @@ class Session:
         streams, self.streams = self.streams, {}
         for stream in streams.values():
             stream._finish(CallError(PEER_GONE, message))
+        self._stop_carrying()
+
+    def _stop_carrying(self) -> None:
+        """What carries the calls stops (the session broke or closed)."""
         if self._carrier is not None:
             self._carrier.cancel()
         else:

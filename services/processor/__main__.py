@@ -9,13 +9,12 @@ from services.mesh.flags import (
     add_model_flags,
     exit_if_checking,
     mesh_config,
-    model_ref,
     port_number,
 )
 from services.mesh.logs import setup_logging
 from services.mesh.service_runner import ServiceRunner, run_service
 from services.mesh.tracing import start_tracing
-from services.processor.assembly import processor_config, start_processor
+from services.processor.assembly import processor_settings, start_processor
 from services.processor.flags import add_processor_flags
 from services.routing.flags import add_router_flags
 
@@ -36,13 +35,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     mesh = mesh_config(args)
     setup_logging(mesh.log_level, PROCESSOR, mesh.log_format)
-    model = model_ref(args)
-    config = processor_config(args, model)
+    settings = processor_settings(args)
     exit_if_checking(args)
 
     async def assemble(runner: ServiceRunner) -> None:
         tracing = start_tracing(runner)  # first: torn down last, after the drain's last spans
-        await start_processor(runner, args, model, config, mesh, tracing, args.port, args.metrics_port)
+        await start_processor(runner, args, settings, mesh, tracing, args.port, args.metrics_port)
 
     run_service(PROCESSOR, mesh, assemble)
 

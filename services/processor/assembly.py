@@ -22,7 +22,7 @@ from services.mesh.config_error import validated
 from services.mesh.discovery import DECODE_WORKER, PROCESSOR, ROUTER, ComponentView, InstanceInfo, new_instance_id
 from services.mesh.etcd_lease import LeasedRegistration
 from services.mesh.etcd_store import StoreUnavailable
-from services.mesh.flags import ModelRef, MeshConfig
+from services.mesh.flags import MeshConfig, ModelRef, model_ref
 from services.mesh.grpc_server import ServiceBinding
 from services.mesh.instance_record import InstanceRecord
 from services.mesh.service_runner import ServiceRunner
@@ -45,12 +45,20 @@ from services.routing.worker_pool import SYNC_TIMEOUT_S, WorkerPool
 log = logging.getLogger("processor")
 
 
-def processor_config(args: argparse.Namespace, model: ModelRef) -> ProcessorConfig:
-    """The processor's settings from its flags (services/processor/flags.py), validated."""
-    return validated(lambda: ProcessorConfig(served_model_name=model.served_model_name,
-                                             request_timeout_s=args.request_timeout,
-                                             migration_limit=args.migration_limit,
-                                             default_max_tokens=args.default_max_tokens))
+@dataclass(frozen=True)
+class ProcessorSettings:
+    """The model a processor serves and its settings, read from its flags and validated."""
+
+    model: ModelRef
+    config: ProcessorConfig
+
+
+def processor_settings(args: argparse.Namespace) -> ProcessorSettings:
+    """From the model and processor flags (services/mesh/flags.py, services/processor/flags.py)."""
+    model = model_ref(args)
+    return ProcessorSettings(model, validated(lambda: ProcessorConfig(
+        served_model_name=model.served_model_name, request_timeout_s=args.request_timeout,
+        migration_limit=args.migration_limit, default_max_tokens=args.default_max_tokens)))
 
 
 @dataclass(frozen=True)
@@ -60,10 +68,11 @@ class StartedProcessor:
     registration: LeasedRegistration
 
 
-async def start_processor(runner: ServiceRunner, args: argparse.Namespace, model: ModelRef, config: ProcessorConfig,
+async def start_processor(runner: ServiceRunner, args: argparse.Namespace, settings: ProcessorSettings,
                           mesh: MeshConfig, tracing: Tracing, port: int, metrics_port: int) -> StartedProcessor:
     """Loads the tokenizer, follows the decode pool, routes (by the kv-router service or
     locally), serves gRPC on `port` and metrics on `metrics_port` (0: any free), and registers."""
+    model, config = settings.model, settings.config
     tokenizer = ModelTokenizer(model.model_dir)
     await runner.connect_store()
     registry = CollectorRegistry()

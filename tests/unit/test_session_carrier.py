@@ -12,7 +12,7 @@ import struct
 import grpc
 import pytest
 
-from gen.kvmesh.v1 import carrier_pb2, carrier_pb2_grpc, common_pb2, router_pb2, router_pb2_grpc
+from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.mesh.channels import ChannelPool
 from services.mesh.net import free_port
 from services.mesh.session_carrier import (
@@ -20,19 +20,12 @@ from services.mesh.session_carrier import (
     UNREACHABLE_RETRY_S,
     CarrierDialer,
     CarrierListener,
+    endpoint_binding,
     read_frame,
 )
 from services.mesh.session_client import SessionPool
 from services.mesh.session_kind import ROUTER_SESSION, CallError
 from tests.unit.test_sessions import Scripted, replies
-
-
-class _FixedEndpoint(carrier_pb2_grpc.SessionCarrierServicer):
-    def __init__(self, port: int) -> None:
-        self.port = port
-
-    async def Endpoint(self, request, context):  # noqa: ANN001, ANN201, N802
-        return carrier_pb2.CarrierEndpoint(port=self.port)
 
 
 async def _served(servicer: Scripted, endpoint_port: int | None,
@@ -41,10 +34,10 @@ async def _served(servicer: Scripted, endpoint_port: int | None,
     server = grpc.aio.server()
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     if listener is not None:
-        binding = listener.binding(await listener.start("127.0.0.1"))
+        endpoint_port = await listener.start("127.0.0.1")
+    if endpoint_port is not None:
+        binding = endpoint_binding(endpoint_port)
         binding.add_to_server(binding.servicer, server)
-    elif endpoint_port is not None:
-        carrier_pb2_grpc.add_SessionCarrierServicer_to_server(_FixedEndpoint(endpoint_port), server)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
     return server, address

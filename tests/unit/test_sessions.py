@@ -18,7 +18,7 @@ import pytest
 
 from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 from services.mesh.channels import ChannelPool
-from services.mesh.session_carrier import CarrierDialer, CarrierListener
+from services.mesh.session_carrier import CarrierDialer, CarrierListener, endpoint_binding
 from services.mesh.session_client import SessionLimits, SessionPool
 from services.mesh.session_kind import ROUTER_SESSION, CallError, CallInfo, bad_request
 from services.mesh.session_server import SessionHub
@@ -124,7 +124,7 @@ async def bed(limits: SessionLimits | None = None, carrier: str = "grpc") -> Asy
     listener = None
     if carrier == "tcp":
         listener = CarrierListener([servicer.sessions])
-        binding = listener.binding(await listener.start("127.0.0.1"))
+        binding = endpoint_binding(await listener.start("127.0.0.1"))
         binding.add_to_server(binding.servicer, server)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
