@@ -12,10 +12,13 @@ NATIVE_STAMP := services/routing/native/.built
 # written last, so its config stands for both).
 DEMO_MODEL := .cache/models/kvmesh-demo/kvmesh_demo.json
 DEMO_ADAPTERS := .cache/models/kvmesh-demo-lora-b/adapter_config.json
+# The demo vision-language model (services/tools/make_demo_vlm.py): `make run ARGS="--model
+# .cache/models/kvmesh-demo-vlm"` serves images.
+DEMO_VLM := .cache/models/kvmesh-demo-vlm/config.json
 
 .PHONY: install run test test-unit protos bench chaos lint clean
 
-install: $(STAMP) $(NATIVE_STAMP) $(DEMO_MODEL) $(DEMO_ADAPTERS)
+install: $(STAMP) $(NATIVE_STAMP) $(DEMO_MODEL) $(DEMO_ADAPTERS) $(DEMO_VLM)
 
 $(STAMP): requirements.txt scripts/install.sh
 	bash scripts/install.sh
@@ -38,6 +41,9 @@ $(DEMO_MODEL): services/tools/make_demo_model.py | $(STAMP)
 
 $(DEMO_ADAPTERS): | $(DEMO_MODEL)
 	$(VPY) -m services.tools.make_demo_adapter >/dev/null
+
+$(DEMO_VLM): services/tools/make_demo_vlm.py services/tools/make_demo_model.py | $(STAMP)
+	$(VPY) -m services.tools.make_demo_vlm >/dev/null
 
 # --demo-lora: with the demo model and no --lora-modules in ARGS, the workers also serve the demo
 # adapters demo-lora-a and demo-lora-b (request one by naming it as the model).

@@ -15,6 +15,7 @@ span and the prefill worker's `prefill` span sit under it, and a fallback is an 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,22 +102,26 @@ class RemotePrefiller:
         self._failed = RecentFailures()
 
     async def plan(self, rid: str, tokens: list[int], sampling: common_pb2.SamplingParams,
-                   prefix_hit_rate: float, lora_name: str = "") -> RemotePrefill | None:
+                   prefix_hit_rate: float, lora_name: str = "",
+                   media: Sequence[common_pb2.MediaItem] = ()) -> RemotePrefill | None:
         """A finished remote prefill to decode from, or None for a local prefill. `lora_name`: the
         LoRA adapter the request runs with; the router picks a prefill worker that knows it, and
-        one that does not refuses the prefill (the decode worker prefills locally)."""
+        one that does not refuses the prefill (the decode worker prefills locally). `media`: the
+        prompt's images, which the prefill worker encodes with the prompt."""
         remote = None
         if worth_remote(len(tokens), prefix_hit_rate, self.config):
             with self._tracing.span("remote prefill", SpanKind.CLIENT) as span:
-                remote = await self._remote(rid, tokens, sampling, prefix_hit_rate, lora_name, span)
+                remote = await self._remote(rid, tokens, sampling, prefix_hit_rate, lora_name, media, span)
         self.metrics.prefilled(remote is not None, absolute_prefill_length(len(tokens), prefix_hit_rate))
         return remote
 
     async def _remote(self, rid: str, tokens: list[int], sampling: common_pb2.SamplingParams,
-                      prefix_hit_rate: float, lora_name: str, span: Span) -> RemotePrefill | None:
+                      prefix_hit_rate: float, lora_name: str, media: Sequence[common_pb2.MediaItem],
+                      span: Span) -> RemotePrefill | None:
         try:
             route = await self._routers.route(rid, self._model, tokens, common_pb2.WORKER_ROLE_PREFILL,
-                                              exclude=self._failed.current(), lora_name=lora_name)
+                                              exclude=self._failed.current(), lora_name=lora_name,
+                                              media=[item.span for item in media])
         except NoWorkerError as exc:
             self.fallback(rid, "no_prefill_worker", str(exc), span)
             return None
@@ -136,7 +141,7 @@ class RemotePrefiller:
         session = self._sessions.get(PREFILL_SESSION, route.address)
         try:
             reply = await session.call(worker_pb2.PrefillRequest(request_id=rid, token_ids=tokens, sampling=sampling,
-                                                                 lora_name=lora_name),
+                                                                 lora_name=lora_name, media=media),
                                        self.config.prefill_timeout_s, outgoing_metadata())
         except CallError as exc:
             judged = verdict(Hop.PREFILL, exc.outcome)

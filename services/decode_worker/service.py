@@ -93,7 +93,7 @@ class DecodeServicer(WorkerServicer):
         if self.prefiller is not None:
             # The prefill worker computes the prompt's KV with the same adapter as this one decodes.
             remote = await self.prefiller.plan(rid, local.token_ids, request.sampling, request.prefix_hit_rate,
-                                               local.lora_name)
+                                               local.lora_name, request.media)
         else:
             self.metrics.prefilled(False, absolute_prefill_length(len(local.token_ids), request.prefix_hit_rate))
         if remote is not None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from services.engines.lora import AdapterSet
 from services.kv_protocol.events import KvEventData
+from services.kv_protocol.media import MediaSpan
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +83,23 @@ class EngineRequest:
     lora_name: str = ""
     # The agent session it belongs to, when the router bound one: what to keep once it ends.
     session: SessionRetention | None = None
+    # The prompt's images, in prompt order: each fills the placeholder tokens of its span.
+    media: tuple[MediaInput, ...] = ()
+
+    def spans(self) -> tuple[MediaSpan, ...]:
+        """Where its images stand: its blocks hash with them (services/kv_protocol/media.py)."""
+        return tuple(item.span for item in self.media)
+
+
+@dataclass(frozen=True, slots=True)
+class MediaInput:
+    """One image of a prompt: its bytes as the client sent them, its size, and its span."""
+
+    span: MediaSpan
+    data: bytes
+    media_type: str
+    width: int
+    height: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -155,14 +155,16 @@ class VllmEngine(Engine):
     name = "vllm"
 
     def __init__(self, config: VllmConfig) -> None:
-        vocab, context, eos_ids = read_model_facts(config.model_dir)
+        facts = read_model_facts(config.model_dir)
+        context = facts.context_length
         # vLLM serves no more than the model's positions (it refuses a longer max_model_len).
         max_len = min(config.max_model_len or context, context)
         if max_len < (config.max_model_len or 0):
             log.warning("--max-model-len %d is past the model's context length (max_position_embeddings %d): "
                         "serving %d tokens", config.max_model_len, context, max_len)
         self.config = config
-        self.info = EngineInfo(config.model_dir, config.served_model_name, config.block_size, max_len, vocab, eos_ids)
+        self.info = EngineInfo(config.model_dir, config.served_model_name, config.block_size, max_len,
+                               facts.vocab_size, facts.eos_token_ids)
         self._llm: Any = None
         self._load = _LoadRecorder(self.record_kv_transfer)
         self._num_blocks = 0

@@ -27,6 +27,7 @@ from services.frontend.sessions import request_session
 from services.frontend.refusal_memory import RefusalMemory, RequestKind
 from services.frontend.body import read_json
 from services.frontend.direct_write import body_writer
+from services.frontend.images import ImageLimits, ImageLoader, PartKey
 from services.frontend.endpoints import CHAT, COMPLETION, RESPONSES, Kind, processor_requests
 from services.frontend.errors import ApiError, shown
 from services.frontend.fast_paths import FastPaths
@@ -51,7 +52,7 @@ from services.frontend.responses_api import ResponseBuilder, response_events
 from services.frontend.responses_input import agent_session as responses_agent_session
 from services.frontend.responses_input import chat_body
 from services.frontend.responses_input import nested_accepted as responses_nested
-from services.frontend.schemas import ChatCompletionRequest, CompletionRequest, parse
+from services.frontend.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, parse
 from services.mesh.channels import ChannelPool
 from services.config_error import ConfigError
 from services.mesh.logs import REQUEST_ID
@@ -82,6 +83,8 @@ class FrontendConfig:
     allow_runtime_lora: bool = False
     # A request without x-session-id is in the session its `user` names: --session-from-user.
     session_from_user: bool = False
+    # What image inputs are taken (--max-images, --max-image-bytes, --image-url-allow).
+    images: ImageLimits = field(default_factory=ImageLimits)
 
     def __post_init__(self) -> None:
         for key in self.api_keys:
@@ -220,6 +223,7 @@ class _Gateway:
         self.outside_queue = OutsideQueue()
         self.refusals = RefusalMemory()
         self.fields = ClientFields(metrics.client_fields)
+        self.images = ImageLoader(config.images)
         metrics.refused_from_memory.set_function(lambda: self.refusals.answered)
         self._ids = request_ids()
 
@@ -268,8 +272,9 @@ class _Gateway:
             kind_of = (req.model, qos.tenant, qos.priority, qos.ttft_objective_ms)
             if (refused := self.refusals.recall(kind_of)) is not None:
                 raise refused
+            images = await self._images(req)
             streams = [ProcessorStream(self.mesh, msg, self.config.request_timeout_s, self.failed_processors)
-                       for msg in processor_requests(rid, req, target, explain, qos, session)]
+                       for msg in processor_requests(rid, req, target, explain, qos, session, images)]
             # A client may leave while its prompt is prefilled, before any response: then the
             # request is cancelled along the whole chain instead of computed for nobody.
             route = await unless_gone(first_route(streams), request.receive)
@@ -344,6 +349,11 @@ class _Gateway:
         self.metrics.requests.labels(COUNT_TOKENS.endpoint, "200").inc()
         return JSONResponse({"input_tokens": tokens}, headers=headers)
 
+    async def _images(self, req: GenerationRequest) -> dict[PartKey, bytes]:
+        """The bytes of a chat request's images (images.py)."""
+        refs = req.image_refs() if isinstance(req, ChatCompletionRequest) else []
+        return await self.images.load(refs) if refs else {}
+
     def _target(self, model: str) -> ModelTarget:
         """What `model` names: a base model, or a LoRA adapter of one; else a 404."""
         target = self.mesh.resolve(model)
@@ -354,7 +364,7 @@ class _Gateway:
     async def _count(self, rid: str, message: CountTokensRequest) -> int:
         """A Messages request's prompt tokens, counted by a processor (messages_count.py)."""
         req = parse(ChatCompletionRequest, messages_chat_body(message))
-        [msg] = processor_requests(rid, req, self._target(req.model))
+        [msg] = processor_requests(rid, req, self._target(req.model), images=await self._images(req))
         return await count_tokens(self.mesh, self.channels, msg, self.failed_processors,
                                   min(COUNT_TIMEOUT_S, self.config.request_timeout_s))
 

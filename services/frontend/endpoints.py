@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -10,8 +10,15 @@ from gen.kvmesh.v1 import common_pb2, processor_pb2
 from services.contract.json_value import to_json_value
 from services.frontend.agent_schemas import Tool, structured_from_format, structured_from_vllm, tool_choice_of
 from services.frontend.errors import ApiError
+from services.frontend.images import PartKey
 from services.frontend.mesh import ModelTarget
-from services.frontend.schemas import ChatCompletionRequest, ChatMessageIn, CompletionRequest, GenerationRequest
+from services.frontend.schemas import (
+    ChatCompletionRequest,
+    ChatMessageIn,
+    CompletionRequest,
+    GenerationRequest,
+    ImagePart,
+)
 
 # The smallest positive float32: a smaller top_p would reach the engine as 0 (invalid) though
 # it means what this means, "the most likely token only".
@@ -35,17 +42,19 @@ RESPONSES = Kind("responses", ChatCompletionRequest, "response", "response", "re
 
 def processor_requests(rid: str, req: GenerationRequest, target: ModelTarget | None = None, explain: bool = False,
                        qos: common_pb2.Qos | None = None,
-                       session: common_pb2.SessionRef | None = None) -> list[processor_pb2.GenerateRequest]:
+                       session: common_pb2.SessionRef | None = None,
+                       images: Mapping[PartKey, bytes] | None = None) -> list[processor_pb2.GenerateRequest]:
     """One GenerateRequest per prompt (chat: one); each numbers its choices after the previous ones.
     `target` is what `req.model` names (MeshView.resolve): the processors get its base model and
     its LoRA adapter (None: `req.model` is a base model). `explain` asks each processor for the
     router's reasons (the x-kvmesh-route header); `qos` is what admission weighs (frontend/qos.py);
-    `session` the agent session it belongs to (frontend/sessions.py)."""
+    `session` the agent session it belongs to (frontend/sessions.py); `images` the bytes of the
+    chat's image parts by (message, part) index (images.py)."""
     sampling = _sampling(req)
     target = target or ModelTarget(req.model)
     if isinstance(req, ChatCompletionRequest):
         msg = _request(rid, req, target, sampling, 0, explain, qos, session)
-        _chat_input(req, msg.chat)
+        _chat_input(req, msg.chat, images or {})
         return [msg]
     assert isinstance(req, CompletionRequest)
     out = []
@@ -61,10 +70,10 @@ def processor_requests(rid: str, req: GenerationRequest, target: ModelTarget | N
     return out
 
 
-def _chat_input(req: ChatCompletionRequest, chat: processor_pb2.ChatInput) -> None:
+def _chat_input(req: ChatCompletionRequest, chat: processor_pb2.ChatInput, images: Mapping[PartKey, bytes]) -> None:
     chat.add_generation_prompt = req.add_generation_prompt
     chat.continue_final_message = req.continue_final_message
-    chat.messages.extend(_message(m) for m in req.messages)
+    chat.messages.extend(_message(m, i, images) for i, m in enumerate(req.messages))
     kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)
@@ -98,10 +107,17 @@ def _tool(tool: Tool) -> processor_pb2.Tool:
     return out
 
 
-def _message(m: ChatMessageIn) -> processor_pb2.ChatMessage:
-    out = processor_pb2.ChatMessage(role=m.role, content=m.text(), name=m.name or "", no_content=m.content is None,
+def _message(m: ChatMessageIn, index: int, images: Mapping[PartKey, bytes]) -> processor_pb2.ChatMessage:
+    out = processor_pb2.ChatMessage(name=m.name or "", no_content=m.content is None, role=m.role,
                                     tool_call_id=m.tool_call_id or "",
                                     reasoning=m.reasoning_content or m.reasoning or "")
+    if m.images():
+        # Part by part, so the template sets each image where the client put it.
+        assert isinstance(m.content, list)
+        out.parts.extend(processor_pb2.ContentPart(image=images[(index, j)]) if isinstance(part, ImagePart)
+                         else processor_pb2.ContentPart(text=part.text) for j, part in enumerate(m.content))
+    else:
+        out.content = m.text()
     out.tool_calls.extend(processor_pb2.ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
                           for c in m.tool_calls or ())
     return out

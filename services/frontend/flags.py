@@ -7,6 +7,7 @@ import os
 
 from services.frontend.app import FrontendConfig
 from services.frontend.auth import load_api_keys
+from services.frontend.images import ImageLimits
 from services.mesh.config_error import validated
 from services.mesh.flags import port_number, positive_int
 
@@ -46,6 +47,13 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     g.add_argument("--max-body-bytes", type=positive_int, default=FrontendConfig.max_body_bytes)
     g.add_argument("--max-inflight", type=positive_int, default=FrontendConfig.max_inflight,
                    help="concurrent requests before 429")
+    g.add_argument("--max-images", type=int, default=ImageLimits.max_images,
+                   help="images taken in one request (0: none)")
+    g.add_argument("--max-image-bytes", type=positive_int, default=ImageLimits.max_image_bytes,
+                   help="bytes of one image, once decoded")
+    g.add_argument("--image-url-allow", action="append", default=[], metavar="PREFIX",
+                   help="fetch http(s) image URLs that start with this prefix, e.g. https://images.example.com/ "
+                        "(repeatable; without it only data: URLs are taken)")
     return g
 
 
@@ -57,4 +65,6 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
                                             hide_routing_details=args.hide_routing_details,
                                             metrics_port=args.metrics_port, allow_explain=args.allow_explain,
                                             allow_runtime_lora=args.allow_runtime_lora,
-                                            session_from_user=args.session_from_user))
+                                            session_from_user=args.session_from_user,
+                                            images=ImageLimits(args.max_images, args.max_image_bytes,
+                                                               tuple(args.image_url_allow))))

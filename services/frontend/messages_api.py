@@ -48,6 +48,7 @@ from services.frontend.endpoints import Kind
 from services.frontend.messages_schemas import (
     CountTokensRequest,
     CustomTool,
+    ImageBlock,
     MessageIn,
     MessagesRequest,
     TextBlock,
@@ -185,13 +186,23 @@ def _user(message: MessageIn, tools: dict[str, CustomTool]) -> list[dict]:
             text = _result_text(block, tools)
             out.append({"role": "tool", "tool_call_id": block.tool_use_id,
                         "content": TOOL_ERROR_PREFIX + text if block.is_error else text})
+            # A tool message holds text only (as OpenAI's): a result's images follow it, in the
+            # user turn that comes next.
+            if isinstance(block.content, list):
+                parts.extend(_image_part(p) for p in block.content if isinstance(p, ImageBlock))
         elif isinstance(block, TextBlock):
             parts.append({"type": "text", "text": block.text})
+        elif isinstance(block, ImageBlock):
+            parts.append(_image_part(block))
         # thinking blocks belong to assistant turns; a client that puts one in a user turn gets it
         # dropped, as Anthropic's API does (a tool_use block there is refused: messages_schemas).
     if parts or not out:
         out.append({"role": "user", "content": parts})
     return out
+
+
+def _image_part(block: ImageBlock) -> dict:
+    return {"type": "image_url", "image_url": {"url": block.url()}}
 
 
 def _result_text(block: ToolResultBlock, tools: dict[str, CustomTool]) -> str:
@@ -204,6 +215,8 @@ def _result_text(block: ToolResultBlock, tools: dict[str, CustomTool]) -> str:
     for part in block.content:
         if isinstance(part, TextBlock):
             pieces.append(part.text)
+        elif isinstance(part, ImageBlock):
+            continue  # follows the tool message (_user)
         elif (tool := tools.get(part.tool_name)) is None:
             pieces.append(f"{TOOL_UNKNOWN}{part.tool_name}")
         elif tool.defer_loading:

@@ -5,7 +5,7 @@ bounds of the protobuf fields they travel in, valid Unicode) and every nested ob
 it does not know (inside a content block or a tool an unknown key changes what the model is asked);
 unknown top-level fields pass and are ignored. What the mesh cannot honour is refused by name
 before validation (`refuse_unsupported`), so the 400 says what is not served rather than which
-key a block of another type lacks: image and document blocks (a text model), server tools (a tool
+key a block of another type lacks: document blocks, server tools (a tool
 with a `type` other than `custom`), `cache_control` other than `{type: ephemeral[, ttl]}` (accepted
 as a no-op: the mesh's prefix cache needs no breakpoints), `container`, `mcp_servers`,
 `inference_geo`, and a `service_tier` other than auto or standard_only. What agent clients send
@@ -28,11 +28,10 @@ from services.frontend.errors import ApiError
 from services.frontend.schemas import INT32_MAX, Integral, TokenCount, UnitFloat
 
 # Content block types the mesh reads; every other Anthropic block type is refused by name.
-BLOCK_TYPES = frozenset({"text", "tool_use", "tool_result", "thinking", "redacted_thinking"})
+BLOCK_TYPES = frozenset({"text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking"})
 # Why a known block type is not served (anything else: "unknown content block type").
 _UNSERVED_BLOCKS = {
-    "image": "this model takes text only",
-    "document": "this model takes text only",
+    "document": "documents are not supported: send their text, or their pages as images",
     "search_result": "search result blocks are not supported",
     "container_upload": "the mesh has no containers",
 }
@@ -83,7 +82,32 @@ class ToolReferenceBlock(_Closed):
     cache_control: CacheControl | None = None
 
 
-ResultPart = Annotated[TextBlock | ToolReferenceBlock, Field(discriminator="type")]
+class Base64Source(_Closed):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class UrlSource(_Closed):
+    type: Literal["url"]
+    url: Annotated[str, Field(min_length=1)]
+
+
+class ImageBlock(_Closed):
+    """An image (a pasted screenshot, or a tool's: Claude Code's Read of an image file): it
+    reaches the chat path as an OpenAI image_url part (frontend/images.py reads it)."""
+
+    type: Literal["image"]
+    source: Annotated[Base64Source | UrlSource, Field(discriminator="type")]
+    cache_control: CacheControl | None = None
+
+    def url(self) -> str:
+        if isinstance(self.source, UrlSource):
+            return self.source.url
+        return f"data:{self.source.media_type};base64,{self.source.data}"
+
+
+ResultPart = Annotated[TextBlock | ToolReferenceBlock | ImageBlock, Field(discriminator="type")]
 
 
 class ToolResultBlock(_Closed):
@@ -115,7 +139,7 @@ class RedactedThinkingBlock(_Closed):
     data: str
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
                   Field(discriminator="type")]
 
 
@@ -316,15 +340,15 @@ def refuse_unsupported(body: dict) -> None:
         for j, block in enumerate(content if isinstance(content, list) else ()):
             where = f"messages.{i}.content.{j}"
             _refuse_block(block, where, ("text",) if role == "system" else BLOCK_TYPES)
-            misplaced = _MISPLACED.get(role) if isinstance(role, str) else None
-            if isinstance(block, dict) and block.get("type") == misplaced:
+            misplaced = _MISPLACED.get(role, ()) if isinstance(role, str) else ()
+            if isinstance(block, dict) and block.get("type") in misplaced:
                 # Dropped, the turn would render as something else than the client sent.
                 article = "an" if role == "assistant" else "a"
-                raise refused(f"{where}.type", f"{misplaced} blocks are not allowed in {article} {role} message",
+                raise refused(f"{where}.type", f"{block['type']} blocks are not allowed in {article} {role} message",
                               "invalid_value")
             inner = block.get("content") if isinstance(block, dict) and block.get("type") == "tool_result" else None
             for k, part in enumerate(inner if isinstance(inner, list) else ()):
-                _refuse_block(part, f"{where}.content.{k}", ("text", "tool_reference"))
+                _refuse_block(part, f"{where}.content.{k}", ("text", "tool_reference", "image"))
     tools = body.get("tools")
     for i, tool in enumerate(tools if isinstance(tools, list) else ()):
         if isinstance(tool, dict):
@@ -336,9 +360,9 @@ def refuse_unsupported(body: dict) -> None:
             _refuse_cache_control(tool.get("cache_control"), f"tools.{i}.cache_control")
 
 
-# The block a turn of each role cannot hold: the model's tool calls come from the assistant, their
-# results from the user.
-_MISPLACED = {"user": "tool_use", "assistant": "tool_result"}
+# The blocks a turn of each role cannot hold: the model's tool calls come from the assistant, their
+# results (and images) from the user.
+_MISPLACED = {"user": ("tool_use",), "assistant": ("tool_result", "image")}
 
 
 def _refuse_block(block: object, where: str, served: frozenset[str] | tuple[str, ...]) -> None:

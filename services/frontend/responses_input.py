@@ -272,18 +272,38 @@ def _output(output: object, i: int) -> object:
 
 
 def _content(content: object, i: int) -> object:
+    """A message's content: text parts and `input_image` parts (as the chat path's image_url
+    parts; frontend/images.py reads them)."""
     if not isinstance(content, list):
         return content
-    return _text_parts(content, f"input.{i}.content", "content")
-
-
-def _text_parts(parts: list, where: str, what: str) -> list[dict]:
-    """Text parts as the chat path's; any other kind is a 400 naming it (`where.N`)."""
     out = []
-    for j, part in enumerate(parts):
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            out.append(_image(part, f"input.{i}.content.{j}"))
+        else:
+            out.extend(_text_parts([part], f"input.{i}.content", "content", first=j))
+    return out
+
+
+def _image(part: dict, where: str) -> dict:
+    url = part.get("image_url")
+    if part.get("file_id") is not None:
+        raise ApiError(400, "input_image by file_id is not supported (the mesh keeps no files): send image_url",
+                       param=f"{where}.file_id", code="unsupported_content")
+    if not isinstance(url, str) or not url.startswith(("data:", "http://", "https://")):
+        raise ApiError(400, "an input_image needs image_url: a data: URL (or an http(s) URL the operator allowed)",
+                       param=f"{where}.image_url", code="invalid_value")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _text_parts(parts: list, where: str, what: str, first: int = 0) -> list[dict]:
+    """Text parts as the chat path's; any other kind is a 400 naming it (`where.N`, counted from
+    `first`)."""
+    out = []
+    for j, part in enumerate(parts, first):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text"):
-            raise ApiError(400, f"{what} parts of type {str(kind)[:40]!r} are not supported: this model takes text "
-                                f"only", param=f"{where}.{j}", code="unsupported_content")
+            raise ApiError(400, f"{what} parts of type {str(kind)[:40]!r} are not supported: text parts are "
+                                f"(and input_image in a message)", param=f"{where}.{j}", code="unsupported_content")
         out.append({"type": "text", "text": part.get("text")})
     return out

@@ -29,6 +29,7 @@ from services.frontend.agent_schemas import (
     valid_unicode,
 )
 from services.frontend.errors import ApiError
+from services.frontend.images import ImageRef
 from services.contract.request_limits import INT64_MAX, MAX_LOGPROBS, MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS, UINT32_MAX
 
 INT32_MAX = 2**31 - 1
@@ -67,6 +68,18 @@ class TextPart(_Strict):
     text: Text
 
 
+class ImageUrl(_Strict):
+    # A data: URL, or an http(s) URL under an allowed prefix (images.py).
+    url: Annotated[str, Field(min_length=1)]
+    # OpenAI's resolution hint: the model's own processor decides the resolution here.
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 class CalledFunction(_Strict):
     model_config = ConfigDict(extra="forbid", strict=True)
     name: Text
@@ -82,7 +95,7 @@ class ToolCallIn(_Strict):
 
 class ChatMessageIn(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
+    content: Text | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
     name: Text | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: Text | None = None
@@ -95,7 +108,13 @@ class ChatMessageIn(_Strict):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def images(self) -> list[tuple[int, str]]:
+        """Its image parts: (part index, URL)."""
+        if not isinstance(self.content, list):
+            return []
+        return [(j, part.image_url.url) for j, part in enumerate(self.content) if isinstance(part, ImagePart)]
 
 
 class GenerationRequest(_Strict):
@@ -189,8 +208,16 @@ class ChatCompletionRequest(GenerationRequest):
     # For reasoning models whose template takes it (passed to the template like chat_template_kwargs).
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
+    def image_refs(self) -> list[ImageRef]:
+        """Every image part, in prompt order."""
+        return [ImageRef((i, j), url) for i, m in enumerate(self.messages) for j, url in m.images()]
+
     def check_combined(self) -> None:
         super().check_combined()
+        for i, message in enumerate(self.messages):
+            if message.role != "user" and message.images():
+                raise _invalid(f"messages.{i}.content.{message.images()[0][0]}",
+                               "image parts are taken in user messages only")
         if self.top_logprobs and not self.logprobs:
             raise _invalid("top_logprobs", "top_logprobs requires logprobs to be true")
         self._check_tools()
@@ -288,9 +315,9 @@ def refuse_unsupported(body: dict) -> None:
         content = message.get("content") if isinstance(message, dict) else None
         for j, part in enumerate(content if isinstance(content, list) else ()):
             kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind != "text":
-                raise ApiError(400, f"content parts of type {kind[:40]!r} are not supported: this model takes text "
-                                    f"only", param=f"messages.{i}.content.{j}", code="unsupported_content")
+            if isinstance(kind, str) and kind not in ("text", "image_url"):
+                raise ApiError(400, f"content parts of type {kind[:40]!r} are not supported: text and image_url "
+                                    f"parts are", param=f"messages.{i}.content.{j}", code="unsupported_content")
 
 
 def _invalid(param: str | None, message: str) -> ApiError:

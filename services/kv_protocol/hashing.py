@@ -22,6 +22,8 @@ from typing import NewType, cast
 
 import xxhash
 
+from services.kv_protocol.media import MediaSpan
+
 LocalBlockHash = NewType("LocalBlockHash", int)
 SequenceHash = NewType("SequenceHash", int)
 
@@ -51,16 +53,35 @@ def block_bytes(tokens: Sequence[int]) -> bytes:
     return buf.tobytes()
 
 
-def local_block_hashes(tokens: Sequence[int], block_size: int, seed: int = KV_HASH_SEED) -> list[LocalBlockHash]:
+def local_block_hashes(tokens: Sequence[int], block_size: int, seed: int = KV_HASH_SEED,
+                       media: Sequence[MediaSpan] = (), start: int = 0) -> list[LocalBlockHash]:
     """The local hash of every full block of `tokens`; a trailing partial block is not hashed.
-    `seed`: `adapter_seed` of the LoRA adapter the blocks were computed with."""
+    `seed`: `adapter_seed` of the LoRA adapter the blocks were computed with. `media`: the
+    prompt's images (media.py): a block that holds any of an image's placeholder tokens hashes
+    with the image's digest and its offset from the block's start. `start`: the position of
+    `tokens[0]` in the prompt the spans index (a block hashed alone, mid-sequence)."""
     full = len(tokens) - len(tokens) % block_size
     if full == 0:
         return []
     data = block_bytes(tokens[:full])
     step = block_size * 4
     h = _local_digest
-    return [h(data[i : i + step], seed) for i in range(0, len(data), step)]
+    hashes = [h(data[i : i + step], seed) for i in range(0, len(data), step)]
+    for span in media:
+        first = max(span.offset - start, 0) // block_size
+        last = min(span.end - start, full) - 1
+        for b in range(first, last // block_size + 1 if last >= 0 else first):
+            hashes[b] = h(data[b * step : (b + 1) * step] + _media_bytes(media, start + b * block_size, block_size),
+                          seed)
+    return hashes
+
+
+def _media_bytes(media: Sequence[MediaSpan], block_start: int, block_size: int) -> bytes:
+    """What a block folds into its hash for the images it holds: each one's digest and offset
+    from the block's start (negative when the image began in an earlier block), in prompt order."""
+    end = block_start + block_size
+    return b"".join(span.digest.to_bytes(8, "little") + (span.offset - block_start).to_bytes(8, "little", signed=True)
+                    for span in media if span.offset < end and span.end > block_start)
 
 
 def chained_block_hashes(tokens: Sequence[int], block_size: int) -> list[SequenceHash]:

@@ -202,6 +202,9 @@ def forward_flags(args: argparse.Namespace, actions: Iterable[argparse.Action], 
         elif isinstance(value, bool):
             if value:
                 argv.append(flag)
+        elif isinstance(action, argparse._AppendAction):
+            for item in value:  # a repeatable flag: once per value
+                argv += [flag, str(item)]
         else:
             argv += [flag, str(value)]
     return argv

@@ -20,6 +20,7 @@ from typing import Any
 
 from gen.kvmesh.v1 import common_pb2, json_value_pb2, processor_pb2
 from services.contract.json_value import from_json_value
+from services.processor.images import PromptImage, open_image
 from services.processor.prompt_errors import PromptError
 
 Mode = processor_pb2.ToolChoice.Mode
@@ -35,6 +36,8 @@ class ChatPrompt:
     kwargs: dict[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # The images of the messages' `{"type": "image"}` parts, in prompt order.
+    images: tuple[PromptImage, ...] = ()
 
 
 def chat_prompt(chat: processor_pb2.ChatInput) -> ChatPrompt:
@@ -45,12 +48,13 @@ def chat_prompt(chat: processor_pb2.ChatInput) -> ChatPrompt:
     clash = RESERVED_KWARGS.intersection(kwargs)
     if clash:
         raise PromptError(f"chat_template_kwargs may not set {sorted(clash)}", param="chat_template_kwargs")
-    return ChatPrompt([_message(m) for m in chat.messages], tools, kwargs,
-                      chat.add_generation_prompt, chat.continue_final_message)
+    images: list[PromptImage] = []
+    messages = [_message(m, i, images) for i, m in enumerate(chat.messages)]
+    return ChatPrompt(messages, tools, kwargs, chat.add_generation_prompt, chat.continue_final_message, tuple(images))
 
 
-def _message(m: processor_pb2.ChatMessage) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": m.role, "content": None if m.no_content else m.content}
+def _message(m: processor_pb2.ChatMessage, index: int, images: list[PromptImage]) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": _content(m, index, images)}
     if m.name:
         out["name"] = m.name
     if m.tool_call_id:
@@ -59,6 +63,22 @@ def _message(m: processor_pb2.ChatMessage) -> dict[str, Any]:
         out["reasoning_content"] = m.reasoning
     if m.tool_calls:
         out["tool_calls"] = [_tool_call(c) for c in m.tool_calls]
+    return out
+
+
+def _content(m: processor_pb2.ChatMessage, index: int, images: list[PromptImage]) -> str | list[dict] | None:
+    """A message's content; one with images as Hugging Face templates take it: a list of
+    `{"type": "text", "text": ...}` and `{"type": "image"}` parts (the image itself is in
+    `images`, in order)."""
+    if not m.parts:
+        return None if m.no_content else m.content
+    out: list[dict] = []
+    for j, part in enumerate(m.parts):
+        if part.WhichOneof("part") == "image":
+            images.append(open_image(part.image, f"messages.{index}.content.{j}"))
+            out.append({"type": "image"})
+        else:
+            out.append({"type": "text", "text": part.text})
     return out
 
 

@@ -115,6 +115,8 @@ class ChoiceSpec:
     # The agent session it belongs to (None: none); each worker it runs on is told how long to
     # keep the session's blocks, as the routing that chose that worker said.
     session: common_pb2.SessionRef | None = None
+    # The prompt's images (prompt.py): every worker it runs on gets them.
+    media: Sequence[common_pb2.MediaItem] = ()
 
 
 @dataclass(frozen=True)
@@ -245,7 +247,8 @@ class ChoiceStream:
                                             retain_ms=route.session_retain_ms)
         return worker_pb2.WorkerGenerateRequest(request_id=rid, token_ids=spec.prompt + self.generated,
                                                 sampling=sampling, prefix_hit_rate=route.prefix_hit_rate,
-                                                resumed_tokens=done, lora_name=spec.lora_name, session=session)
+                                                resumed_tokens=done, lora_name=spec.lora_name, session=session,
+                                                media=spec.media)
 
     async def _from_worker(self, route: RouteChoice, detok: Detokenizer,
                            stopper: StopStrings) -> AsyncIterator[ChoiceEvent]:

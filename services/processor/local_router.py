@@ -22,7 +22,7 @@ from services.mesh.tracing import TRACING_OFF, Tracing
 from services.routing.route_query import NoWorker, Route, RouteQuery, UnknownPool
 from services.routing.router import Router
 from services.routing.router_client import Admit, Held, NoWorkerError, RouteChoice, RoutingUnavailable, routing_error
-from services.routing.wire import qos_of, role_of, session_of
+from services.routing.wire import media_of, qos_of, role_of, session_of
 
 
 class LocalRouter:
@@ -34,12 +34,13 @@ class LocalRouter:
 
     async def route(self, request_id: str, model: str, token_ids: Sequence[int], role: common_pb2.WorkerRole,
                     exclude: Sequence[str] = (), explain: bool = False, lora_name: str = "",
-                    session: common_pb2.SessionRef | None = None) -> RouteChoice:
+                    session: common_pb2.SessionRef | None = None,
+                    media: Sequence[common_pb2.MediaSpan] = ()) -> RouteChoice:
         name = role_of(role)
         if name is None:
             raise _unknown_role(role)
         query = RouteQuery(request_id, model, token_ids, name, frozenset(exclude), explain, lora_name=lora_name,
-                           session=session_of(session))
+                           session=session_of(session), media=media_of(media))
         try:
             with self._tracing.span("route") as span:
                 return _choice(self._router.decide(query, span), request_id)
@@ -50,11 +51,12 @@ class LocalRouter:
 
     async def admit(self, request_id: str, model: str, token_ids: Sequence[int], admit: Admit,
                     explain: bool = False, exclude: Sequence[str] = (), lora_name: str = "",
-                    session: common_pb2.SessionRef | None = None) -> tuple[RouteChoice, Held]:
+                    session: common_pb2.SessionRef | None = None,
+                    media: Sequence[common_pb2.MediaSpan] = ()) -> tuple[RouteChoice, Held]:
         query = RouteQuery(request_id, model, token_ids, exclude=frozenset(exclude), explain=explain,
                            qos=qos_of(admit.qos), streams=admit.streams, max_tokens=admit.max_tokens,
                            queue_timeout_s=admit.queue_timeout_s, lora_name=lora_name,
-                           session=session_of(session))
+                           session=session_of(session), media=media_of(media))
         try:
             with self._tracing.span("route") as span:
                 route, ticket = await self._router.admit(query, span)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import assert_never
@@ -52,6 +52,7 @@ from services.processor.choice_stream import (
 from services.processor.chat_render import chat_prompt, forced_tool_output
 from services.processor.context_limit import ContextLimit
 from services.processor.output_parsers import OutputParsers
+from services.processor.prompt import Prompt
 from services.processor.prompt_errors import ContextLengthError, PromptError
 from services.processor.tokenizer import LARGE_TEXT_CHARS, ModelTokenizer
 from services.processor.validation import check_request, context_error
@@ -146,7 +147,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         self.inflight += 1  # a large prompt's tokenizing (in a thread) is work in flight too
         try:
             check_request(request, self._context.tokens)
-            tokens = await self._tokenize(request)
+            tokens, _ = await self._tokenize(request)
         except PromptError as exc:
             await abort_with(context, _refused(exc))
         finally:
@@ -187,14 +188,14 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         try:
             try:
                 with self._tracing.span("tokenize") as tokenizing:
-                    tokens = await self._tokenize(request)
+                    tokens, media = await self._tokenize(request)
                     if tokenizing.is_recording():
                         tokenizing.set_attributes({"kvmesh.prompt_tokens": len(tokens),
                                                    "kvmesh.prompt_kind": request.WhichOneof("input") or ""})
                 sampling = self._checked_sampling(request, len(tokens))
             except PromptError as exc:
                 raise _refused(exc) from None
-            async for msg in self._generate(rid, request, tokens, sampling, span, call):
+            async for msg in self._generate(rid, request, Prompt(tokens, media), sampling, span, call):
                 yield msg
         except ChoiceFailure as exc:
             log.warning("request %s failed (%s): %s", rid, exc.outcome_name, exc.message)
@@ -204,17 +205,18 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
 
     # -- input -------------------------------------------------------------------------------
 
-    async def _tokenize(self, request: processor_pb2.GenerateRequest) -> list[int]:
-        """The prompt's tokens; a large one is tokenized in a worker thread so the event loop
-        keeps serving every other stream meanwhile."""
+    async def _tokenize(self, request: processor_pb2.GenerateRequest) -> tuple[list[int], list[common_pb2.MediaItem]]:
+        """The prompt's tokens and images; a large one (or one with images, which are opened) is
+        tokenized in a worker thread so the event loop keeps serving every other stream meanwhile."""
         if _is_large(request):
             return await asyncio.to_thread(self._tokenize_now, request)
         return self._tokenize_now(request)
 
-    def _tokenize_now(self, request: processor_pb2.GenerateRequest) -> list[int]:
+    def _tokenize_now(self, request: processor_pb2.GenerateRequest) -> tuple[list[int], list[common_pb2.MediaItem]]:
         kind = request.WhichOneof("input")
+        media: list[common_pb2.MediaItem] = []
         if kind == "chat":
-            tokens = self._tok.encode_chat(chat_prompt(request.chat))
+            tokens, media = self._tok.encode_chat_media(chat_prompt(request.chat))
         elif kind == "text":
             tokens = self._tok.encode_text(request.text)
         elif kind == "tokens":
@@ -224,7 +226,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
             raise PromptError("the request has no prompt")
         if not tokens:
             raise PromptError("the prompt is empty")
-        return tokens
+        return tokens, media
 
     def _checked_sampling(self, request: processor_pb2.GenerateRequest, prompt_len: int) -> common_pb2.SamplingParams:
         """The sampling to run with, or refused when it does not fit. A request that sets no
@@ -260,14 +262,15 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
     # -- routing and generation --------------------------------------------------------------
 
     async def _route(self, rid: str, tokens: list[int], tried: list[str], explain: bool = False,
-                     lora_name: str = "", session: common_pb2.SessionRef | None = None) -> RouteChoice:
+                     lora_name: str = "", session: common_pb2.SessionRef | None = None,
+                     media: Sequence[common_pb2.MediaSpan] = ()) -> RouteChoice:
         """A decode worker for the tokens (one that knows `lora_name`, when the request names an
         adapter), avoiding the ones tried and the ones seen failing."""
         exclude = self._failed.excluding(tried)
         try:
             return await self._routers.route(rid, self._config.served_model_name, tokens,
                                              common_pb2.WORKER_ROLE_DECODE, exclude, explain=explain,
-                                             lora_name=lora_name, session=session)
+                                             lora_name=lora_name, session=session, media=media)
         except RoutingError as exc:
             raise _routing_failure(exc) from exc
 
@@ -275,13 +278,14 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         self._metrics.worker_failures.inc()
         self._failed.add(worker_id)
 
-    async def _generate(self, rid: str, request: processor_pb2.GenerateRequest, tokens: list[int],
+    async def _generate(self, rid: str, request: processor_pb2.GenerateRequest, prompt: Prompt,
                         sampling: common_pb2.SamplingParams, span: Span,
                         call: CallInfo) -> AsyncIterator[processor_pb2.GenerateResponse]:
+        tokens = prompt.tokens
         # Every routing of the request (retries and migrations too) explains itself when asked, so
         # the explanation announced is always that of the worker announced.
         route_fn = partial(self._route, explain=request.explain, lora_name=request.lora_name,
-                           session=_session(request))
+                           session=_session(request), media=prompt.spans())
         n = max(request.n, 1)
         # A takeover from a failed processor runs only the choices the client has not finished.
         resumed = {r.index: list(r.token_ids) for r in request.resume}
@@ -291,34 +295,35 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
             # Taken over mid-stream: admitted long ago, and a refusal now would break the stream.
             route = await route_fn(rid, tokens, [])
         else:
-            route, held = await self._admit(rid, tokens, request, len(running), sampling.max_tokens)
+            route, held = await self._admit(rid, prompt, request, len(running), sampling.max_tokens)
         try:
-            async for msg in self._choices(rid, request, tokens, sampling, span, call, route, route_fn, running,
+            async for msg in self._choices(rid, request, prompt, sampling, span, call, route, route_fn, running,
                                            resumed):
                 yield msg
         finally:
             if held is not None:
                 held.release()
 
-    async def _admit(self, rid: str, tokens: list[int], request: processor_pb2.GenerateRequest, streams: int,
+    async def _admit(self, rid: str, prompt: Prompt, request: processor_pb2.GenerateRequest, streams: int,
                      max_tokens: int) -> tuple[RouteChoice, Held]:
         """A new request's worker through the router's admission (its queue and objectives)."""
         admit = Admit(request.qos, streams, max_tokens, min(self._config.request_timeout_s, MAX_QUEUE_TIMEOUT_S))
         exclude = self._failed.current()
         try:
-            return await self._routers.admit(rid, self._config.served_model_name, tokens, admit, request.explain,
-                                             exclude, lora_name=request.lora_name,
-                                             session=_session(request))
+            return await self._routers.admit(rid, self._config.served_model_name, prompt.tokens, admit,
+                                             request.explain, exclude, lora_name=request.lora_name,
+                                             session=_session(request), media=prompt.spans())
         except Overloaded as exc:
             raise exc.error from None  # the refusal as the router gave it: status, reason, Retry-After
         except RoutingError as exc:
             raise _routing_failure(exc) from exc
 
-    async def _choices(self, rid: str, request: processor_pb2.GenerateRequest, tokens: list[int],
+    async def _choices(self, rid: str, request: processor_pb2.GenerateRequest, prompt: Prompt,
                        sampling: common_pb2.SamplingParams, span: Span, call: CallInfo, route: RouteChoice,
                        route_fn: RouteFn, running: list[int],
                        resumed: dict[int, list[int]]) -> AsyncIterator[processor_pb2.GenerateResponse]:
         n = max(request.n, 1)
+        tokens = prompt.tokens
         # One choice's deltas reach the call's outbox in order by themselves (nothing between
         # them and `call.reply` but this generator chain), so its rows may take the short cut.
         ctx = ChoiceContext(self._tok, self._sessions, self._limits, route_fn, self._worker_failed,
@@ -327,7 +332,8 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         stops = tuple(request.stop)
         choices = [
             ChoiceStream(spec=ChoiceSpec(f"{rid}-{i}" if n > 1 else rid, request.choice_offset + i, tokens,
-                                         _choice_sampling(sampling, i), stops, request.lora_name, _session(request)),
+                                         _choice_sampling(sampling, i), stops, request.lora_name, _session(request),
+                                         prompt.media),
                          ctx=ctx).run(route, resumed.get(request.choice_offset + i, []))
             for i in running
         ]
@@ -388,7 +394,9 @@ def _is_large(request: processor_pb2.GenerateRequest) -> bool:
         return len(request.text) > LARGE_TEXT_CHARS
     if kind == "chat":
         messages = request.chat.messages
-        return len(messages) > LARGE_CHAT_MESSAGES or sum(len(m.content) for m in messages) > LARGE_TEXT_CHARS
+        # A message with parts may hold images: opened and checked off the event loop.
+        return (len(messages) > LARGE_CHAT_MESSAGES or any(m.parts for m in messages)
+                or sum(len(m.content) for m in messages) > LARGE_TEXT_CHARS)
     return False
 
 

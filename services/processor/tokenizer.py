@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.engines.model_facts import read_model_facts
+from gen.kvmesh.v1 import common_pb2
+from services.processor.images import ImagePlaceholders
 from services.processor.byte_table import build_byte_table
 from services.processor.detokenizer import ByteTableDetokenizer, Detokenizer, StreamDetokenizer
 from services.processor.prompt_errors import PromptError
@@ -28,16 +29,18 @@ class ModelTokenizer:
         self.hf: Any = self._hf
         # The Rust tokenizer: prompts are encoded with it, and the detokenizer lanes read its vocabulary and decoder.
         self._fast: Any = getattr(self._hf, "_tokenizer", None) or self._hf.backend_tokenizer
-        config = json.loads((Path(model_dir) / "config.json").read_text())
+        facts = read_model_facts(model_dir)
+        self.facts = facts
         # The model's own context length: what the processor enforces only while no decode worker
         # publishes the one it serves (context_limit.py).
-        self.config_context = int(config.get("max_position_embeddings", 4096))
-        self.vocab_size = max(int(config.get("vocab_size", 0)), len(self._hf))
-        eos = config.get("eos_token_id")
-        ids = eos if isinstance(eos, list) else [eos]
+        self.config_context = facts.context_length
+        self.vocab_size = max(facts.vocab_size, len(self._hf))
+        ids = set(facts.eos_token_ids)
         if self._hf.eos_token_id is not None:
-            ids.append(self._hf.eos_token_id)
-        self.eos_token_ids = tuple(sorted({i for i in ids if i is not None}))
+            ids.add(self._hf.eos_token_id)
+        self.eos_token_ids = tuple(sorted(ids))
+        # A vision-language model's image placeholders (None: the model takes text only).
+        self.images = ImagePlaceholders(model_dir, facts.vision) if facts.vision is not None else None
         # Byte-level BPE streams with a table look-up per token; any other tokenizer through
         # DecodeStream (detokenizer.py).
         self._byte_table = build_byte_table(self._fast, self.vocab_size)
@@ -53,6 +56,22 @@ class ModelTokenizer:
         return StreamDetokenizer(self._fast, prompt)
 
     def encode_chat(self, prompt: ChatPrompt) -> list[int]:
+        """The prompt's ids (a prompt with images: `encode_chat_media`)."""
+        ids, media = self.encode_chat_media(prompt)
+        return ids
+
+    def encode_chat_media(self, prompt: ChatPrompt) -> tuple[list[int], list[common_pb2.MediaItem]]:
+        """The prompt's ids, each image's placeholders widened (images.py), and its images."""
+        if prompt.images and self.images is None:
+            raise PromptError("this model takes text only: images are served by vision-language models",
+                              param="messages")
+        ids = self._render(prompt)
+        if not prompt.images:
+            return ids, []
+        assert self.images is not None
+        return self.images.expand(ids, prompt.images)
+
+    def _render(self, prompt: ChatPrompt) -> list[int]:
         try:
             text = self._hf.apply_chat_template(prompt.messages, tools=prompt.tools, tokenize=False,  # type: ignore[arg-type]
                                                 add_generation_prompt=prompt.add_generation_prompt,

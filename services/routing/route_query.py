@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.contract.worker_roles import RoleName
+from services.kv_protocol.media import MediaSpan
 from services.routing.explanation import Explanation
 from services.routing.session_bindings import SessionKey
 
@@ -56,6 +57,8 @@ class RouteQuery:
     lora_name: str = ""
     # The agent session it belongs to (session_bindings.py); None: none.
     session: SessionKey | None = None
+    # Where its images stand in token_ids: their blocks hash with them (kv_protocol/media.py).
+    media: tuple[MediaSpan, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -219,7 +219,7 @@ class Router:
         block_size = pool.block_size(query.model) or candidates[0].info.block_size
         tokens, lora = query.token_ids, query.lora_name
         # An adapter's blocks hash with its own seed: they match its own cached blocks only.
-        local_hashes = local_block_hashes(tokens, block_size, adapter_seed(lora))
+        local_hashes = local_block_hashes(tokens, block_size, adapter_seed(lora), query.media)
         overlaps, host_overlaps = pool.matches_by_tier(local_hashes)
         credits = host_credits(candidates, overlaps, host_overlaps, block_size, self._host_weight)
         adapters = {w.info.instance_id: w.adapter(lora) for w in candidates} if lora else {}

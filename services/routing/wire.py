@@ -3,7 +3,10 @@ the only place they are converted, by the servicer and by a processor routing in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from gen.kvmesh.v1 import common_pb2, router_pb2
+from services.kv_protocol.media import MediaSpan
 from services.contract.worker_roles import RoleName, role_name
 from services.routing.route_query import Matches, Qos, Route, RouteQuery
 from services.routing.session_bindings import SessionKey
@@ -25,7 +28,12 @@ def query_of(request: router_pb2.RouteRequest, role: RoleName) -> RouteQuery:
                       frozenset(request.exclude_worker_ids), request.explain, qos_of(request.qos),
                       request.streams, request.max_tokens,
                       request.queue_timeout_ms / 1000 if request.queue_timeout_ms else None, request.lora_name,
-                      session_of(request.session))
+                      session_of(request.session), media_of(request.media))
+
+
+def media_of(media: Sequence[common_pb2.MediaSpan]) -> tuple[MediaSpan, ...]:
+    """Where a prompt's images stand, as the block hashing reads it."""
+    return tuple(MediaSpan(span.digest, span.offset, span.length) for span in media)
 
 
 def session_of(session: common_pb2.SessionRef | None) -> SessionKey | None:

@@ -32,7 +32,7 @@ from services.mesh.tracing import TRACING_OFF, Tracing
 from services.worker.kv_pull import kv_pull_to_proto
 from services.worker.lora_adapters import adapter_refused, check_adapter
 from services.worker.role_switch import Admit, always
-from services.worker.servicer import refused, sampling_from_proto
+from services.worker.servicer import media_from_proto, refused, sampling_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
     async def _prefill(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
         check_adapter(self.engine, request.lora_name)
         engine_request = EngineRequest(request.request_id, list(request.token_ids), sampling_from_proto(request.sampling),
-                                       lora_name=request.lora_name)
+                                       lora_name=request.lora_name,
+                                       media=media_from_proto(request.media, len(request.token_ids)))
         try:
             result = await self.engine.prefill(engine_request)
         except NotImplementedError as exc:

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from typing import cast
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 
 import grpc
@@ -52,12 +52,14 @@ from services.engines.base import (
     SessionRetention,
     FinishReason,
     LoadSnapshot,
+    MediaInput,
     RowTap,
     Sampling,
     Structured,
 )
 from services.engines.lora import AdapterError, AdapterState
 from services.kv_protocol.events import KvCleared, KvRemoved, KvStored
+from services.kv_protocol.media import MediaSpan
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,19 @@ METRICS_POLL_S = 0.05
 GENERATE_RPC = "kvmesh.v1.Worker/Generate"
 # What a generation yields: messages, and token rows for the outputs between its first and last.
 GenerateReply = worker_pb2.WorkerGenerateResponse | TokenRow
+
+
+def media_from_proto(items: Sequence[common_pb2.MediaItem], prompt_len: int) -> tuple[MediaInput, ...]:
+    """A request's images as an engine takes them; a span outside the prompt is the caller's bug,
+    refused before the engine indexes the prompt with it."""
+    out: list[MediaInput] = []
+    for i, item in enumerate(items):
+        span = MediaSpan(item.span.digest, item.span.offset, item.span.length)
+        if span.length == 0 or span.end > prompt_len or (out and span.offset < out[-1].span.end):
+            raise bad_request(f"media {i}: its span [{span.offset}, {span.end}) does not lie in the prompt "
+                              f"({prompt_len} tokens) after the previous image's")
+        out.append(MediaInput(span, item.data, item.media_type, item.width, item.height))
+    return tuple(out)
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> Sampling:
@@ -189,7 +204,8 @@ def request_from_proto(request: worker_pb2.WorkerGenerateRequest) -> EngineReque
     if request.session.id and request.session.retain_ms:
         session = SessionRetention(request.session.id, request.session.retain_ms / 1000)
     return EngineRequest(request.request_id, list(request.token_ids), sampling_from_proto(request.sampling),
-                         resumed_tokens=request.resumed_tokens, lora_name=request.lora_name, session=session)
+                         resumed_tokens=request.resumed_tokens, lora_name=request.lora_name, session=session,
+                         media=media_from_proto(request.media, len(request.token_ids)))
 
 
 def generate_attributes(request: worker_pb2.WorkerGenerateRequest, worker_id: str) -> dict[str, str | int]:

@@ -110,7 +110,7 @@ def test_the_responses_api_answers_whole_and_streamed(mocker_client: openai.Open
     assert events[-1].response.output_text == whole.output_text
     for fields, param in (({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
                           ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-                           "input.0.content.0")):
+                           "input.0.content.0.image_url")):
         r = httpx.post(f"{mocker_mesh.base_url}/responses", json={"model": MODEL, "input": "hi", **fields}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 

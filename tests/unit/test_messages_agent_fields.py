@@ -197,10 +197,10 @@ def test_agent_fields_parse() -> None:
         {"type": "text", "text": "x"}, {"type": "tool_reference", "tool_name": "NotebookEdit"}]}]},
      "messages.1.content.1.type: "),
     ({"system": [{"type": "text", "text": "a"}, {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]},
-     "system.1.type: image blocks are not supported"),
+     "system.1.type: image blocks are not allowed here"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": [
         {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}]},
-     "messages.1.content.0.type: image blocks are not supported"),
+     "messages.1.content.0.type: image blocks are not allowed here"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": [
         {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
      "messages.1.content.0.type: tool_use blocks are not allowed here"),

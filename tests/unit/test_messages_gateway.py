@@ -118,7 +118,7 @@ async def test_every_refusal_is_in_anthropics_shape() -> None:
         with pytest.raises(anthropic.BadRequestError) as image:
             await client.messages.create(model=BASE, max_tokens=4, messages=[{"role": "user", "content": [
                 {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}])
-        assert image.value.body["error"]["message"].startswith("messages.0.content.0.type: image blocks")
+        assert image.value.body["error"]["message"].startswith("image URLs are not fetched from this address")
         with pytest.raises(anthropic.ServiceUnavailableError) as none:
             await client.messages.create(model=BASE, max_tokens=4, messages=HI, stream=True)
         assert none.value.body["error"]["type"] == "overloaded_error"

@@ -116,14 +116,14 @@ def test_count_tokens_takes_the_prompt_without_max_tokens() -> None:
 
 HI = [{"role": "user", "content": "hi"}]
 REFUSED = [
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
-                                                {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}]},
-     "messages.0.content.1.type: image blocks are not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "image", "source": {"type": "url", "url": "http://x/y.png"}}]}]},
+     "messages.1.content.0.type: image blocks are not allowed in an assistant message"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
      "messages.0.content.0.type: document blocks"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
-                                                 "content": [{"type": "image", "source": {}}]}]}]},
-     "messages.0.content.0.content.0.type: image blocks"),
+                                                 "content": [{"type": "document", "source": {}}]}]}]},
+     "messages.0.content.0.content.0.type: document blocks"),
     ({"messages": [{"role": "user", "content": [{"type": "hologram"}]}]},
      "messages.0.content.0.type: unknown content block type 'hologram'"),
     ({"messages": [{"role": "assistant", "content": [{"type": "server_tool_use", "id": "s", "name": "web_search"}]}]},

@@ -10,7 +10,7 @@ Prometheus registry each test hands to `DisaggMetrics`. No etcd, no child proces
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -84,9 +84,9 @@ class StandInRouters:
     calls: list[dict] = field(default_factory=list)
 
     async def route(self, request_id: str, model: str, token_ids: list[int], role: int,
-                    exclude: tuple[str, ...] = (), lora_name: str = "") -> RouteChoice:
+                    exclude: tuple[str, ...] = (), lora_name: str = "", media: Sequence = ()) -> RouteChoice:
         self.calls.append(dict(request_id=request_id, model=model, token_ids=list(token_ids), role=role,
-                               exclude=tuple(exclude), lora_name=lora_name))
+                               exclude=tuple(exclude), lora_name=lora_name, media=list(media)))
         if self.raises is not None:
             raise self.raises
         return RouteChoice(PREFILL_ID, self.address, overlap_blocks=2, prefix_hit_rate=0.1,
@@ -169,7 +169,7 @@ async def test_a_long_uncached_prompt_is_prefilled_remotely_and_its_kv_params_re
         assert s.registry.get_sample_value("kvmesh_prefill_queue_size") == 1
         # The router was asked for the prefill pool, and the prefill worker got the prompt as sent.
         assert s.routers.calls == [dict(request_id="r-remote", model=MODEL, token_ids=tokens,
-                                        role=common_pb2.WORKER_ROLE_PREFILL, exclude=(), lora_name="")]
+                                        role=common_pb2.WORKER_ROLE_PREFILL, exclude=(), lora_name="", media=[])]
         (sent,) = s.worker.prefills
         assert (sent.request_id, list(sent.token_ids), sent.sampling) == ("r-remote", tokens, SAMPLING)
         assert sent.lora_name == ""

@@ -271,3 +271,27 @@ class Qos(_message.Message):
     ttft_objective_ms: int
     outside_queue_ms: int
     def __init__(self, priority: _Optional[int] = ..., tenant: _Optional[str] = ..., ttft_objective_ms: _Optional[int] = ..., outside_queue_ms: _Optional[int] = ...) -> None: ...
+
+class MediaSpan(_message.Message):
+    __slots__ = ("digest", "offset", "length")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    digest: int
+    offset: int
+    length: int
+    def __init__(self, digest: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class MediaItem(_message.Message):
+    __slots__ = ("span", "data", "media_type", "width", "height")
+    SPAN_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    span: MediaSpan
+    data: bytes
+    media_type: str
+    width: int
+    height: int
+    def __init__(self, span: _Optional[_Union[MediaSpan, _Mapping]] = ..., data: _Optional[bytes] = ..., media_type: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...

@@ -46,6 +46,7 @@ from services.engines.lora import AdapterError, AdapterErrorKind, AdapterSet
 from services.engines.mocker.adapter_loads import SimulatedAdapterLoader
 from services.engines.mocker.block_manager import BlockManager
 from services.engines.mocker.config import MockerConfig
+from services.engines.mocker.encoder import ImageEncoder
 from services.engines.model_facts import read_model_facts
 from services.engines.output_channel import OutputChannel
 from services.engines.mocker.output_tokens import OutputTokens
@@ -62,11 +63,12 @@ class MockerEngine(Engine):
     def __init__(self, config: MockerConfig, kv_endpoint: NixlKvEndpoint | None = None) -> None:
         """`kv_endpoint`: the NIXL agent that moves prompt KV to and from peers (disaggregated
         serving); without one the engine serves aggregated only."""
-        vocab, context, eos_ids = read_model_facts(config.model_dir)
+        facts = read_model_facts(config.model_dir)
         self.config = config
         self.info = EngineInfo(config.model_dir, config.served_model_name, config.block_size,
-                               config.max_model_len or context, vocab, eos_ids)
-        self._tokens = OutputTokens.of_vocab(vocab)
+                               config.max_model_len or facts.context_length, facts.vocab_size, facts.eos_token_ids)
+        self._tokens = OutputTokens.of_vocab(facts.vocab_size)
+        self.encoder = ImageEncoder(facts.vision)
         self.blocks = BlockManager(config.num_gpu_blocks, config.block_size, self.emit_kv_event,
                                    config.host_kv_blocks)
         # Half the host tier at most holds sessions' blocks: the rest stays a cache for everyone.
@@ -150,7 +152,7 @@ class MockerEngine(Engine):
             return await super().prefill(request)
         cached = 0
         one = EngineRequest(request.request_id, request.token_ids, replace(request.sampling, max_tokens=1),
-                            lora_name=request.lora_name)
+                            lora_name=request.lora_name, media=request.media)
         async for out in self.generate(one):
             cached = out.cached_tokens
         params = await self.kv_endpoint.hold(request.request_id, request.token_ids, request.lora_name)
@@ -209,11 +211,12 @@ class MockerEngine(Engine):
     def _hash_prompt(self, seq: Seq) -> None:
         bs = self.config.block_size
         if not seq.chain and len(seq.tokens) >= bs:
-            seq.locals_ = local_block_hashes(seq.tokens, bs, seq.hash_seed)
+            seq.locals_ = local_block_hashes(seq.tokens, bs, seq.hash_seed, seq.request.spans())
             seq.chain = chain_from(seq.locals_)
 
     def _check(self, request: EngineRequest) -> None:
         """Refuses a request this engine cannot serve as asked, before it takes anything."""
+        self.encoder.check(request.media)
         shaping = request.sampling.shaping_fields()
         if shaping:
             # Its tokens are a hash of prompt and position, not a draw from a distribution:
@@ -265,10 +268,12 @@ class MockerEngine(Engine):
                     continue
             decode_seqs = len(self._running)
             context = sum(len(seq.tokens) for seq in self._running) if self._charges_context else 0
-            admitted, prompts, loaded_blocks, kv_ready_at = self._admit()
+            admitted, prompts, loaded_blocks, kv_ready_at, patches = self._admit()
             timing = self.config.timing
-            # Adapters load while the step is set up: every sequence in it waits for them.
-            duration = timing.step_seconds(prompts, decode_seqs, context) + self._adapter_loads.start_step()
+            # Adapters load while the step is set up: every sequence in it waits for them; so do
+            # the images its prompts encode.
+            duration = (timing.step_seconds(prompts, decode_seqs, context) + self._adapter_loads.start_step()
+                        + timing.encode_seconds(patches))
             if loaded_blocks:
                 kv_bytes = loaded_blocks * self.config.block_size * self.config.kv_bytes_per_token
                 duration += timing.load_seconds(kv_bytes, self.config.host_kv_gbps)
@@ -287,15 +292,16 @@ class MockerEngine(Engine):
             self._adapter_loads.end_step()
             self._emit_tokens(admitted)
 
-    def _admit(self) -> tuple[list[Seq], list[int], int, float]:
+    def _admit(self) -> tuple[list[Seq], list[int], int, float, list[int]]:
         """Admits waiting sequences; returns them, the uncached tokens of each prompt the step
-        computes, the blocks it loads back from the host tier, and when the last of their
-        prefetches is done (0.0: none pending)."""
+        computes, the blocks it loads back from the host tier, when the last of their prefetches
+        is done (0.0: none pending), and the patches of each image it encodes."""
         admitted: list[Seq] = []
         budget = self.config.max_num_batched_tokens
         used = loaded = 0
         ready_at = 0.0
         prompts: list[int] = []
+        patches: list[int] = []
         while self._waiting and len(self._running) + len(admitted) < self.config.max_num_seqs:
             seq = self._waiting[0]
             bs = self.config.block_size
@@ -326,13 +332,14 @@ class MockerEngine(Engine):
                 self._prompt_tokens_seen += seq.prompt_len
                 self._prompt_tokens_hit += seq.cached_tokens
             if not seq.remote_kv:
+                patches += self.encoder.to_encode(seq.request.media, reused * bs)
                 computed = len(seq.tokens) - reused * bs
                 if computed > 0:
                     prompts.append(computed)
                 used += computed
                 loaded += host_blocks
             admitted.append(seq)
-        return admitted, prompts, loaded, ready_at
+        return admitted, prompts, loaded, ready_at, patches
 
     def _emit_tokens(self, admitted: list[Seq]) -> None:
         running = self._running
@@ -364,7 +371,7 @@ class MockerEngine(Engine):
         n = len(seq.tokens)
         if n % bs == 0 and n // bs > len(seq.chain):
             parent = seq.chain[-1] if seq.chain else None
-            local = local_block_hashes(seq.tokens[n - bs : n], bs, seq.hash_seed)[0]
+            local = local_block_hashes(seq.tokens[n - bs : n], bs, seq.hash_seed, seq.request.spans(), n - bs)[0]
             seq.chain.append(chain_hash(parent or 0, local))
             seq.locals_.append(local)
             self.blocks.cache_block(seq.blocks[n // bs - 1], parent, seq.chain[-1], local, seq.request.lora_name)

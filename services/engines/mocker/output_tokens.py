@@ -33,12 +33,14 @@ class OutputTokens:
     @staticmethod
     def digest(request: EngineRequest) -> int:
         """What every token of the request's output depends on, besides its position: the
-        original prompt (without output resumed from another worker), the sampling and the LoRA
-        adapter (its `adapter_seed`)."""
+        original prompt (without output resumed from another worker) and its images (their
+        digests), the sampling and the LoRA adapter (its `adapter_seed`)."""
         s = request.sampling
         params = f"{s.seed}|{s.temperature}|{s.top_p}|{s.top_k}"
         if request.lora_name:
             params += f"|lora:{adapter_seed(request.lora_name)}"
+        for item in request.media:
+            params += f"|image:{item.span.digest}@{item.span.offset}"
         prompt = request.token_ids[: len(request.token_ids) - request.resumed_tokens]
         return xxhash.xxh3_64_intdigest(block_bytes(prompt) + params.encode())
 

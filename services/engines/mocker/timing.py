@@ -42,6 +42,12 @@ class TimingModel:
             return 0.0
         return nbytes / (gbps * 1e9) / self.speedup
 
+    def encode_seconds(self, patches: Sequence[int]) -> float:
+        """Encoding images of these patches in one step (their prompts' step waits for them)."""
+        if self.speedup == float("inf") or not patches:
+            return 0.0
+        return sum(self.cost.encode_s(n) for n in patches) / self.speedup
+
     def adapter_load_seconds(self, size_bytes: int) -> float:
         """Loading a LoRA adapter of `size_bytes` (the profile's adapter-load terms), during which
         the engine's step stalls."""

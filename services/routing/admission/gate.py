@@ -324,7 +324,8 @@ class Admission:
         block_size = self._pool.block_size(query.model)
         if not candidates or not block_size:
             return 0.0
-        overlaps = self._pool.index.find_matches(local_block_hashes(query.token_ids, block_size, adapter_seed(lora)))
+        overlaps = self._pool.index.find_matches(local_block_hashes(query.token_ids, block_size, adapter_seed(lora),
+                                                                    query.media))
         best = max(candidates, key=lambda w: overlaps.get(w.info.instance_id, 0))
         cached = min(len(query.token_ids), overlaps.get(best.info.instance_id, 0) * block_size)
         return prefill_s(best.load, len(query.token_ids) - cached, cached) + (best.adapter(lora).load_s if lora else 0.0)
