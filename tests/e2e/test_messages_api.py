@@ -110,7 +110,7 @@ def test_a_tool_conversation_goes_around_and_count_tokens_counts_each_turn(clien
     ({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"},
         {"type": "image", "source": {"type": "url", "url": "http://example.com/y.png"}}]}]},
-     "messages.0.content.1.type: image blocks are not supported"),
+     "image URLs are not fetched from this address"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type: server tools"),
     ({"system": [{"type": "text", "text": "be brief", "cache_control": {"type": "permanent"}}]},
      "system.0.cache_control: only"),
