@@ -321,6 +321,11 @@ class VllmEngine(Engine):
                         lora: Any = None) -> AsyncIterator[EngineOutput]:
         if self._llm is None:
             raise RuntimeError("vLLM engine is not started")
+        if request.media:
+            # Its prompt holds the images' widened placeholders, which vLLM would widen again
+            # (it takes one image token an image) and run without the pixels: a wrong answer.
+            raise UnsupportedFieldError("messages", "images are not served by the vLLM engine yet: serve the model "
+                                                    "with --engine mocker, or send text only")
         from vllm.exceptions import VLLMClientError
 
         params = self._sampling_params(request, extra_args)
