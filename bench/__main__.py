@@ -10,6 +10,7 @@ from bench.hot_path import detokenize, http_edge, one_worker, request_profile
 from bench.hot_path import run as hot_path
 from bench.indexer import run as indexer
 from bench.lora import run as lora
+from bench.multimodal import run as multimodal
 from bench.nixl import run as nixl
 from bench.overload import run as overload
 from bench.planner import run as planner
@@ -32,6 +33,7 @@ BENCHMARKS = {
     "tiers": tiers.run,
     "overload": overload.run,
     "lora": lora.run,
+    "multimodal": multimodal.run,
     "agents": agents.run_all,
 }
 

@@ -166,6 +166,8 @@ class LoadSnapshot:
     prefill_cost: PrefillCost | None = None
     # Agent sessions' pinned KV (engines that keep it: the mocker).
     sessions: SessionPinLoad | None = None
+    # Its image encoder's work (engines that count it: the mocker).
+    images: ImageLoad | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +179,16 @@ class HostTierLoad:
     load_gbps: float
     kv_bytes_per_token: int
     hit_blocks_total: int
+
+
+@dataclass(frozen=True, slots=True)
+class ImageLoad:
+    """Since start: images encoded, found in the encoder cache (features kept from an earlier
+    request), and needing no encoding at all (their tokens were in cached KV blocks)."""
+
+    encoded_total: int
+    encoder_cache_hits_total: int
+    kv_hits_total: int
 
 
 @dataclass(frozen=True, slots=True)

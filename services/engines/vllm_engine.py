@@ -31,6 +31,7 @@ from services.engines.base import (
 )
 from services.engines.lora import LORA_OFF, LoraConfig
 from services.engines.model_facts import read_model_facts
+from services.engines.vllm_images import IMAGES_PER_PROMPT, vllm_prompt
 from services.engines.vllm_kv_events import VllmKvEventListener
 from services.engines.vllm_lora import held_lora, lora_engine_args, preload, vllm_adapters
 from services.engines.vllm_row_tap import tap_request
@@ -166,6 +167,7 @@ class VllmEngine(Engine):
         self.info = EngineInfo(config.model_dir, config.served_model_name, config.block_size, max_len,
                                facts.vocab_size, facts.eos_token_ids)
         self._llm: Any = None
+        self._vision = facts.vision
         self._load = _LoadRecorder(self.record_kv_transfer)
         self._num_blocks = 0
         self._events: VllmKvEventListener | None = None
@@ -194,6 +196,8 @@ class VllmEngine(Engine):
         )
         if not on_cpu():
             kwargs["gpu_memory_utilization"] = self.config.gpu_memory_utilization
+        if self._vision is not None:
+            kwargs["limit_mm_per_prompt"] = {"image": IMAGES_PER_PROMPT}
         if self.config.kv_events:
             from vllm.config import KVEventsConfig
 
@@ -321,15 +325,10 @@ class VllmEngine(Engine):
                         lora: Any = None) -> AsyncIterator[EngineOutput]:
         if self._llm is None:
             raise RuntimeError("vLLM engine is not started")
-        if request.media:
-            # Its prompt holds the images' widened placeholders, which vLLM would widen again
-            # (it takes one image token an image) and run without the pixels: a wrong answer.
-            raise UnsupportedFieldError("messages", "images are not served by the vLLM engine yet: serve the model "
-                                                    "with --engine mocker, or send text only")
         from vllm.exceptions import VLLMClientError
 
         params = self._sampling_params(request, extra_args)
-        prompt = {"prompt_token_ids": list(request.token_ids)}
+        prompt = await vllm_prompt(request, self._vision)
         # Closing this generator early (client gone) makes AsyncLLM abort the request.
         async with aclosing(self._llm.generate(prompt, params, request.request_id, lora_request=lora)) as stream:
             try:

@@ -16,7 +16,8 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from services.kv_protocol.hashing import SequenceHash, adapter_seed, local_block_hashes
+from services.kv_protocol.hashing import SequenceHash, adapter_seed, block_hash_with_media, local_block_hashes
+from services.kv_protocol.media import digest_of_uuid
 from services.kv_protocol.events import KvCleared, KvEventData, KvRemoved, KvStored
 from services.kv_protocol.tier import Tier
 
@@ -54,7 +55,14 @@ def convert(event: object) -> KvEventData | None:
             # (`self_describing_kv_events`): nothing to hash, so nothing the router could match.
             return None
         lora_name = event.lora_name or ""
-        locals_ = local_block_hashes(event.token_ids, event.block_size, adapter_seed(lora_name))
+        seed = adapter_seed(lora_name)
+        locals_ = local_block_hashes(event.token_ids, event.block_size, seed)
+        for b, keys in enumerate(getattr(event, "extra_keys", None) or ()):
+            images = _images_of(keys)
+            if images and b < len(locals_):
+                # A block holding images: hashed with them, as the router hashes the prompt.
+                size = event.block_size
+                locals_[b] = block_hash_with_media(event.token_ids[b * size:(b + 1) * size], seed, images)
         hashes = [fold_hash(h) for h in event.block_hashes]
         if len(locals_) != len(hashes):
             log.warning("vLLM stored event with %d hashes for %d full blocks; skipped", len(hashes), len(locals_))
@@ -62,6 +70,20 @@ def convert(event: object) -> KvEventData | None:
         parent = None if event.parent_block_hash is None else fold_hash(event.parent_block_hash)
         return KvStored(parent, tuple(zip(hashes, locals_)), tier, lora_name)
     return KvRemoved(tuple(fold_hash(h) for h in event.block_hashes), tier)
+
+
+def _images_of(keys: object) -> list[tuple[int, int]]:
+    """The images a block's extra keys name, as (digest, offset from the block's start): vLLM
+    keys a block by `(identifier, offset)` pairs for the images it holds, the identifier being
+    the `multi_modal_uuids` entry the engine gave (media_uuid); other keys (a LoRA name, a
+    cache salt) are passed over."""
+    images = []
+    for key in keys if isinstance(keys, list | tuple) else ():
+        if isinstance(key, list | tuple) and len(key) == 2 and isinstance(key[0], str) and isinstance(key[1], int):
+            digest = digest_of_uuid(key[0])
+            if digest is not None:
+                images.append((digest, key[1]))
+    return images
 
 
 class VllmKvEventListener:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError
 from pydantic_core import ErrorDetails
 
 from services.frontend.agent_schemas import (
@@ -80,6 +80,17 @@ class ImagePart(_Strict):
     image_url: ImageUrl
 
 
+def _part_kind(part: object) -> str:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return "image-part" if kind == "image_url" else "text-part"
+
+
+# A content part: text or an image (every other type was refused by name before validation). The
+# tags hold a dash, so an error's `param` leaves them out (`_is_union_tag`).
+ContentPart = Annotated[Annotated[TextPart, Tag("text-part")] | Annotated[ImagePart, Tag("image-part")],
+                        Discriminator(_part_kind)]
+
+
 class CalledFunction(_Strict):
     model_config = ConfigDict(extra="forbid", strict=True)
     name: Text
@@ -95,7 +106,7 @@ class ToolCallIn(_Strict):
 
 class ChatMessageIn(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[Annotated[TextPart | ImagePart, Field(discriminator="type")]] | None = None
+    content: Text | list[ContentPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: Text | None = None

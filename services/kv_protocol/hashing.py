@@ -77,11 +77,23 @@ def local_block_hashes(tokens: Sequence[int], block_size: int, seed: int = KV_HA
 
 
 def _media_bytes(media: Sequence[MediaSpan], block_start: int, block_size: int) -> bytes:
-    """What a block folds into its hash for the images it holds: each one's digest and offset
-    from the block's start (negative when the image began in an earlier block), in prompt order."""
     end = block_start + block_size
-    return b"".join(span.digest.to_bytes(8, "little") + (span.offset - block_start).to_bytes(8, "little", signed=True)
-                    for span in media if span.offset < end and span.end > block_start)
+    return media_key([(span.digest, span.offset - block_start) for span in media
+                      if span.offset < end and span.end > block_start])
+
+
+def media_key(images: Sequence[tuple[int, int]]) -> bytes:
+    """What a block folds into its hash for the images it holds, in prompt order: each one's
+    digest (u64) and offset from the block's start (i64, negative when the image began in an
+    earlier block), little-endian."""
+    return b"".join(digest.to_bytes(8, "little") + offset.to_bytes(8, "little", signed=True)
+                    for digest, offset in images)
+
+
+def block_hash_with_media(tokens: Sequence[int], seed: int, images: Sequence[tuple[int, int]]) -> LocalBlockHash:
+    """The local hash of one block holding images, given as (digest, offset from the block's
+    start): what `local_block_hashes` gives that block (an engine's KV event says as much)."""
+    return _local_digest(block_bytes(tokens) + media_key(images), seed)
 
 
 def chained_block_hashes(tokens: Sequence[int], block_size: int) -> list[SequenceHash]:

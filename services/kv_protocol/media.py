@@ -34,6 +34,23 @@ def media_digest(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
+_UUID_PREFIX = "kvmesh-"
+
+
 def media_uuid(digest: int) -> str:
-    """The digest as the identifier an engine keys its encoder cache by (vLLM's `multi_modal_uuids`)."""
-    return f"kvmesh-{digest:016x}"
+    """The digest as the identifier an engine keys its encoder cache and blocks by (vLLM's
+    `multi_modal_uuids`): its KV events then name the image as the mesh does."""
+    return f"{_UUID_PREFIX}{digest:016x}"
+
+
+def digest_of_uuid(identifier: str) -> int | None:
+    """The digest a `media_uuid` holds (an engine may prefix it, vLLM with a LoRA adapter's
+    name); None for an identifier the mesh did not give."""
+    at = identifier.rfind(_UUID_PREFIX)
+    hex_part = identifier[at + len(_UUID_PREFIX):] if at >= 0 else ""
+    if len(hex_part) != 16:
+        return None
+    try:
+        return int(hex_part, 16)
+    except ValueError:
+        return None

@@ -16,6 +16,10 @@ class RouterConfig:
     seed: int | None = None
     weights: CostWeights = field(default_factory=CostWeights)
     kv_truth: KvTruthConfig = field(default_factory=KvTruthConfig)
+    # Hash a prompt's image blocks with its images (kv_protocol/media.py), as the workers do.
+    # False (--no-media-aware-routing): the tokens alone, so no image block ever matches: what a
+    # router that knows nothing of images scores; the multimodal benchmark's baseline.
+    media_aware: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ROUTER_MODES:

@@ -49,6 +49,9 @@ def add_router_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
                    help=f"cost function: weight of loading a request's LoRA adapter on a worker that does not hold "
                         f"it resident, in both cost models (0 = adapter-blind; only workers that know the adapter "
                         f"are candidates whatever the weight; default {_WEIGHTS.lora:g})")
+    g.add_argument("--media-aware-routing", action=argparse.BooleanOptionalAction, default=RouterConfig.media_aware,
+                   help="hash the blocks that hold a prompt's images with the images, as workers do (--no-...: the "
+                        "tokens alone: no image block matches; a baseline for comparison)")
     g.add_argument("--ttft-objective-ms", type=positive_int, default=None,
                    help="admission: refuse at once (429 with Retry-After) a request whose predicted time to first "
                         "token exceeds this (a request's x-kvmesh-ttft-objective-ms header sets its own; default: "
@@ -100,7 +103,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     truth = validated(lambda: KvTruthConfig(kv_events=KvEventsMode(args.kv_events), prediction_ttl_s=args.prediction_ttl,
                                             prediction_max_blocks=args.prediction_max_blocks,
                                             index_accuracy_floor=args.index_accuracy_floor))
-    return validated(lambda: RouterConfig(mode=args.router_mode, seed=args.seed, weights=weights, kv_truth=truth))
+    return validated(lambda: RouterConfig(mode=args.router_mode, seed=args.seed, weights=weights, kv_truth=truth,
+                                          media_aware=args.media_aware_routing))
 
 
 def admission_config(args: argparse.Namespace) -> AdmissionConfig:

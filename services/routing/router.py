@@ -75,6 +75,7 @@ class Router:
         # One generator for every random draw of the router, so a seed fixes all its choices.
         self._picker = make_picker(config.mode, random.Random(config.seed), config.weights)
         self._host_weight = config.weights.host_overlap
+        self._media_aware = config.media_aware
         # Each decision's prediction until its report (the accuracy it makes is the pool's).
         self._predictions = RecentPredictions()
         for pool in pools.values():
@@ -219,7 +220,8 @@ class Router:
         block_size = pool.block_size(query.model) or candidates[0].info.block_size
         tokens, lora = query.token_ids, query.lora_name
         # An adapter's blocks hash with its own seed: they match its own cached blocks only.
-        local_hashes = local_block_hashes(tokens, block_size, adapter_seed(lora), query.media)
+        local_hashes = local_block_hashes(tokens, block_size, adapter_seed(lora),
+                                          query.media if self._media_aware else ())
         overlaps, host_overlaps = pool.matches_by_tier(local_hashes)
         credits = host_credits(candidates, overlaps, host_overlaps, block_size, self._host_weight)
         adapters = {w.info.instance_id: w.adapter(lora) for w in candidates} if lora else {}

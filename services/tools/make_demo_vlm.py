@@ -40,8 +40,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def write_demo_vlm(out: Path) -> Path:
-    """Builds the model into a temp dir and renames it into place (a crash leaves no half model)."""
+def write_demo_vlm(out: Path, image_size: int = IMAGE_SIZE) -> Path:
+    """Builds the model into a temp dir and renames it into place (a crash leaves no half model).
+    `image_size`: the square side images are resized to (the multimodal benchmark takes 448: 256
+    image tokens an image, a real model's order of magnitude)."""
     import torch
     from transformers import (
         GenerationConfig,
@@ -64,7 +66,7 @@ def write_demo_vlm(out: Path) -> Path:
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                        tie_word_embeddings=False)
     vision = Idefics3VisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                                  image_size=IMAGE_SIZE, patch_size=PATCH_SIZE)
+                                  image_size=image_size, patch_size=PATCH_SIZE)
     config = Idefics3Config(vision_config=vision.to_dict(), text_config=text.to_dict(),
                             image_token_id=tokenizer.convert_tokens_to_ids("<image>"), scale_factor=SCALE_FACTOR,
                             tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id)
@@ -75,10 +77,10 @@ def write_demo_vlm(out: Path) -> Path:
         for param in model.parameters():
             if param.dim() >= 2:
                 param.normal_(0, 0.2)
-    images = Idefics3ImageProcessorPil(do_resize=True, size={"longest_edge": IMAGE_SIZE},
-                                       max_image_size={"longest_edge": IMAGE_SIZE}, do_image_splitting=False,
+    images = Idefics3ImageProcessorPil(do_resize=True, size={"longest_edge": image_size},
+                                       max_image_size={"longest_edge": image_size}, do_image_splitting=False,
                                        do_pad=True)
-    per_image = (IMAGE_SIZE // PATCH_SIZE) ** 2 // SCALE_FACTOR ** 2
+    per_image = (image_size // PATCH_SIZE) ** 2 // SCALE_FACTOR ** 2
     processor = Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=per_image,
                                   chat_template=CHAT_TEMPLATE)
     out = out.resolve()

@@ -38,6 +38,10 @@ class WorkerLoadCollector(Collector):
         host_hits = CounterMetricFamily("kvmesh_worker_host_hits", "prompt blocks loaded back from the host-memory "
                                         "KV tier instead of recomputed", labels=labels)
         sessions = _SessionFamilies(labels)
+        images = {name: CounterMetricFamily(f"kvmesh_worker_{name}", text, labels=labels) for name, text in (
+            ("images_encoded", "images the engine's encoder encoded"),
+            ("image_encoder_cache_hits", "images whose features the engine kept from an earlier request"),
+            ("image_kv_hits", "images needing no encoding: their tokens were in cached KV blocks"))}
         for worker_id, role, load in self._sources():
             for name in LOAD_FIELDS:
                 families[name].add_metric([worker_id, role], float(getattr(load, name)))
@@ -47,7 +51,12 @@ class WorkerLoadCollector(Collector):
                 host_hits.add_metric([worker_id, role], host.hit_blocks_total)
             if load.sessions is not None:
                 sessions.add([worker_id, role], load.sessions)
+            if (image := load.images) is not None:
+                images["images_encoded"].add_metric([worker_id, role], image.encoded_total)
+                images["image_encoder_cache_hits"].add_metric([worker_id, role], image.encoder_cache_hits_total)
+                images["image_kv_hits"].add_metric([worker_id, role], image.kv_hits_total)
         yield from families.values()
+        yield from images.values()
         yield from (host_active, host_total, host_hits)
         yield from sessions.families()
 

@@ -11,30 +11,23 @@ other.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import signal
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from services.engines.cpu_cores import bind_env, core_shares, host_cores
 from services.processor.tokenizer import ModelTokenizer
 from tests.conftest import LORA_A as A
 from tests.conftest import LORA_B as B
-from tests.procs import ROOT, Mesh, registered, wait_until
+from tests.e2e.plain_vllm import PlainVllm
+from tests.procs import Mesh, registered, wait_until
 
 pytestmark = pytest.mark.vllm
 MODEL = "kvmesh-demo"
 C = "runtime-lora-c"
 MAX_TOKENS = 12
-REFERENCE_TIMEOUT_S = 400
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -51,41 +44,19 @@ LONG = tokens(104, 300)  # prefilled remotely, its KV pulled over NIXL
 CASES = [(SHORT, ""), (SHORT, A), (SHORT, B), (RUNTIME, C), (LONG, A), (LONG, B)]
 
 
-class PlainVllm:
-    """The reference run: started at once, its outputs read when first needed. Its token ids are
-    compared, as the mesh's text: the text of a stream is what the tokenizer's `decode` gives for
-    its tokens (vLLM's own text instead holds back a last incomplete UTF-8 character)."""
+class LoraReference:
+    """The plain vLLM's answers to CASES. Its token ids are compared, as the mesh's text: the
+    text of a stream is what the tokenizer's `decode` gives for its tokens (vLLM's own text
+    instead holds back a last incomplete UTF-8 character)."""
 
     def __init__(self, model: Path, adapters: dict[str, str]) -> None:
-        self._log = tempfile.NamedTemporaryFile(prefix="kvmesh-plain-vllm-", suffix=".log", delete=False)
-        spec = {"adapters": adapters, "max_tokens": MAX_TOKENS, "cases": [[p, lora] for p, lora in CASES]}
-        # The share of each engine of a two-engine mesh, as the launcher gives it.
-        env = {**os.environ, **bind_env(core_shares(host_cores(), 2)[-1])}
-        self._proc = subprocess.Popen([sys.executable, "-m", "tests.e2e.plain_vllm", str(model)], cwd=ROOT, env=env,
-                                      stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, text=True,
-                                      start_new_session=True)
-        assert self._proc.stdin is not None
-        self._proc.stdin.write(json.dumps(spec))
-        self._proc.stdin.close()
-        self._outputs: list[dict] | None = None
+        self.run = PlainVllm(model, {"adapters": adapters, "max_tokens": MAX_TOKENS,
+                                     "cases": [[p, lora] for p, lora in CASES]})
         self._tokenizer = ModelTokenizer(str(model))
 
     def output(self, prompt: list[int], lora: str) -> str:
         """The text of the plain vLLM's greedy tokens for `prompt` under adapter `lora`."""
-        if self._outputs is None:
-            self._proc.wait(REFERENCE_TIMEOUT_S)
-            lines = Path(self._log.name).read_text(errors="replace").splitlines()
-            result = [line for line in lines if line.startswith("RESULT ")]
-            assert self._proc.returncode == 0 and result, "\n".join(lines[-40:])
-            self._outputs = json.loads(result[-1].removeprefix("RESULT "))
-        return self._tokenizer.decode(self._outputs[CASES.index((prompt, lora))]["token_ids"])
-
-    def stop(self) -> None:
-        if self._proc.poll() is None:
-            os.killpg(self._proc.pid, signal.SIGKILL)  # its engine processes too
-            self._proc.wait(10)
-        self._log.close()
-        os.unlink(self._log.name)
+        return self._tokenizer.decode(self.run.outputs()[CASES.index((prompt, lora))]["token_ids"])
 
 
 @pytest.fixture(scope="module")
@@ -100,16 +71,16 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def plain(adapters: dict[str, str]) -> Iterator[PlainVllm]:
+def plain(adapters: dict[str, str]) -> Iterator[LoraReference]:
     from services.tools.make_demo_model import ensure_demo_model
 
-    reference = PlainVllm(ensure_demo_model(), adapters)
+    reference = LoraReference(ensure_demo_model(), adapters)
     yield reference
-    reference.stop()
+    reference.run.stop()
 
 
 @pytest.fixture(scope="module")
-def mesh(vllm_disagg_mesh: Mesh, plain: PlainVllm) -> Mesh:
+def mesh(vllm_disagg_mesh: Mesh, plain: LoraReference) -> Mesh:
     """The session's 1 prefill + 1 decode vLLM mesh, serving demo-lora-a and demo-lora-b; the
     reference runs beside it from the module's start."""
     return vllm_disagg_mesh
@@ -144,7 +115,8 @@ def router_matches(mesh: Mesh, prompt: list[int], lora: str) -> dict[str, int]:
     return {worker: score for worker, score in reply.scores.items() if score}
 
 
-def test_the_base_and_each_adapter_answer_differently_and_as_a_plain_vllm_does(mesh: Mesh, plain: PlainVllm) -> None:
+def test_the_base_and_each_adapter_answer_differently_and_as_a_plain_vllm_does(mesh: Mesh,
+                                                                             plain: LoraReference) -> None:
     answers = {lora: complete(mesh, lora or MODEL, SHORT) for lora in ("", A, B)}
     for lora, r in answers.items():
         assert r.json()["model"] == (lora or MODEL)  # the client's name is echoed
@@ -176,7 +148,7 @@ def test_an_unknown_adapter_is_a_404_naming_it(mesh: Mesh) -> None:
 
 
 def test_an_adapter_loaded_at_run_time_is_served_and_gone_once_unloaded(mesh: Mesh, adapters: dict[str, str],
-                                                                         plain: PlainVllm) -> None:
+                                                                         plain: LoraReference) -> None:
     def post(path: str, body: dict) -> httpx.Response:
         return httpx.post(f"{mesh.base_url}/{path}", json=body, timeout=60)
 
@@ -197,7 +169,7 @@ def test_an_adapter_loaded_at_run_time_is_served_and_gone_once_unloaded(mesh: Me
     assert again.status_code == 404 and C in again.json()["error"]["message"], again.text
 
 
-def test_remote_prefill_with_an_adapter_gives_the_aggregated_output(mesh: Mesh, plain: PlainVllm) -> None:
+def test_remote_prefill_with_an_adapter_gives_the_aggregated_output(mesh: Mesh, plain: LoraReference) -> None:
     """The prefill worker computes the KV with the request's adapter and the decode worker goes on
     with the same one: exactly what one vLLM gives. B after A is remote as well: A's blocks of
     the same prompt are no cache for B."""

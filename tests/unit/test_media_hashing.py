@@ -3,7 +3,7 @@ match, the same image always does, and a block hashed alone mid-sequence hashes 
 
 from __future__ import annotations
 
-from services.kv_protocol.hashing import local_block_hashes
+from services.kv_protocol.hashing import block_hash_with_media, local_block_hashes
 from services.kv_protocol.media import MediaSpan, media_digest
 
 TOKENS = list(range(100, 196))  # six blocks of 16
@@ -49,3 +49,10 @@ def test_an_image_past_the_last_full_block_changes_nothing_hashed() -> None:
 def test_digests_tell_bytes_apart() -> None:
     assert media_digest(b"x") == media_digest(b"x") != media_digest(b"y")
     assert 0 <= media_digest(b"x") < 2**64
+
+
+def test_a_block_from_its_images_offsets_hashes_as_from_the_prompt_s_spans() -> None:
+    # What an engine's KV event gives (vLLM's extra keys: each image's id and offset in the block).
+    whole = local_block_hashes(TOKENS, 16, media=[MediaSpan(A, 20, 20), MediaSpan(B, 36, 8)])
+    assert block_hash_with_media(TOKENS[16:32], 1337, [(A, 4)]) == whole[1]
+    assert block_hash_with_media(TOKENS[32:48], 1337, [(A, -12), (B, 4)]) == whole[2]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from services.engines.base import MediaInput
+from services.engines.base import ImageLoad, MediaInput
 from services.engines.model_facts import VisionFacts
 
 # Images whose features the engine keeps (vLLM sizes its encoder cache in tokens; a count is
@@ -35,6 +35,13 @@ class ImageEncoder:
         self._capacity = capacity
         self._cache: OrderedDict[int, None] = OrderedDict()
         self.counts = EncoderCounts()
+
+    def load(self) -> ImageLoad | None:
+        """Its counts; None for a text model."""
+        if self.vision is None:
+            return None
+        c = self.counts
+        return ImageLoad(c.encoded, c.encoder_cache_hits, c.kv_hits)
 
     def check(self, media: tuple[MediaInput, ...]) -> None:
         if media and self.vision is None:

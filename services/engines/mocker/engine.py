@@ -131,6 +131,7 @@ class MockerEngine(Engine):
             host_tier=self._host_tier_load(),
             prefill_cost=self._prefill_cost(),
             sessions=self.sessions.load(),
+            images=self.encoder.load(),
         )
 
     def _host_tier_load(self) -> HostTierLoad | None:

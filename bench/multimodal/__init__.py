@@ -1,0 +1,1 @@
+"""Images and routing: media-aware against media-blind routing on an agent-like image trace."""
