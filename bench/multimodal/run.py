@@ -8,6 +8,9 @@ shared agent system prompt, and background one-image requests.
 
 Modes, each on a fresh mesh, its router seeded with the run's seed:
 - aware: kv routing; the blocks that hold an image hash with it, at the router as at the workers;
+  each decode worker encodes the images it prefills (aggregated encoding);
+- aware + encode stage (E/P/D): the same, with ENCODE_WORKERS encode workers: the decode workers
+  have each image they would encode encoded there and pull its features over NIXL;
 - blind (the baseline): `--no-media-aware-routing`: the router hashes the tokens alone, so no block
   with an image matches and a session's turn sees every worker that served the shared system
   prompt as equally good (what a router that knows nothing of images scores).
@@ -42,12 +45,14 @@ SEEDS = (1, 2, 3)
 BLOCK_SIZE = 16  # the mocker's default
 MODEL = "bench-vlm"
 MODEL_DIR = ROOT / ".cache" / "bench-multimodal" / "vlm-448"
-MODES = {"aware": ("--media-aware-routing",), "blind": ("--no-media-aware-routing",)}
+ENCODE_WORKERS = 2
+MODES = {"aware": ("--media-aware-routing",), "blind": ("--no-media-aware-routing",),
+         "aware + encode stage": ("--media-aware-routing", "--encode-workers", str(ENCODE_WORKERS))}
 BASELINE = "blind"
 OUTPUT_TOKENS = 8
 LIMIT_S = 120.0
 ENCODER_COUNTERS = ("kvmesh_worker_images_encoded_total", "kvmesh_worker_image_encoder_cache_hits_total",
-                    "kvmesh_worker_image_kv_hits_total")
+                    "kvmesh_worker_image_kv_hits_total", "kvmesh_worker_image_features_taken_total")
 
 
 @dataclass
@@ -128,9 +133,13 @@ async def drive(base: str, workload: Workload, seed: int, run: Run, order: list[
 
 
 def encoder_counts(mesh: LaunchedMesh) -> dict[str, float]:
-    urls = metrics_urls(mesh, ("decode-worker",)).get("decode-worker", [])
-    samples = [s for url in urls for s in metrics.scrape(url)]
-    return {name: metrics.total(samples, name) for name in ENCODER_COUNTERS}
+    """The decode workers' image counters; `encoded` counts the encode pool's encodings too."""
+    found = metrics_urls(mesh, ("decode-worker", "encode-worker"))
+    decode = [s for url in found.get("decode-worker", []) for s in metrics.scrape(url)]
+    pool = [s for url in found.get("encode-worker", []) for s in metrics.scrape(url)]
+    counts = {name: metrics.total(decode, name) for name in ENCODER_COUNTERS}
+    counts["encoded"] = counts[ENCODER_COUNTERS[0]] + metrics.total(pool, ENCODER_COUNTERS[0])
+    return counts
 
 
 def one_run(workload: Workload, mode: str, seed: int, order: list[str]) -> Run:
@@ -166,13 +175,14 @@ def report(runs: list[Run], ideals: dict[int, float]) -> None:
     rows = []
     for mode in MODES:
         mine = [r for r in runs if r.mode == mode]
-        sent = [sum(r.encoder.values()) for r in mine]
+        # Every image of every prompt a decode worker prefilled is one of: encoded there, in its
+        # encoder cache (features it took from the encode pool included), or in cached blocks.
+        sent = [sum(r.encoder[name] for name in ENCODER_COUNTERS[:3]) for r in mine]
         rows.append([
             mode,
             median_range([r.reuse for r in mine], "{:.2f}"),
             median_range([r.reuse / ideals[r.seed] for r in mine], "{:.2f}"),
-            median_range([r.encoder[ENCODER_COUNTERS[0]] / max(1, s) for r, s in zip(mine, sent, strict=True)],
-                         "{:.2f}"),
+            median_range([r.encoder["encoded"] / max(1, s) for r, s in zip(mine, sent, strict=True)], "{:.2f}"),
             median_range([r.ttft_ms(0.5) for r in mine], "{:.0f}"),
             median_range([r.ttft_ms(0.99) for r in mine], "{:.0f}"),
             median_range([r.ttft_ms(0.99) / blind_p99[r.seed] for r in mine], "{:.2f}"),

@@ -16,10 +16,13 @@ class RoleName(StrEnum):
 
     PREFILL = "prefill"
     DECODE = "decode"
+    # Encodes images for the others (E/P/D); serves no generation, takes no role switch.
+    ENCODE = "encode"
 
 
 ROLE_NAMES: dict[WorkerRole, RoleName] = {common_pb2.WORKER_ROLE_DECODE: RoleName.DECODE,
-                                          common_pb2.WORKER_ROLE_PREFILL: RoleName.PREFILL}
+                                          common_pb2.WORKER_ROLE_PREFILL: RoleName.PREFILL,
+                                          common_pb2.WORKER_ROLE_ENCODE: RoleName.ENCODE}
 ROLE_OF: dict[RoleName, WorkerRole] = {name: role for role, name in ROLE_NAMES.items()}
 
 
@@ -32,7 +35,7 @@ async def requested_role(role: WorkerRole, context: grpc.aio.ServicerContext) ->
     """The name of the role an RPC asks for; an unspecified or unknown one ends the call with
     INVALID_ARGUMENT."""
     name = role_name(role)
-    if name is None:
+    if name not in (RoleName.PREFILL, RoleName.DECODE):  # the roles a worker switches between
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                             f"role must be WORKER_ROLE_PREFILL or WORKER_ROLE_DECODE, got {role}")
         raise AssertionError("abort raises")

@@ -18,6 +18,7 @@ from services.mesh.discovery import DECODE_WORKER, ROUTER
 from services.routing.router_client import RouterClient
 from services.worker.kv_event_log import KvEventLog
 from services.contract.worker_roles import RoleName
+from services.worker.remote_encode import remote_encoder
 from services.worker.role_switch import always
 from services.worker.runtime import Role, ServicesFactory, WorkerContext, WorkerServices, main
 
@@ -26,6 +27,7 @@ async def prepare(ctx: WorkerContext) -> ServicesFactory:
     """Per process: the disaggregation rule, its metrics, and a router client for the prefill pool."""
     config = disagg_config(ctx.args, can_receive_kv=ctx.engine.kv_transfer == "nixl")
     metrics = DisaggMetrics(ctx.registry)
+    encoder = await remote_encoder(ctx)
     prefiller = None
     if config.remote_prefill:
         routers = RouterClient(await ctx.runner.watch_component(ROUTER), ctx.runner.sessions)
@@ -36,8 +38,10 @@ async def prepare(ctx: WorkerContext) -> ServicesFactory:
         engine.set_kv_transfer_sink(metrics.record_transfer)
         switch = role_switch(ctx) if ctx.args.switchable else None
         decode = DecodeServicer(engine, worker_id, events, prefiller, metrics, ctx.tracing,
-                                ctx.args.stream_interval_ms / 1000, admit=switch.work if switch else always)
-        return WorkerServices(decode) if switch is None else switchable_services(decode, switch, engine, ctx)
+                                ctx.args.stream_interval_ms / 1000, admit=switch.work if switch else always,
+                                encoder=encoder)
+        return WorkerServices(decode) if switch is None else switchable_services(decode, switch, engine, ctx,
+                                                                                 encoder)
 
     return services
 

@@ -33,6 +33,7 @@ from services.contract.worker_roles import RoleName
 from services.worker.kv_event_log import KvEventLog
 from services.worker.lora_adapters import adapter_refused
 from services.worker.pacing import DEFAULT_INTERVAL_S
+from services.worker.remote_encode import RemoteEncoder
 from services.worker.role_switch import Admit, always
 from services.worker.servicer import (
     GENERATE_RPC,
@@ -50,12 +51,14 @@ log = logging.getLogger(__name__)
 class DecodeServicer(WorkerServicer):
     def __init__(self, engine: Engine, worker_id: str, events: KvEventLog, prefiller: RemotePrefiller | None,
                  metrics: DisaggMetrics, tracing: Tracing = TRACING_OFF,
-                 stream_interval_s: float = DEFAULT_INTERVAL_S, admit: Admit = always) -> None:
+                 stream_interval_s: float = DEFAULT_INTERVAL_S, admit: Admit = always,
+                 encoder: RemoteEncoder | None = None) -> None:
         """`admit` gates each call by role (a worker that can switch roles decodes only in the
-        decode role)."""
+        decode role); `encoder`: the encode pool's client, for images this worker prefills."""
         super().__init__(engine, worker_id, events, tracing, stream_interval_s, metrics.hops)
         self.admit = admit
         self.prefiller = prefiller
+        self.encoder = encoder
         self.metrics = metrics
         # Releases of KV we abandoned, sent after our own request was cancelled: owned here.
         self._releases: set[asyncio.Task[None]] = set()
@@ -128,5 +131,7 @@ class DecodeServicer(WorkerServicer):
                 self.prefiller.fallback(rid, "transfer", f"KV from {remote.worker_id} unusable: {exc}")
                 self.metrics.prefilled(False, absolute_prefill_length(len(local.token_ids), request.prefix_hit_rate))
                 await self.prefiller.release(rid, remote)
+        if self.encoder is not None:
+            await self.encoder.prepare(self.engine, local)  # prefilled here: its images encoded on the pool
         async for msg in self.stream(local, LOCAL_PREFILL, reply):
             yield msg

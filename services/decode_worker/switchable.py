@@ -13,6 +13,7 @@ from gen.kvmesh.v1 import worker_pb2_grpc
 from services.engines.base import Engine
 from services.mesh.grpc_server import ServiceBinding
 from services.worker.prefill_servicer import PREFILLER_SERVICE, PrefillServicer
+from services.worker.remote_encode import RemoteEncoder
 from services.contract.worker_roles import RoleName
 from services.worker.role_switch import ROLE_CONTROL_SERVICE, RoleSwitch
 from services.worker.runtime import WorkerContext, WorkerServices
@@ -24,7 +25,7 @@ def add_switch_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
     g.add_argument("--switchable", action="store_true",
                    help="serve both roles' services and the RoleControl service, so a planner can move this "
                         "worker between the prefill and decode pools without a restart (needs --kv-transfer nixl)")
-    g.add_argument("--start-as", type=RoleName, choices=tuple(RoleName), default=RoleName.DECODE,
+    g.add_argument("--start-as", type=RoleName, choices=(RoleName.DECODE, RoleName.PREFILL), default=RoleName.DECODE,
                    help="the pool a --switchable worker joins first")
     return g
 
@@ -34,10 +35,11 @@ def role_switch(ctx: WorkerContext) -> RoleSwitch:
     return RoleSwitch(ctx.args.start_as, ctx.mesh.drain_timeout_s, ctx.log_component)
 
 
-def switchable_services(decode: WorkerServicer, switch: RoleSwitch, engine: Engine, ctx: WorkerContext) -> WorkerServices:
+def switchable_services(decode: WorkerServicer, switch: RoleSwitch, engine: Engine, ctx: WorkerContext,
+                        encoder: RemoteEncoder | None = None) -> WorkerServices:
     """A decode servicer built with `switch.work` as its admission, beside a prefill servicer
     gated the same way and the RoleControl service that moves the worker."""
     prefill = ServiceBinding(worker_pb2_grpc.add_PrefillerServicer_to_server,
-                             PrefillServicer(engine, ctx.tracing, admit=switch.work), PREFILLER_SERVICE)
+                             PrefillServicer(engine, ctx.tracing, admit=switch.work, encoder=encoder), PREFILLER_SERVICE)
     control = ServiceBinding(worker_pb2_grpc.add_RoleControlServicer_to_server, switch, ROLE_CONTROL_SERVICE)
     return WorkerServices(decode, (prefill, control), switch=switch)

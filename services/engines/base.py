@@ -92,6 +92,15 @@ class EngineRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class EncodedImage:
+    """An encode worker's image: where its features are held for a pull (engine-defined, JSON
+    serialisable, as PrefillResult.kv_pull), and whether they were in its encoder cache already."""
+
+    features: dict
+    cached: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class MediaInput:
     """One image of a prompt: its bytes as the client sent them, its size, and its span."""
 
@@ -189,6 +198,8 @@ class ImageLoad:
     encoded_total: int
     encoder_cache_hits_total: int
     kv_hits_total: int
+    # Features pulled from an encode worker (E/P/D) instead of encoded here.
+    taken_total: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +277,23 @@ class Engine(abc.ABC):
     async def release_kv(self, request_id: str) -> bool:
         """Frees KV held for a decode side that gave up; False if nothing was held."""
         return False
+
+    # -- the encode stage (E/P/D) --------------------------------------------------------------
+
+    def to_encode(self, request: EngineRequest) -> list[MediaInput]:
+        """The request's images this engine would encode itself (not in its encoder cache, not
+        all in cached blocks), for an encode worker to encode instead; an engine that cannot take
+        features from elsewhere says none (it encodes in place)."""
+        return []
+
+    async def encode(self, request_id: str, item: MediaInput) -> EncodedImage:
+        """Encodes one image (an encode worker) and keeps its features for a peer to pull."""
+        raise NotImplementedError(f"the {self.name} engine does not serve as an encode worker")
+
+    async def take_features(self, item: MediaInput, features: dict) -> None:
+        """Pulls an image's features an encode worker holds (`EncodedImage.features`) into this
+        engine's encoder cache, so its prefill encodes nothing for it."""
+        raise NotImplementedError(f"the {self.name} engine takes no features from an encode worker")
 
     def set_kv_event_sink(self, sink: KvEventSink) -> None:
         """Receives every change to the engine's prefix cache, in order."""

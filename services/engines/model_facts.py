@@ -52,14 +52,18 @@ class ModelFacts:
     eos_token_ids: tuple[int, ...]
     # Set for a model that takes images.
     vision: VisionFacts | None = None
+    # The language model's width (its text config's hidden_size; 0: not stated): what one
+    # token's image features take, at 2 bytes a value.
+    hidden_size: int = 0
 
 
 def read_model_facts(model_dir: str) -> ModelFacts:
     """The facts of the model in `model_dir`; ModelFactsError (one line) when they cannot be read."""
     raw = _config_json(model_dir)
     if "text_config" not in raw and "vision_config" not in raw and all(isinstance(raw.get(k), int) for k in _FLAT_FACTS):
+        hidden = raw.get("hidden_size")
         return ModelFacts(int(raw["vocab_size"]), int(raw["max_position_embeddings"]),
-                          _eos_ids(raw.get("eos_token_id"), model_dir))
+                          _eos_ids(raw.get("eos_token_id"), model_dir), None, hidden if isinstance(hidden, int) else 0)
     return _from_config_class(model_dir)
 
 
@@ -91,7 +95,9 @@ def _from_config_class(model_dir: str) -> ModelFacts:
     eos = getattr(text, "eos_token_id", None)
     if eos is None:
         eos = getattr(config, "eos_token_id", None)
-    return ModelFacts(vocab, context, _eos_ids(eos, model_dir), _vision(config, model_dir))
+    hidden = getattr(text, "hidden_size", 0)
+    return ModelFacts(vocab, context, _eos_ids(eos, model_dir), _vision(config, model_dir),
+                      hidden if isinstance(hidden, int) else 0)
 
 
 def _fact(config: Any, name: str, model_dir: str) -> int:

@@ -113,6 +113,8 @@ class LaunchConfig:
     # Where the mesh is reached: what the children register and the READY line names, and where
     # the embedded etcd listens (--advertise-host, else --host; loopback by default).
     advertise_host: str = "127.0.0.1"
+    # Encode workers (E/P/D): the workers that prefill have their images encoded there.
+    encode_workers: int = 0
 
     def __post_init__(self) -> None:
         if self.decode_workers < 1 or self.prefill_workers < 0:
@@ -126,6 +128,12 @@ class LaunchConfig:
             raise ConfigError(f"--drain-timeout must be >= 0, got {self.drain_timeout_s}")
         if not self.ready_timeout_s > 0:
             raise ConfigError(f"--ready-timeout must be > 0, got {self.ready_timeout_s}")
+        if self.encode_workers < 0:
+            raise ConfigError(f"--encode-workers must be >= 0, got {self.encode_workers}")
+        if self.encode_workers and self.engine != "mocker":
+            raise ConfigError("--encode-workers serves the mocker engine: vLLM encodes images where it prefills")
+        if self.encode_workers and self.planner_switches:
+            raise ConfigError("--encode-workers with --planner local: the planner does not size the encode pool yet")
 
     @property
     def disaggregated(self) -> bool:
@@ -153,6 +161,9 @@ def parser() -> tuple[FlagParser, _Groups]:
     add_mesh_flags(p, embedded_etcd=True)
     p.add_argument("--decode-workers", type=positive_int, default=1)
     p.add_argument("--prefill-workers", type=non_negative_int, default=1, help="0 = aggregated serving")
+    p.add_argument("--encode-workers", type=non_negative_int, default=0,
+                   help="encode workers (E/P/D, mocker engine): the workers that prefill a prompt with images "
+                        "have them encoded there and pull the features over NIXL (0 = encode in place)")
     p.add_argument("--processors", type=positive_int, default=1, help="processor replicas")
     p.add_argument("--embed-processors", action="store_true",
                    help="each frontend hosts its processor in its own process and calls it in-process (one hop "
@@ -228,6 +239,7 @@ def load(argv: list[str] | None = None) -> LaunchConfig:
         engine=args.engine, model=args.model, served_model_name=args.served_model_name,
         decode_workers=args.decode_workers,
         prefill_workers=args.prefill_workers, processors=args.processors, frontends=args.frontends,
+        encode_workers=args.encode_workers,
         routers=args.routers,
         remote_prefill=args.remote_prefill is not False,
         http_port=args.http_port, api_key=args.api_key, etcd_endpoints=args.etcd_endpoints,

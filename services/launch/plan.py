@@ -83,7 +83,13 @@ def _fixed_workers(cfg: LaunchConfig, common: list[str], model: str, env: dict[s
     decode = [*engine, *cfg.disagg_argv]
     if cfg.disaggregated:
         decode += ["--kv-transfer", "nixl", "--remote-prefill"]
-    children = _workers("decode-worker", "services.decode_worker", decode, cfg.decode_workers, cfg.engine, env)
+    elif cfg.encode_workers:
+        # Features come over NIXL; the prompt's KV stays here (aggregated).
+        decode += ["--kv-transfer", "nixl", "--no-remote-prefill"]
+    # Encode workers first: the workers that prefill find them when they join.
+    children = _workers("encode-worker", "services.encode_worker", [*engine, "--kv-transfer", "nixl"],
+                        cfg.encode_workers, cfg.engine, env)
+    children += _workers("decode-worker", "services.decode_worker", decode, cfg.decode_workers, cfg.engine, env)
     if cfg.disaggregated:
         children += _workers("prefill-worker", "services.prefill_worker", [*engine, "--kv-transfer", "nixl"],
                              cfg.prefill_workers, cfg.engine, env)
@@ -122,6 +128,8 @@ def _child(component: str, argv: list[str], env: dict[str, str], required: bool 
 def _workers(component: str, module: str, flags: list[str], count: int, engine: str,
              env: dict[str, str]) -> list[Child]:
     # A worker's ready line is printed, whatever the log level: the launcher waits for it.
+    if count == 0:
+        return []
     if engine == "mocker":
         # Mocker workers are cheap: one process hosts them all, each registered on its own.
         return [_child(component, python_module(module, *flags, "--num-workers", str(count)), env, required=True)]

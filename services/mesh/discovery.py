@@ -24,6 +24,7 @@ PROCESSOR = "processor"
 ROUTER = "kv-router"
 DECODE_WORKER = "decode-worker"
 PREFILL_WORKER = "prefill-worker"
+ENCODE_WORKER = "encode-worker"
 PLANNER = "planner"
 COMPONENTS = (FRONTEND, PROCESSOR, ROUTER, DECODE_WORKER, PREFILL_WORKER, PLANNER)
 

@@ -18,18 +18,20 @@ from services.worker.prefill_servicer import PREFILLER_SERVICE, PrefillServicer
 from services.worker.kv_event_log import KvEventLog
 from services.worker.runtime import Role, ServicesFactory, WorkerContext, WorkerServices, main
 from services.worker.pacing import DEFAULT_INTERVAL_S
+from services.worker.remote_encode import RemoteEncoder, remote_encoder
 from services.worker.servicer import WorkerServicer
 
 
 def services(engine: Engine, worker_id: str, events: KvEventLog, tracing: Tracing = TRACING_OFF,
-             stream_interval_s: float = DEFAULT_INTERVAL_S) -> WorkerServices:
-    prefiller = ServiceBinding(worker_pb2_grpc.add_PrefillerServicer_to_server, PrefillServicer(engine, tracing),
-                               PREFILLER_SERVICE)
+             stream_interval_s: float = DEFAULT_INTERVAL_S, encoder: RemoteEncoder | None = None) -> WorkerServices:
+    prefiller = ServiceBinding(worker_pb2_grpc.add_PrefillerServicer_to_server,
+                               PrefillServicer(engine, tracing, encoder=encoder), PREFILLER_SERVICE)
     return WorkerServices(WorkerServicer(engine, worker_id, events, tracing, stream_interval_s), (prefiller,))
 
 
 async def prepare(ctx: WorkerContext) -> ServicesFactory:
-    return partial(services, tracing=ctx.tracing, stream_interval_s=ctx.args.stream_interval_ms / 1000)
+    return partial(services, tracing=ctx.tracing, stream_interval_s=ctx.args.stream_interval_ms / 1000,
+                   encoder=await remote_encoder(ctx))
 
 
 # A prefill worker without KV transfer could hand nothing over: NIXL is its default.

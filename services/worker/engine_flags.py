@@ -26,6 +26,7 @@ from services.mesh.flags import (
 from services.profiles.cost_model import ProfileError
 from services.profiles.profile_file import DEFAULT_PRESET, load_profile, preset_names
 from services.worker.pacing import DEFAULT_INTERVAL_S
+from services.worker.remote_encode import EncodeConfig
 
 ENGINES = ("vllm", "mocker")
 KV_TRANSFERS = ("none", "nixl")
@@ -165,6 +166,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
                    help="adapters kept loaded at once; the least recently used idle one is unloaded for another")
     g.add_argument("--max-lora-rank", type=positive_int, default=LoraConfig.max_lora_rank,
                    help="the highest adapter rank the worker accepts")
+    g.add_argument("--min-remote-encode-tokens", type=non_negative_int, default=EncodeConfig.min_tokens,
+                   help="with encode workers (E/P/D): images of fewer placeholder tokens are encoded in place")
+    g.add_argument("--encode-timeout", type=positive_float, default=EncodeConfig.timeout_s,
+                   help="with encode workers: seconds for one image's encoding and pull before it is encoded in place")
     return g
 
 

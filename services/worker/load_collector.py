@@ -41,7 +41,8 @@ class WorkerLoadCollector(Collector):
         images = {name: CounterMetricFamily(f"kvmesh_worker_{name}", text, labels=labels) for name, text in (
             ("images_encoded", "images the engine's encoder encoded"),
             ("image_encoder_cache_hits", "images whose features the engine kept from an earlier request"),
-            ("image_kv_hits", "images needing no encoding: their tokens were in cached KV blocks"))}
+            ("image_kv_hits", "images needing no encoding: their tokens were in cached KV blocks"),
+            ("image_features_taken", "images whose features were pulled from an encode worker"))}
         for worker_id, role, load in self._sources():
             for name in LOAD_FIELDS:
                 families[name].add_metric([worker_id, role], float(getattr(load, name)))
@@ -55,6 +56,7 @@ class WorkerLoadCollector(Collector):
                 images["images_encoded"].add_metric([worker_id, role], image.encoded_total)
                 images["image_encoder_cache_hits"].add_metric([worker_id, role], image.encoder_cache_hits_total)
                 images["image_kv_hits"].add_metric([worker_id, role], image.kv_hits_total)
+                images["image_features_taken"].add_metric([worker_id, role], image.taken_total)
         yield from families.values()
         yield from images.values()
         yield from (host_active, host_total, host_hits)

@@ -31,6 +31,7 @@ from services.mesh.session_server import SessionHub
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.worker.kv_pull import kv_pull_to_proto
 from services.worker.lora_adapters import adapter_refused, check_adapter
+from services.worker.remote_encode import RemoteEncoder
 from services.worker.role_switch import Admit, always
 from services.worker.servicer import media_from_proto, refused, sampling_from_proto
 
@@ -45,10 +46,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
     """`admit` gates each call by role: a prefill worker admits every one, a worker that can switch
     roles only while it serves the prefill role."""
 
-    def __init__(self, engine: Engine, tracing: Tracing = TRACING_OFF, admit: Admit = always) -> None:
+    def __init__(self, engine: Engine, tracing: Tracing = TRACING_OFF, admit: Admit = always,
+                 encoder: RemoteEncoder | None = None) -> None:
         self.engine = engine
         self.tracing = tracing
         self.admit = admit
+        # The encode pool's client (E/P/D), for the images of the prompts prefilled here.
+        self.encoder = encoder
         # Decode workers' sessions: every prefill they ask for, served by `prefill`.
         self.sessions = SessionHub(PREFILL_SESSION, self.prefill)
 
@@ -77,6 +81,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
         engine_request = EngineRequest(request.request_id, list(request.token_ids), sampling_from_proto(request.sampling),
                                        lora_name=request.lora_name,
                                        media=media_from_proto(request.media, len(request.token_ids)))
+        if self.encoder is not None:
+            await self.encoder.prepare(self.engine, engine_request)  # its images encoded on the encode pool
         try:
             result = await self.engine.prefill(engine_request)
         except NotImplementedError as exc:

@@ -83,6 +83,12 @@ def media_from_proto(items: Sequence[common_pb2.MediaItem], prompt_len: int) -> 
     return tuple(out)
 
 
+def media_to_proto(item: MediaInput) -> common_pb2.MediaItem:
+    span = common_pb2.MediaSpan(digest=item.span.digest, offset=item.span.offset, length=item.span.length)
+    return common_pb2.MediaItem(span=span, data=item.data, media_type=item.media_type, width=item.width,
+                                height=item.height)
+
+
 def sampling_from_proto(p: common_pb2.SamplingParams) -> Sampling:
     return Sampling(
         max_tokens=p.max_tokens,

@@ -14,7 +14,8 @@ import pytest
 
 from tests.procs import ROOT
 
-SERVICE_PACKAGES = ("frontend", "processor", "kv_router", "decode_worker", "prefill_worker", "launch", "planner")
+SERVICE_PACKAGES = ("frontend", "processor", "kv_router", "decode_worker", "prefill_worker", "encode_worker", "launch",
+                    "planner")
 # The KV protocol (block hashing, tiers, KV events) and the worker profiles (the mocker's timing)
 # are what engines share with the rest; the settings' one exception (a leaf module, not the mesh's)
 # lets engine configs validate themselves as every config does.

@@ -12,6 +12,7 @@ class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
     WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
     WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
+    WORKER_ROLE_ENCODE: _ClassVar[WorkerRole]
 
 class SessionRoute(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -57,6 +58,7 @@ class Overload(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 WORKER_ROLE_UNSPECIFIED: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
 WORKER_ROLE_PREFILL: WorkerRole
+WORKER_ROLE_ENCODE: WorkerRole
 SESSION_ROUTE_UNSPECIFIED: SessionRoute
 SESSION_ROUTE_NEW: SessionRoute
 SESSION_ROUTE_BOUND: SessionRoute

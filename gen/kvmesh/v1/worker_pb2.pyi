@@ -50,6 +50,22 @@ class LoraAdapterState(_message.Message):
     active_requests: int
     def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., resident: _Optional[bool] = ..., size_bytes: _Optional[int] = ..., load_s: _Optional[float] = ..., active_requests: _Optional[int] = ...) -> None: ...
 
+class EncodeRequest(_message.Message):
+    __slots__ = ("request_id", "item")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEM_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    item: _common_pb2.MediaItem
+    def __init__(self, request_id: _Optional[str] = ..., item: _Optional[_Union[_common_pb2.MediaItem, _Mapping]] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("features", "cached")
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    features: KvPull
+    cached: bool
+    def __init__(self, features: _Optional[_Union[KvPull, _Mapping]] = ..., cached: _Optional[bool] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "lora_name", "media")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

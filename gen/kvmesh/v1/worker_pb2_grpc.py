@@ -493,6 +493,84 @@ class Prefiller:
             _registered_method=True)
 
 
+class EncoderStub:
+    """An encode worker's service (E/P/D): it encodes one image and holds its features, which the
+    caller (the worker that prefills the prompt) pulls over NIXL into its encoder cache.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Encode = channel.unary_unary(
+                '/kvmesh.v1.Encoder/Encode',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.EncodeRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.EncodeResponse.FromString,
+                _registered_method=True)
+
+
+class EncoderServicer:
+    """An encode worker's service (E/P/D): it encodes one image and holds its features, which the
+    caller (the worker that prefills the prompt) pulls over NIXL into its encoder cache.
+    """
+
+    def Encode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_EncoderServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Encode': grpc.unary_unary_rpc_method_handler(
+                    servicer.Encode,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.EncodeRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.EncodeResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvmesh.v1.Encoder', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvmesh.v1.Encoder', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Encoder:
+    """An encode worker's service (E/P/D): it encodes one image and holds its features, which the
+    caller (the worker that prefills the prompt) pulls over NIXL into its encoder cache.
+    """
+
+    @staticmethod
+    def Encode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.Encoder/Encode',
+            kvmesh_dot_v1_dot_worker__pb2.EncodeRequest.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.EncodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class RoleControlStub:
     """Served by workers that can change role at run time (`--switchable`): the planner moves a
     worker between the prefill and the decode pool without restarting its engine.

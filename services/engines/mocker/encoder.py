@@ -21,12 +21,13 @@ DEFAULT_ENCODER_CACHE_IMAGES = 64
 
 @dataclass
 class EncoderCounts:
-    """Since start: images encoded, found in the encoder cache, and needing no encoding at all
-    (their tokens were in cached KV blocks)."""
+    """Since start: images encoded, found in the encoder cache, needing no encoding at all
+    (their tokens were in cached KV blocks), and whose features came from an encode worker."""
 
     encoded: int = 0
     encoder_cache_hits: int = 0
     kv_hits: int = 0
+    taken: int = 0
 
 
 class ImageEncoder:
@@ -41,28 +42,46 @@ class ImageEncoder:
         if self.vision is None:
             return None
         c = self.counts
-        return ImageLoad(c.encoded, c.encoder_cache_hits, c.kv_hits)
+        return ImageLoad(c.encoded, c.encoder_cache_hits, c.kv_hits, c.taken)
 
     def check(self, media: tuple[MediaInput, ...]) -> None:
         if media and self.vision is None:
             raise ValueError("this model takes text only: its config has no vision encoder")
 
-    def to_encode(self, media: tuple[MediaInput, ...], computed_from: int) -> list[int]:
+    def holds(self, digest: int) -> bool:
+        return digest in self._cache
+
+    def step_patches(self, media: tuple[MediaInput, ...], computed_from: int) -> list[int]:
         """The patches of each image a step that computes the prompt from token `computed_from` on
         must encode (the images it encodes are then cached)."""
         patches: list[int] = []
         for item in media:
-            digest = item.span.digest
             if item.span.end <= computed_from:
                 self.counts.kv_hits += 1
-            elif digest in self._cache:
-                self._cache.move_to_end(digest)
-                self.counts.encoder_cache_hits += 1
             else:
-                assert self.vision is not None  # check() refused media for a text model
-                patches.append(self.vision.patches(item.width, item.height))
-                self.counts.encoded += 1
-                self._cache[digest] = None
-                if len(self._cache) > self._capacity:
-                    self._cache.popitem(last=False)
+                patches += self.encode_patches(item)
         return patches
+
+    def encode_patches(self, item: MediaInput) -> list[int]:
+        """[the image's patches] when it must be encoded (it is cached from then on); [] when its
+        features are in the cache."""
+        digest = item.span.digest
+        if digest in self._cache:
+            self._cache.move_to_end(digest)
+            self.counts.encoder_cache_hits += 1
+            return []
+        assert self.vision is not None  # check() refused media for a text model
+        self.counts.encoded += 1
+        self._keep(digest)
+        return [self.vision.patches(item.width, item.height)]
+
+    def taken(self, digest: int) -> None:
+        """Features an encode worker encoded are in the cache now."""
+        self.counts.taken += 1
+        self._keep(digest)
+
+    def _keep(self, digest: int) -> None:
+        self._cache[digest] = None
+        self._cache.move_to_end(digest)
+        if len(self._cache) > self._capacity:
+            self._cache.popitem(last=False)

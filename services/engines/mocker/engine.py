@@ -30,6 +30,7 @@ from services.kv_protocol.hashing import (
     local_block_hashes,
 )
 from services.engines.base import (
+    EncodedImage,
     Engine,
     EngineInfo,
     EngineOutput,
@@ -37,6 +38,7 @@ from services.engines.base import (
     FinishReason,
     HostTierLoad,
     LoadSnapshot,
+    MediaInput,
     PrefillCost,
     PrefillResult,
     RowTap,
@@ -46,6 +48,7 @@ from services.engines.lora import AdapterError, AdapterErrorKind, AdapterSet
 from services.engines.mocker.adapter_loads import SimulatedAdapterLoader
 from services.engines.mocker.block_manager import BlockManager
 from services.engines.mocker.config import MockerConfig
+from services.engines.mocker.encode_stage import EncodeStage, cached_prefix_tokens
 from services.engines.mocker.encoder import ImageEncoder
 from services.engines.model_facts import read_model_facts
 from services.engines.output_channel import OutputChannel
@@ -69,6 +72,8 @@ class MockerEngine(Engine):
                                config.max_model_len or facts.context_length, facts.vocab_size, facts.eos_token_ids)
         self._tokens = OutputTokens.of_vocab(facts.vocab_size)
         self.encoder = ImageEncoder(facts.vision)
+        self._encode_stage = EncodeStage(self.encoder, kv_endpoint, config.timing, facts.hidden_size,
+                                         self._cached_prefix_tokens)
         self.blocks = BlockManager(config.num_gpu_blocks, config.block_size, self.emit_kv_event,
                                    config.host_kv_blocks)
         # Half the host tier at most holds sessions' blocks: the rest stays a cache for everyone.
@@ -158,6 +163,22 @@ class MockerEngine(Engine):
             cached = out.cached_tokens
         params = await self.kv_endpoint.hold(request.request_id, request.token_ids, request.lora_name)
         return PrefillResult(params, cached)
+
+    def to_encode(self, request: EngineRequest) -> list[MediaInput]:
+        return self._encode_stage.to_encode(request)
+
+    async def encode(self, request_id: str, item: MediaInput) -> EncodedImage:
+        return await self._encode_stage.encode(request_id, item)
+
+    async def take_features(self, item: MediaInput, features: dict) -> None:
+        await self._encode_stage.take_features(item, features)
+
+    def _cached_prefix_tokens(self, request: EngineRequest) -> int:
+        def prefix(chain: list) -> int:
+            hit = self.blocks.cached_prefix_blocks(chain)
+            return hit + self.blocks.host_prefix_blocks(chain, hit)
+
+        return cached_prefix_tokens(request, self.config.block_size, adapter_seed(request.lora_name), prefix)
 
     async def release_kv(self, request_id: str) -> bool:
         return self.kv_endpoint is not None and self.kv_endpoint.release(request_id)
@@ -333,7 +354,7 @@ class MockerEngine(Engine):
                 self._prompt_tokens_seen += seq.prompt_len
                 self._prompt_tokens_hit += seq.cached_tokens
             if not seq.remote_kv:
-                patches += self.encoder.to_encode(seq.request.media, reused * bs)
+                patches += self.encoder.step_patches(seq.request.media, reused * bs)
                 computed = len(seq.tokens) - reused * bs
                 if computed > 0:
                     prompts.append(computed)

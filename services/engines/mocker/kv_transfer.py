@@ -181,20 +181,23 @@ class NixlKvEndpoint:
 
     # -- prefill side --------------------------------------------------------------------------
 
-    async def hold(self, request_id: str, tokens: list[int], lora_name: str = "") -> dict:
+    async def hold(self, request_id: str, tokens: list[int], lora_name: str = "",
+                   bytes_per_token: int | None = None) -> dict:
         """Writes the prompt's KV (computed with LoRA adapter `lora_name`) into the arena and
-        returns what a decode worker needs to read it.
+        returns what a decode worker needs to read it. `bytes_per_token`: another size than the
+        KV's (an image's features, held by an encode worker).
 
         Building and checksumming megabytes runs on a worker thread, off the engine's event loop.
         """
-        nbytes = len(tokens) * self.bytes_per_token
+        per_token = bytes_per_token or self.bytes_per_token
+        nbytes = len(tokens) * per_token
         offset = self._arena.alloc(nbytes)
         if offset is None:
             raise EngineBusy(f"no room to hold {nbytes} KV bytes for a decode worker to pull (all "
                              f"{self._arena.buffer.numel()} held for earlier prompts)")
         region = self._arena.view(offset, nbytes)
         try:
-            digest = await asyncio.to_thread(_fill, region, tokens, self.bytes_per_token)
+            digest = await asyncio.to_thread(_fill, region, tokens, per_token)
         except BaseException:
             self._arena.release(offset, nbytes)
             raise
