@@ -27,7 +27,7 @@ async def prepare(ctx: WorkerContext) -> ServicesFactory:
     """Per process: the disaggregation rule, its metrics, and a router client for the prefill pool."""
     config = disagg_config(ctx.args, can_receive_kv=ctx.engine.kv_transfer == "nixl")
     metrics = DisaggMetrics(ctx.registry)
-    encoder = await remote_encoder(ctx)
+    encoder = await remote_encoder(ctx.engine.kv_transfer, ctx.args, ctx.runner, ctx.registry)
     prefiller = None
     if config.remote_prefill:
         routers = RouterClient(await ctx.runner.watch_component(ROUTER), ctx.runner.sessions)

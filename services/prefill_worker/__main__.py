@@ -31,7 +31,7 @@ def services(engine: Engine, worker_id: str, events: KvEventLog, tracing: Tracin
 
 async def prepare(ctx: WorkerContext) -> ServicesFactory:
     return partial(services, tracing=ctx.tracing, stream_interval_s=ctx.args.stream_interval_ms / 1000,
-                   encoder=await remote_encoder(ctx))
+                   encoder=await remote_encoder(ctx.engine.kv_transfer, ctx.args, ctx.runner, ctx.registry))
 
 
 # A prefill worker without KV transfer could hand nothing over: NIXL is its default.

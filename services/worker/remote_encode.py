@@ -13,11 +13,12 @@ logged, never an error for the request.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import grpc
 import xxhash
@@ -30,11 +31,9 @@ from services.mesh.channels import ChannelPool
 from services.mesh.config_error import validated
 from services.mesh.discovery import ENCODE_WORKER, InstanceInfo
 from services.mesh.recent_failures import RecentFailures
+from services.mesh.service_runner import ServiceRunner
 from services.worker.kv_pull import kv_pull_from_proto
 from services.worker.servicer import media_to_proto
-
-if TYPE_CHECKING:
-    from services.worker.runtime import WorkerContext
 
 log = logging.getLogger(__name__)
 
@@ -114,11 +113,12 @@ class RemoteEncoder:
 
 
 
-async def remote_encoder(ctx: WorkerContext) -> RemoteEncoder | None:
-    """The process's client of the encode pool; None for a worker that takes no features over
+async def remote_encoder(kv_transfer: str, args: argparse.Namespace, runner: ServiceRunner,
+                         registry: CollectorRegistry) -> RemoteEncoder | None:
+    """A worker process's client of the encode pool; None for one that takes no features over
     NIXL (without --kv-transfer nixl its images are encoded in place)."""
-    if ctx.engine.kv_transfer != "nixl":
+    if kv_transfer != "nixl":
         return None
-    config = validated(lambda: EncodeConfig(ctx.args.min_remote_encode_tokens, ctx.args.encode_timeout))
-    return RemoteEncoder(config, await ctx.runner.watch_component(ENCODE_WORKER), ctx.runner.channels,
-                         EncodeMetrics(ctx.registry))
+    config = validated(lambda: EncodeConfig(args.min_remote_encode_tokens, args.encode_timeout))
+    return RemoteEncoder(config, await runner.watch_component(ENCODE_WORKER), runner.channels,
+                         EncodeMetrics(registry))

@@ -69,7 +69,7 @@ def test_flags_left_out_give_exactly_the_config_defaults() -> None:
     assert (DisaggConfig().max_local_prefill_length, DisaggConfig().max_prefill_queue_size) == (512, 2)
     assert cfg.router_argv == ("--router-mode", RouterConfig().mode, "--overlap-weight", "2.0",
                                "--cache-usage-weight", "1.0", "--waiting-weight", "1.0", "--router-temperature", "0.0",
-                               "--worker-queue", str(AdmissionConfig().worker_queue),
+                               "--media-aware-routing", "--worker-queue", str(AdmissionConfig().worker_queue),
                                "--max-queued", str(AdmissionConfig().max_queued),
                                "--max-queue-wait", str(AdmissionConfig().max_queue_wait_s),
                                "--kv-events", truth.kv_events.value, "--prediction-ttl", str(truth.prediction_ttl_s),

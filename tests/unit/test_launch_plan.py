@@ -36,3 +36,26 @@ def test_a_processor_count_with_embedded_processors_is_refused_naming_both_flags
         config.load(["--embed-processors", "--processors", "2"])
     said = capsys.readouterr().err
     assert refused.value.code == 2 and "--processors" in said and "--embed-processors" in said, said
+
+
+def test_encode_workers_start_first_and_the_aggregated_decode_workers_take_features_over_nixl() -> None:
+    children = plan_children(config.load(["--engine", "mocker", "--prefill-workers", "0", "--encode-workers", "2"]),
+                             ETCD, "/m")
+    components = [c.component for c in children]
+    assert components.index("encode-worker") < components.index("decode-worker")
+    (encode,) = [c for c in children if c.component == "encode-worker"]  # the mocker's workers share a process
+    assert encode.argv[encode.argv.index("--num-workers") + 1] == "2" and "nixl" in encode.argv
+    (decode,) = [c for c in children if c.component == "decode-worker"]
+    assert "--no-remote-prefill" in decode.argv and decode.argv[decode.argv.index("--kv-transfer") + 1] == "nixl"
+    assert "encode-worker" not in [c.component for c in plan_children(config.load(["--engine", "mocker"]), ETCD, "/m")]
+
+
+@pytest.mark.parametrize(("flags", "says"), [(["--engine", "vllm", "--encode-workers", "1"], "mocker engine"),
+                                             (["--engine", "mocker", "--encode-workers", "1", "--planner", "local"],
+                                              "planner")])
+def test_encode_workers_are_refused_where_they_are_not_served(flags: list[str], says: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as refused:
+        config.load(flags)
+    said = capsys.readouterr().err
+    assert refused.value.code == 2 and "--encode-workers" in said and says in said, said
