@@ -108,7 +108,9 @@ def test_the_three_apis_give_the_same_answer(vlm_mesh: Mesh, client: openai.Open
     chat_text, _, _ = answer(client, "b")
     claude = anthropic.Anthropic(base_url=vlm_mesh.base_url.removesuffix("/v1"), api_key="unused", max_retries=0,
                                  timeout=120)
-    message = claude.messages.create(model=VLM, max_tokens=MAX_TOKENS, temperature=0, system=SYSTEM, messages=[
+    # This client version has no `temperature` argument; the API field goes as it is.
+    message = claude.messages.create(model=VLM, max_tokens=MAX_TOKENS, extra_body={"temperature": 0}, system=SYSTEM,
+                                     messages=[
         {"role": "user", "content": [
             {"type": "text", "text": "What is on this screen? "},
             {"type": "image", "source": {"type": "base64", "media_type": "image/png",
