@@ -41,6 +41,9 @@ from testkit.proc import ROOT
 from testkit.sse import Streamed, stream
 
 WORKERS = 4
+# KV blocks a worker holds (12,288 tokens): the trace's distinct tokens fill about two workers, so
+# sessions must spread and a router must know where each one's screenshots are cached.
+GPU_BLOCKS = 768
 SEEDS = (1, 2, 3)
 BLOCK_SIZE = 16  # the mocker's default
 MODEL = "bench-vlm"
@@ -145,7 +148,7 @@ def encoder_counts(mesh: LaunchedMesh) -> dict[str, float]:
 def one_run(workload: Workload, mode: str, seed: int, order: list[str]) -> Run:
     run = Run(mode, seed)
     flags = ["--engine", "mocker", "--model", str(MODEL_DIR), "--served-model-name", MODEL, "--decode-workers",
-             str(WORKERS), "--seed", str(seed), *MODES[mode]]
+             str(WORKERS), "--num-gpu-blocks", str(GPU_BLOCKS), "--seed", str(seed), *MODES[mode]]
     with launched_mesh(*flags) as mesh:
         asyncio.run(drive(mesh.base, workload, seed, run, order))
         run.encoder = encoder_counts(mesh)

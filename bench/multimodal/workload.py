@@ -1,8 +1,8 @@
 """An agent-like image trace: sessions that resend their screenshots turn after turn, beside
 background requests of one image each, all behind the same agent system prompt.
 
-Each session's chat grows by one user turn (text and one of its SCREENSHOTS_PER_SESSION
-screenshots, in turn) and a short assistant answer; every request resends the whole history, its
+Each session's chat grows by one user turn (one of its screenshots, in turn, then its text, as a
+pasted screenshot comes) and a short assistant answer; every request resends the whole history, its
 images included, as agent clients do. All sessions share the system prompt, so a router that
 cannot tell images apart sees every worker that served any session as holding the same prefix.
 """
@@ -21,13 +21,13 @@ WORDS = ("read the file then run the tests and fix what fails keep the diff smal
 
 @dataclass(frozen=True)
 class Workload:
-    sessions: int = 12
+    sessions: int = 16
     turns: int = 4
     screenshots_per_session: int = 2
-    background: int = 16  # one-image requests beside the sessions
+    background: int = 24  # one-image requests beside the sessions
     system_words: int = 900
     turn_words: int = 24
-    rate_per_s: float = 4.0  # session starts and background requests, Poisson
+    rate_per_s: float = 6.0  # session starts and background requests, Poisson
     think_s: float = 0.5  # between a session's answer and its next turn
 
 
@@ -61,8 +61,9 @@ def _text(rng: random.Random, n: int) -> str:
 
 
 def _user(text: str, image: bytes) -> dict:
+    """A turn as an agent sends a pasted screenshot: the image, then the words about it."""
     url = "data:image/png;base64," + base64.b64encode(image).decode()
-    return {"role": "user", "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]}
+    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}
 
 
 def system_prompt(w: Workload, seed: int) -> dict:
