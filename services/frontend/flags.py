@@ -51,6 +51,8 @@ def add_frontend_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
                    help="images taken in one request (0: none)")
     g.add_argument("--max-image-bytes", type=positive_int, default=ImageLimits.max_image_bytes,
                    help="bytes of one image, once decoded")
+    g.add_argument("--max-request-image-bytes", type=positive_int, default=ImageLimits.max_request_image_bytes,
+                   help="bytes of all of a request's images (at most 48 MiB: a request travels in one message)")
     g.add_argument("--image-url-allow", action="append", default=[], metavar="PREFIX",
                    help="fetch http(s) image URLs that start with this prefix, e.g. https://images.example.com/ "
                         "(repeatable; without it only data: URLs are taken)")
@@ -67,4 +69,5 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
                                             allow_runtime_lora=args.allow_runtime_lora,
                                             session_from_user=args.session_from_user,
                                             images=ImageLimits(args.max_images, args.max_image_bytes,
+                                                               args.max_request_image_bytes,
                                                                tuple(args.image_url_allow))))

@@ -13,6 +13,7 @@ Whether the bytes are an image the model can take is the processor's to say (it 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 from collections.abc import Sequence
@@ -25,14 +26,18 @@ from services.frontend.errors import ApiError
 
 # The `param` of an image part: its message index and part index.
 PartKey = tuple[int, int]
-_FETCH_TIMEOUT_S = 10.0
+# One image's fetch, start to end (a server that sends a byte now and then is cut off too).
+FETCH_DEADLINE_S = 10.0
 
 
 @dataclass(frozen=True)
 class ImageLimits:
-    # Images in one request (all its messages), and the bytes of each once decoded.
+    # Images in one request (all its messages), the bytes of each once decoded, and of all of
+    # them: a request travels whole in one message on each hop (the TCP carrier takes frames of
+    # up to 64 MiB, gRPC messages as large), and a choice's worker call carries them again.
     max_images: int = 32
     max_image_bytes: int = 10 * 1024 * 1024
+    max_request_image_bytes: int = 32 * 1024 * 1024
     # URL prefixes an `http(s)` image may be fetched from (none: only data URLs are taken).
     url_allow: tuple[str, ...] = ()
 
@@ -41,10 +46,13 @@ class ImageLimits:
             raise ConfigError(f"--max-images must be >= 0, got {self.max_images}")
         if self.max_image_bytes <= 0:
             raise ConfigError(f"--max-image-bytes must be > 0, got {self.max_image_bytes}")
+        if not 0 < self.max_request_image_bytes <= 48 * 1024 * 1024:
+            raise ConfigError(f"--max-request-image-bytes must be within 1..{48 * 1024 * 1024} (a request travels in "
+                              f"one message of at most 64 MiB), got {self.max_request_image_bytes}")
         for prefix in self.url_allow:
             scheme, sep, rest = prefix.partition("://")
             # A bare host would also allow `https://host.evil.example/`: the prefix must end its host.
-            if scheme not in ("http", "https") or not sep or "/" not in rest:
+            if scheme.lower() not in ("http", "https") or not sep or "/" not in rest:
                 raise ConfigError(f"--image-url-allow {prefix!r}: give an http(s) URL prefix whose host ends with "
                                   f"a slash, e.g. https://images.example.com/")
 
@@ -66,17 +74,22 @@ class ImageLoader:
 
     def __init__(self, limits: ImageLimits) -> None:
         self.limits = limits
+        # The allowed prefixes normalised as request URLs are (`HTTPS://Host:443/` is `https://host/`).
+        self._prefixes = tuple(_normal(httpx.URL(prefix)) for prefix in limits.url_allow)
 
     async def load(self, refs: Sequence[ImageRef]) -> dict[PartKey, bytes]:
         if len(refs) > self.limits.max_images:
             raise ApiError(400, f"the request has {len(refs)} images; at most {self.limits.max_images} are taken",
                            param=refs[self.limits.max_images].param, code="too_many_images")
         out: dict[PartKey, bytes] = {}
+        total = 0
         for ref in refs:
-            if ref.url.startswith("data:"):
-                out[ref.key] = self._decoded(ref)
-            else:
-                out[ref.key] = await self._fetched(ref)
+            data = self._decoded(ref) if ref.url.startswith("data:") else await self._fetched(ref)
+            total += len(data)
+            if total > self.limits.max_request_image_bytes:
+                raise ApiError(400, f"the request's images hold more than {self.limits.max_request_image_bytes} "
+                                    f"bytes in all", param=ref.param, code="image_too_large")
+            out[ref.key] = data
         return out
 
     def _decoded(self, ref: ImageRef) -> bytes:
@@ -103,16 +116,12 @@ class ImageLoader:
         return data
 
     async def _fetched(self, ref: ImageRef) -> bytes:
-        if not ref.url.startswith(("http://", "https://")):
-            raise ApiError(400, "an image URL must be a data: URL (or an http(s) URL the operator allowed)",
-                           param=ref.param, code="invalid_image")
-        if not any(ref.url.startswith(prefix) for prefix in self.limits.url_allow):
-            raise ApiError(400, "image URLs are not fetched from this address: send the image as a data: URL "
-                                "(the operator allows URLs with --image-url-allow)", param=ref.param,
-                           code="image_url_not_allowed")
+        url = self._allowed(ref)
         try:
-            async with httpx.AsyncClient(timeout=_FETCH_TIMEOUT_S, follow_redirects=False) as client, \
-                    client.stream("GET", ref.url) as response:
+            # No proxy or credentials from the environment: the address checked is the one reached.
+            async with asyncio.timeout(FETCH_DEADLINE_S), \
+                    httpx.AsyncClient(timeout=FETCH_DEADLINE_S, follow_redirects=False, trust_env=False) as client, \
+                    client.stream("GET", url) as response:
                 if response.status_code != 200:
                     raise ApiError(400, f"fetching the image answered HTTP {response.status_code}", param=ref.param,
                                    code="image_fetch_failed")
@@ -121,11 +130,38 @@ class ImageLoader:
                     data += chunk
                     if len(data) > self.limits.max_image_bytes:
                         raise self._too_large(ref)
-        except httpx.HTTPError as exc:
-            raise ApiError(400, f"the image could not be fetched: {type(exc).__name__}", param=ref.param,
-                           code="image_fetch_failed") from None
+        except (httpx.HTTPError, TimeoutError) as exc:
+            raise ApiError(400, f"the image could not be fetched within {FETCH_DEADLINE_S:g}s: {type(exc).__name__}",
+                           param=ref.param, code="image_fetch_failed") from None
         return bytes(data)
+
+    def _allowed(self, ref: ImageRef) -> httpx.URL:
+        """The URL to fetch, normalised as it will be requested (`a/../b` is `b`), once it is under
+        an allowed prefix; a 400 otherwise."""
+        try:
+            url = httpx.URL(ref.url)
+        except (httpx.InvalidURL, ValueError):
+            url = None
+        if url is None or url.scheme not in ("http", "https") or not url.host:
+            raise ApiError(400, "an image URL must be a data: URL (or an http(s) URL the operator allowed)",
+                           param=ref.param, code="invalid_image")
+        # Dot segments the server would resolve (%2e%2e reaches the path decoded) and credentials
+        # have no place in an image's address.
+        odd = url.userinfo or any(segment in (".", "..") for segment in url.path.split("/"))
+        if odd or not any(_normal(url).startswith(prefix) for prefix in self._prefixes):
+            raise ApiError(400, "image URLs are not fetched from this address: send the image as a data: URL "
+                                "(the operator allows URLs with --image-url-allow)", param=ref.param,
+                           code="image_url_not_allowed")
+        return url
 
     def _too_large(self, ref: ImageRef) -> ApiError:
         return ApiError(400, f"the image is larger than {self.limits.max_image_bytes} bytes", param=ref.param,
                         code="image_too_large")
+
+
+def _normal(url: httpx.URL) -> str:
+    """A URL as prefixes are compared: scheme and host in lower case, no default port, the path
+    with its dot segments resolved and its escapes decoded."""
+    default = {"http": 80, "https": 443}.get(url.scheme)
+    port = f":{url.port}" if url.port and url.port != default else ""
+    return f"{url.scheme}://{url.host}{port}{url.path}"

@@ -26,8 +26,8 @@ from services.processor.prompt_errors import PromptError
 # What an engine decodes: the formats every image client sends (Anthropic's four).
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "GIF": "image/gif", "WEBP": "image/webp"}
 # An image with more pixels is refused before anything decodes it (a small file can declare a
-# huge canvas: a decompression bomb). 50 megapixels: far past any screenshot.
-MAX_PIXELS = 50_000_000
+# huge canvas: a decompression bomb). 20 megapixels: past a 5K screenshot (14.7), 60 MB decoded.
+MAX_PIXELS = 20_000_000
 # Images whose widening (their placeholder tokens) is kept.
 WIDENED_KEPT = 256
 
@@ -49,7 +49,9 @@ def open_image(data: bytes, param: str) -> PromptImage:
         with Image.open(io.BytesIO(data)) as image:
             kind, (width, height) = image.format, image.size
             if kind in FORMATS and width * height <= MAX_PIXELS:
-                image.verify()  # the file's structure (chunk checksums), without decoding pixels
+                # Decoded whole here, so a damaged file (a JPEG cut short passes any header
+                # check) is this request's 400, not an engine's failure later.
+                image.load()
     except UnidentifiedImageError:
         raise PromptError("the image is not a PNG, JPEG, GIF or WebP image", param=param) from None
     except Exception as exc:  # PIL raises many kinds for a damaged file
@@ -108,9 +110,13 @@ class ImagePlaceholders:
                 return widened
         from PIL import Image
 
-        with Image.open(io.BytesIO(image.data)) as opened:
-            rgb = opened.convert("RGB")
-        encoded = self._hf(text=self._marker, images=[[rgb]], add_special_tokens=False)
+        try:
+            with Image.open(io.BytesIO(image.data)) as opened:
+                rgb = opened.convert("RGB")
+            encoded = self._hf(text=self._marker, images=[[rgb]], add_special_tokens=False)
+        except Exception as exc:  # PIL and the model's processor raise many kinds for an odd image
+            raise PromptError(f"the model's processor cannot take the image: {' '.join(str(exc).split())[:200]}",
+                              param="messages") from None
         widened = [int(t) for t in encoded["input_ids"][0]]
         if self.vision.image_token_id not in widened:
             raise PromptError("the model's processor gave the image no image tokens", param="messages")

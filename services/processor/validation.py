@@ -88,7 +88,8 @@ def check_prompt_size(request: processor_pb2.GenerateRequest, context: int) -> N
         # Every rendered message costs at least one token.
         if len(messages) > context:
             raise ContextLengthError(f"{len(messages)} messages cannot fit this model's context of {context} tokens")
-        chars = sum(len(m.content) + len(m.name) + len(m.role) for m in messages)
+        chars = sum(len(m.content) + len(m.name) + len(m.role) + sum(len(p.text) for p in m.parts)
+                    for m in messages)
         if chars > limit:
             raise _too_many_chars(chars, limit, context)
 

@@ -87,6 +87,11 @@ class Router:
 
     # -- deciding ----------------------------------------------------------------------------
 
+    def _as_seen(self, query: RouteQuery) -> RouteQuery:
+        """The query as this router weighs it: without its images under --no-media-aware-routing
+        (its admission's estimates too)."""
+        return query if self._media_aware or not query.media else dataclasses.replace(query, media=())
+
     def decide(self, query: RouteQuery, span: Span = INVALID_SPAN) -> Route:
         """One decision, at once, outside admission (retries, migrations, the prefill pool: work
         already admitted). `span`: the caller's `route` span, which gets the decision's terms."""
@@ -145,7 +150,7 @@ class Router:
         refusal (gate.py). A query no worker serves is refused at once, not queued (`NoWorker`)."""
         admission = self._admitting()
         self._candidates(query)
-        return admission.begin(query)
+        return admission.begin(self._as_seen(query))
 
     async def wait(self, queued: Queued) -> Ticket:
         """Waits for the queued request's turn and a worker with room (or its refusal)."""
@@ -170,7 +175,7 @@ class Router:
         `place` in one (in-process callers). The ticket is the caller's to release at the end."""
         admission = self._admitting()
         self._candidates(query)
-        ticket = await admission.enter(query)
+        ticket = await admission.enter(self._as_seen(query))
         return self.place(query, ticket, span), ticket
 
     def drain(self) -> None:
@@ -221,7 +226,7 @@ class Router:
         tokens, lora = query.token_ids, query.lora_name
         # An adapter's blocks hash with its own seed: they match its own cached blocks only.
         local_hashes = local_block_hashes(tokens, block_size, adapter_seed(lora),
-                                          query.media if self._media_aware else ())
+                                          self._as_seen(query).media)
         overlaps, host_overlaps = pool.matches_by_tier(local_hashes)
         credits = host_credits(candidates, overlaps, host_overlaps, block_size, self._host_weight)
         adapters = {w.info.instance_id: w.adapter(lora) for w in candidates} if lora else {}

@@ -65,9 +65,31 @@ def test_limits_on_size_and_count() -> None:
     assert (many.code, many.param) == ("too_many_images", "messages.0.content.2")
 
 
-def test_a_url_outside_the_allowed_prefixes_is_not_fetched() -> None:
-    limits = ImageLimits(url_allow=("https://images.example.com/",))
-    assert refusal(limits, "https://images.example.com.evil.test/x.png").code == "image_url_not_allowed"
+@pytest.mark.parametrize("url", ["https://images.example.com.evil.test/x.png",
+                                 "https://images.example.com@evil.test/x.png",
+                                 "https://images.example.com/public/../private/x.png",
+                                 "https://images.example.com/public/%2e%2e/private/x.png",
+                                 "http://images.example.com/public/x.png"])
+def test_a_url_outside_the_allowed_prefixes_is_not_fetched(url: str) -> None:
+    limits = ImageLimits(url_allow=("https://images.example.com/public/",))
+    assert refusal(limits, url).code == "image_url_not_allowed"
+
+
+def test_an_allowed_url_is_compared_as_it_will_be_requested() -> None:
+    loader = ImageLoader(ImageLimits(url_allow=("HTTPS://Images.Example.com:443/public/",)))
+    assert str(loader._allowed(ImageRef((0, 0), "https://images.example.com/public/a/../x.png"))) == \
+        "https://images.example.com/public/x.png"
+
+
+def test_a_malformed_url_is_a_400() -> None:
+    assert refusal(ImageLimits(url_allow=("https://a.example/",)), "https://a.example/\x00" + "x" * 70_000).code in (
+        "invalid_image", "image_url_not_allowed")
+
+
+def test_the_request_s_images_are_bounded_in_all() -> None:
+    big = bytes(range(256)) * 400  # 100 kB
+    refused = refusal(ImageLimits(max_request_image_bytes=250_000), *[data_url(big)] * 3)
+    assert (refused.code, refused.param) == ("image_too_large", "messages.0.content.2")
 
 
 @pytest.mark.parametrize("prefix", ["https://images.example.com", "ftp://x/", "images.example.com/"])
@@ -87,9 +109,16 @@ def damaged() -> bytes:
     return bytes(data)
 
 
+def cut_jpeg() -> bytes:
+    out = io.BytesIO()
+    Image.effect_noise((64, 64), 40).convert("RGB").save(out, "JPEG")
+    return out.getvalue()[: len(out.getvalue()) // 2]  # its header intact, its pixels half gone
+
+
 @pytest.mark.parametrize(("data", "says"), [
     (b"not an image at all", "not a PNG, JPEG, GIF or WebP"),
     (damaged(), "cannot be read"),
+    (cut_jpeg(), "cannot be read"),
 ])
 def test_what_is_not_an_image_is_refused(data: bytes, says: str) -> None:
     with pytest.raises(PromptError, match=says) as refused:

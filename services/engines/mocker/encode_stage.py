@@ -12,10 +12,11 @@ its step then encodes nothing for it.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable
 
-from services.engines.base import EncodedImage, EngineRequest, MediaInput
+from services.engines.base import EncodedImage, EngineBusy, EngineRequest, MediaInput
 from services.engines.mocker.encoder import ImageEncoder
 from services.engines.mocker.kv_transfer import KvTransferError, NixlKvEndpoint
 from services.engines.mocker.timing import TimingModel
@@ -25,6 +26,9 @@ log = logging.getLogger(__name__)
 
 # A row of features when the model states no width (hidden_size 0): a small model's.
 DEFAULT_FEATURE_BYTES_PER_TOKEN = 2048
+# Images waiting for the encoder at most; past that an encode is refused as busy (its caller
+# encodes in place), rather than waiting out its deadline in a queue nobody bounds.
+MAX_WAITING = 64
 
 
 class EncodeStage:
@@ -38,24 +42,37 @@ class EncodeStage:
         self._cached_prefix = cached_prefix
         # One encoder: images queue for it, as on one accelerator.
         self._busy = asyncio.Lock()
+        self._waiting = 0
+        # Each hold its own key: the same image asked for twice (two requests, or one retried)
+        # gets two slices, each freed by its own pull.
+        self._holds = itertools.count()
 
     def to_encode(self, request: EngineRequest) -> list[MediaInput]:
         if not request.media or self._endpoint is None or self._encoder.vision is None:
             return []
         cached = self._cached_prefix(request)
-        return [item for item in request.media
-                if item.span.end > cached and not self._encoder.holds(item.span.digest)]
+        wanted: dict[int, MediaInput] = {}  # one pull for an image the prompt holds twice
+        for item in request.media:
+            if item.span.end > cached and not self._encoder.holds(item.span.digest):
+                wanted.setdefault(item.span.digest, item)
+        return list(wanted.values())
 
     async def encode(self, request_id: str, item: MediaInput) -> EncodedImage:
         if self._endpoint is None:
             raise NotImplementedError("this worker was started without KV transfer (--kv-transfer nixl): it can "
                                       "hand no features over")
         self._encoder.check((item,))
-        async with self._busy:
-            patches = self._encoder.encode_patches(item)
-            await asyncio.sleep(self._timing.encode_seconds(patches))
-        params = await self._endpoint.hold(f"{request_id}/image-{item.span.digest:016x}", feature_rows(item), "",
-                                           self._row_bytes)
+        if self._waiting >= MAX_WAITING:
+            raise EngineBusy(f"{self._waiting} images are waiting for this encoder")
+        self._waiting += 1
+        try:
+            async with self._busy:
+                patches = self._encoder.encode_patches(item)
+                await asyncio.sleep(self._timing.encode_seconds(patches))
+        finally:
+            self._waiting -= 1
+        key = f"{request_id}/image-{item.span.digest:016x}/{next(self._holds)}"
+        params = await self._endpoint.hold(key, feature_rows(item), "", self._row_bytes)
         return EncodedImage(params, cached=not patches)
 
     async def take_features(self, item: MediaInput, features: dict) -> None:
