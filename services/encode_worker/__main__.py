@@ -3,8 +3,9 @@
 It registers like any worker (its own etcd component, `encode-worker`), and serves the `Encoder`
 service: an image encoded, its features held in the engine's NIXL arena until the caller has
 pulled them. The workers that prefill prompts with images ask it (services/worker/remote_encode.py)
-and encode in place when none answers. The mocker engine serves this role; vLLM encodes where it
-prefills (its own encoder-cache transfer is not wired here yet).
+and encode in place when none answers. The mocker holds features in its NIXL arena; vLLM (run
+encoder-only) writes them to `--encoder-cache-dir` through its ECExampleConnector, where the
+workers that prefill (its consumers) read them.
 """
 
 from __future__ import annotations
@@ -34,14 +35,17 @@ async def prepare(ctx: WorkerContext) -> ServicesFactory:
 
 
 def check_flags(args: argparse.Namespace, spec: EngineConfig) -> None:
-    if spec.engine != "mocker":
-        die("an encode worker runs the mocker engine (--engine mocker): vLLM encodes images where it prefills")
-    if spec.kv_transfer != "nixl":
-        die("an encode worker hands features over NIXL: leave --kv-transfer at nixl")
+    if spec.engine == "mocker" and spec.kv_transfer != "nixl":
+        die("a mocker encode worker hands features over NIXL: leave --kv-transfer at nixl")
+    if spec.engine == "vllm" and not spec.encoder_cache_dir:
+        die("a vLLM encode worker writes image features to --encoder-cache-dir (the workers that prefill read them "
+            "there): give it")
 
 
-# An encode worker without KV transfer could hand nothing over: NIXL is its default.
-ROLE = Role(ENCODE_WORKER, RoleName.ENCODE, prepare, check_flags=check_flags, default_kv_transfer="nixl")
+# A mocker encode worker without KV transfer could hand nothing over: NIXL is its default (vLLM's
+# features go through --encoder-cache-dir instead: its worker takes --kv-transfer none).
+ROLE = Role(ENCODE_WORKER, RoleName.ENCODE, prepare, check_flags=check_flags, default_kv_transfer="nixl",
+            encodes=True)
 
 if __name__ == "__main__":
     main(ROLE)

@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from services.engines.base import (
+    EncodedImage,
     Engine,
     EngineInfo,
     EngineOutput,
     EngineRequest,
     FinishReason,
     LoadSnapshot,
+    MediaInput,
     PrefillResult,
     RowTap,
     Sampling,
@@ -31,6 +33,7 @@ from services.engines.base import (
 )
 from services.engines.lora import LORA_OFF, LoraConfig
 from services.engines.model_facts import read_model_facts
+from services.engines.vllm_encode import EncoderCacheShare, FeatureWriter
 from services.engines.vllm_images import IMAGES_PER_PROMPT, vllm_prompt
 from services.engines.vllm_kv_events import VllmKvEventListener
 from services.engines.vllm_lora import held_lora, lora_engine_args, preload, vllm_adapters
@@ -61,6 +64,8 @@ class VllmConfig:
     kv_events_port: int = 0
     # LoRA adapters (--enable-lora, --lora-modules, --max-loras, --max-lora-rank).
     lora: LoraConfig = LORA_OFF
+    # The encode stage's shared directory of image features (vllm_encode.py); None: off.
+    encoder_cache: EncoderCacheShare | None = None
 
 
 def kv_bytes_per_token(model_dir: str, dtype_bytes: int = 2) -> int:
@@ -168,6 +173,8 @@ class VllmEngine(Engine):
                                facts.vocab_size, facts.eos_token_ids)
         self._llm: Any = None
         self._vision = facts.vision
+        share = config.encoder_cache
+        self._features = FeatureWriter(share, facts.vision) if share is not None and share.producer else None
         self._load = _LoadRecorder(self.record_kv_transfer)
         self._num_blocks = 0
         self._events: VllmKvEventListener | None = None
@@ -198,6 +205,11 @@ class VllmEngine(Engine):
             kwargs["gpu_memory_utilization"] = self.config.gpu_memory_utilization
         if self._vision is not None:
             kwargs["limit_mm_per_prompt"] = {"image": IMAGES_PER_PROMPT}
+        if self.config.encoder_cache is not None:
+            from vllm.config import ECTransferConfig
+
+            os.makedirs(self.config.encoder_cache.directory, exist_ok=True)
+            kwargs["ec_transfer_config"] = ECTransferConfig(**self.config.encoder_cache.transfer_config())
         if self.config.kv_events:
             from vllm.config import KVEventsConfig
 
@@ -224,7 +236,8 @@ class VllmEngine(Engine):
         args = AsyncEngineArgs(**kwargs)
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._load.factory()])
         self._num_blocks = int(self._llm.vllm_config.cache_config.num_gpu_blocks or 0)
-        await self._warm_up()
+        if self._features is None:  # an encoder-only engine has no KV to warm
+            await self._warm_up()
         await preload(self.adapters)
         log.info("vLLM engine ready: %s, %d KV blocks of %d tokens", self.config.model_dir,
                  self._num_blocks, self.config.block_size)
@@ -319,6 +332,22 @@ class VllmEngine(Engine):
         if params is None:
             raise RuntimeError("vLLM returned no KV transfer parameters (is the NixlConnector configured?)")
         return PrefillResult(params, cached)
+
+    # -- the encode stage (vllm_encode.py) ------------------------------------------------------
+
+    def to_encode(self, request: EngineRequest) -> list[MediaInput]:
+        share = self.config.encoder_cache
+        return share.to_encode(request) if share is not None else []
+
+    async def encode(self, request_id: str, item: MediaInput) -> EncodedImage:
+        if self._features is None:
+            raise NotImplementedError("this vLLM worker is no encode worker")
+        return await self._features.encode(self._llm, request_id, item)
+
+    async def take_features(self, item: MediaInput, features: dict) -> None:
+        if self.config.encoder_cache is None:
+            raise NotImplementedError("this vLLM worker was started without --encoder-cache-dir")
+        self.config.encoder_cache.taken(item, features)
 
     async def _generate(self, request: EngineRequest, extra_args: dict[str, Any] | None,
                         keep_params: bool = False, tap: RowTap | None = None,

@@ -130,8 +130,6 @@ class LaunchConfig:
             raise ConfigError(f"--ready-timeout must be > 0, got {self.ready_timeout_s}")
         if self.encode_workers < 0:
             raise ConfigError(f"--encode-workers must be >= 0, got {self.encode_workers}")
-        if self.encode_workers and self.engine != "mocker":
-            raise ConfigError("--encode-workers serves the mocker engine: vLLM encodes images where it prefills")
         if self.encode_workers and self.planner_switches:
             raise ConfigError("--encode-workers with --planner local: the planner does not size the encode pool yet")
 
@@ -162,8 +160,9 @@ def parser() -> tuple[FlagParser, _Groups]:
     p.add_argument("--decode-workers", type=positive_int, default=1)
     p.add_argument("--prefill-workers", type=non_negative_int, default=1, help="0 = aggregated serving")
     p.add_argument("--encode-workers", type=non_negative_int, default=0,
-                   help="encode workers (E/P/D, mocker engine): the workers that prefill a prompt with images "
-                        "have them encoded there and pull the features over NIXL (0 = encode in place)")
+                   help="encode workers (E/P/D): the workers that prefill a prompt with images have them encoded "
+                        "there (the mocker's features come over NIXL, vLLM's through a directory of the run's; "
+                        "0 = encode in place)")
     p.add_argument("--processors", type=positive_int, default=1, help="processor replicas")
     p.add_argument("--embed-processors", action="store_true",
                    help="each frontend hosts its processor in its own process and calls it in-process (one hop "

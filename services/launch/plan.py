@@ -36,7 +36,7 @@ def plan_children(cfg: LaunchConfig, etcd: str, model: str, console: Console | N
         children += [switchable_worker(cfg, common, model, RoleName.DECODE, env) for _ in range(cfg.decode_workers)]
         children += [switchable_worker(cfg, common, model, RoleName.PREFILL, env) for _ in range(cfg.prefill_workers)]
     else:
-        children += _fixed_workers(cfg, common, model, env)
+        children += _fixed_workers(cfg, common, model, env, run_dir)
     if cfg.engine == "vllm":
         _share_cores([c for c in children if c.component.endswith("-worker")])
     if cfg.planner != "off":
@@ -78,17 +78,24 @@ def _engine_argv(cfg: LaunchConfig, common: list[str], model: str) -> list[str]:
     return [*common, "--model", model, *named, *cfg.engine_argv]
 
 
-def _fixed_workers(cfg: LaunchConfig, common: list[str], model: str, env: dict[str, str]) -> list[Child]:
+def _fixed_workers(cfg: LaunchConfig, common: list[str], model: str, env: dict[str, str],
+                   run_dir: Path | None) -> list[Child]:
     engine = _engine_argv(cfg, common, model)
+    encoding = ["--kv-transfer", "nixl"]
+    if cfg.encode_workers and cfg.engine == "vllm":
+        # vLLM's features go through a directory every worker of the run shares (vllm_encode.py).
+        shared = (run_dir or Path(".cache") / "encoder-cache" / cfg.namespace) / "encoder-cache"
+        engine += ["--encoder-cache-dir", str(shared.resolve())]
+        encoding = ["--kv-transfer", "none"]
     decode = [*engine, *cfg.disagg_argv]
     if cfg.disaggregated:
         decode += ["--kv-transfer", "nixl", "--remote-prefill"]
-    elif cfg.encode_workers:
+    elif cfg.encode_workers and cfg.engine == "mocker":
         # Features come over NIXL; the prompt's KV stays here (aggregated).
         decode += ["--kv-transfer", "nixl", "--no-remote-prefill"]
     # Encode workers first: the workers that prefill find them when they join.
-    children = _workers("encode-worker", "services.encode_worker", [*engine, "--kv-transfer", "nixl"],
-                        cfg.encode_workers, cfg.engine, env)
+    children = _workers("encode-worker", "services.encode_worker", [*engine, *encoding], cfg.encode_workers,
+                        cfg.engine, env)
     children += _workers("decode-worker", "services.decode_worker", decode, cfg.decode_workers, cfg.engine, env)
     if cfg.disaggregated:
         children += _workers("prefill-worker", "services.prefill_worker", [*engine, "--kv-transfer", "nixl"],

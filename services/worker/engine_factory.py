@@ -69,6 +69,7 @@ def _mocker(config: EngineConfig, instance_id: str, store: KeyValueStore, namesp
 
 
 def _vllm(config: EngineConfig, kv_events: bool) -> Engine:
+    from services.engines.vllm_encode import EncoderCacheShare
     from services.engines.vllm_engine import VllmConfig, VllmEngine, nixl_transfer_config
 
     return VllmEngine(
@@ -79,11 +80,14 @@ def _vllm(config: EngineConfig, kv_events: bool) -> Engine:
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs or VLLM_MAX_NUM_SEQS,
             cpu_kv_cache_gib=int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")),
+            # An encode worker's engine runs the image encoder only: no KV to move or report.
             kv_connector=nixl_transfer_config(config.advertise_host, port_for_later())
-            if config.kv_transfer == "nixl" else None,
+            if config.kv_transfer == "nixl" and not config.encodes else None,
             host_kv_blocks=config.host_kv_blocks,
-            kv_events=kv_events,
+            kv_events=kv_events and not config.encodes,
             lora=config.lora,
-            kv_events_port=port_for_later() if kv_events else 0,
+            kv_events_port=port_for_later() if kv_events and not config.encodes else 0,
+            encoder_cache=EncoderCacheShare(config.encoder_cache_dir, config.encodes)
+            if config.encoder_cache_dir else None,
         )
     )

@@ -64,6 +64,11 @@ class EngineConfig:
     lora: LoraConfig = LORA_OFF
     # Device blocks the mocker keeps pinned for idle agent sessions (-1: a quarter of the device).
     session_pin_blocks: int = DEFAULT_SESSION_PIN_BLOCKS
+    # vLLM's encode stage (E/P/D): the directory encode workers write image features to and the
+    # workers that prefill read them from (one host, or a filesystem they share); None: off.
+    encoder_cache_dir: str | None = None
+    # This worker is an encode worker (its role says so, not a flag): vLLM runs its encoder only.
+    encodes: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -168,6 +173,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup
                    help="the highest adapter rank the worker accepts")
     g.add_argument("--min-remote-encode-tokens", type=non_negative_int, default=EncodeConfig.min_tokens,
                    help="with encode workers (E/P/D): images of fewer placeholder tokens are encoded in place")
+    g.add_argument("--encoder-cache-dir", default=None, metavar="DIR",
+                   help="vLLM with encode workers (E/P/D): the directory encode workers write image features to and "
+                        "the workers that prefill read them from (one host, or a filesystem they share)")
     g.add_argument("--encode-timeout", type=positive_float, default=EncodeConfig.timeout_s,
                    help="with encode workers: seconds for one image's encoding and pull before it is encoded in place")
     return g
@@ -207,6 +215,7 @@ def engine_config(args: argparse.Namespace, advertise_host: str = "127.0.0.1") -
         host_kv_gbps=args.host_kv_gbps,
         lora=lora_config(args),
         session_pin_blocks=args.session_pin_blocks,
+        encoder_cache_dir=args.encoder_cache_dir,
     ))
 
 

@@ -2,11 +2,12 @@
 
 Before its engine prefills a prompt with images, a worker asks its engine which images it would
 encode itself (none in its encoder cache, not all in cached blocks), and has each of those of at
-least `min_tokens` placeholders encoded by an encode worker, then pulled over NIXL into its
-engine's encoder cache; smaller images are encoded in place (not worth a round trip). Each image
-goes to the encode worker its digest ranks first (rendezvous hashing over the live pool), so a
-screenshot resent turn after turn finds its features in that worker's encoder cache, whichever
-worker prefills it. Anything that fails (no encode worker, an unreachable or slow one, a pull
+least `min_tokens` placeholders encoded by an encode worker, whose features its engine then
+takes (the mocker pulls them over NIXL into its encoder cache; vLLM reads them from the directory
+the encode workers write, vllm_encode.py); smaller images are encoded in place (not worth a round
+trip). Each image goes to the encode worker its digest ranks first (rendezvous hashing over the
+live pool), so a screenshot resent turn after turn finds its features in that worker's encoder
+cache, whichever worker prefills it. Anything that fails (no encode worker, an unreachable or slow one, a pull
 that fails its checksum) leaves that image to the engine, which encodes it in place: counted and
 logged, never an error for the request.
 """
@@ -115,9 +116,9 @@ class RemoteEncoder:
 
 async def remote_encoder(kv_transfer: str, args: argparse.Namespace, runner: ServiceRunner,
                          registry: CollectorRegistry) -> RemoteEncoder | None:
-    """A worker process's client of the encode pool; None for one that takes no features over
-    NIXL (without --kv-transfer nixl its images are encoded in place)."""
-    if kv_transfer != "nixl":
+    """A worker process's client of the encode pool; None for one that can take no features (the
+    mocker's come over NIXL, vLLM's through --encoder-cache-dir): its images are encoded in place."""
+    if kv_transfer != "nixl" and not args.encoder_cache_dir:
         return None
     config = validated(lambda: EncodeConfig(args.min_remote_encode_tokens, args.encode_timeout))
     return RemoteEncoder(config, await runner.watch_component(ENCODE_WORKER), runner.channels,

@@ -1,11 +1,14 @@
-"""Images on real vLLM: the demo vision-language model (a tiny random Idefics3) served by a
-disaggregated mesh (a prefill and a decode worker over NIXL), compared with one plain vLLM
-(tests/e2e/plain_vllm.py: vLLM's own `LLM.chat` renders, widens and encodes the same messages).
+"""Images on real vLLM: the demo vision-language model (a tiny random Idefics3) served by an
+E/P/D mesh (an encode worker, whose encoder-only engine writes each image's features to the run's
+directory; a prefill worker that reads them and prefills; a decode worker that pulls the KV over
+NIXL), compared with one plain vLLM (tests/e2e/plain_vllm.py: vLLM's own `LLM.chat` renders,
+widens and encodes the same messages in one process).
 
 Equal greedy answers say the mesh's prompt is vLLM's: the processor's widening of each image,
-the engine's collapse back to one image token, the image itself, and the KV computed on the
-prefill worker and pulled by the decode worker. Another image gives another answer, so the model
-sees the pixels; a resent image is a cache hit on the worker that holds it."""
+the engine's collapse back to one image token, the image's features (encoded on the encode
+worker), and the KV computed on the prefill worker and pulled by the decode worker. Another image
+gives another answer, so the model sees the pixels; a resent image is a cache hit on the worker
+that holds it."""
 
 from __future__ import annotations
 
@@ -21,7 +24,9 @@ from PIL import Image
 from services.processor.tokenizer import ModelTokenizer
 from tests.conftest import TEST_DRAIN_S
 from tests.e2e.plain_vllm import PlainVllm
-from tests.procs import Etcd, Mesh
+from services.mesh.discovery import PREFILL_WORKER
+from testkit.metrics import metrics_url, scrape, total
+from tests.procs import Etcd, Mesh, registered
 
 pytestmark = pytest.mark.vllm
 VLM_DIR = ".cache/models/kvmesh-demo-vlm"
@@ -63,7 +68,7 @@ def reference() -> Iterator[PlainVllm]:
 @pytest.fixture(scope="module")
 def vlm_mesh(etcd: Etcd, vllm_stops: list[Mesh], reference: PlainVllm) -> Iterator[Mesh]:
     mesh = Mesh.launch(etcd.endpoint, "vlm-vllm", "vllm", "--model", VLM_DIR, "--served-model-name", VLM,
-                       "--prefill-workers", "1", "--decode-workers", "1", "--max-model-len", "2048",
+                       "--encode-workers", "1", "--prefill-workers", "1", "--decode-workers", "1", "--max-model-len", "2048",
                        "--max-local-prefill-length", str(MAX_LOCAL_PREFILL), "--drain-timeout", str(TEST_DRAIN_S),
                        timeout_s=400)
     yield mesh
@@ -83,17 +88,24 @@ def answer(client: openai.OpenAI, name: str) -> tuple[str, dict, str]:
     return completion.choices[0].message.content or "", completion.usage.model_dump(), raw.headers["x-kvmesh-prefill"]
 
 
-def test_disaggregated_answers_are_one_plain_vllm_s_for_each_image(client: openai.OpenAI,
+def counted(mesh: Mesh, component: str, name: str, **labels: str) -> float:
+    return sum(total(scrape(metrics_url(w.metrics_port)), name, **labels)
+               for w in registered(mesh.etcd, mesh.namespace, component))
+
+
+def test_disaggregated_answers_are_one_plain_vllm_s_for_each_image(vlm_mesh: Mesh, client: openai.OpenAI,
                                                                    reference: PlainVllm) -> None:
     tokenizer = ModelTokenizer(VLM_DIR)
     expected = [tokenizer.decode(out["token_ids"]) for out in reference.outputs()]
     got = {}
     for name, want in zip(IMAGES, expected, strict=True):
         text, _, prefill = answer(client, name)
-        assert prefill.startswith("remote:"), prefill  # prefilled (and encoded) on the prefill worker
+        assert prefill.startswith("remote:"), prefill  # prefilled on the prefill worker
         assert text == want, (name, text, want)
         got[name] = text
     assert got["a"] != got["b"]  # the answer depends on the pixels, not only on the placeholders
+    # Each image encoded on the encode worker, its features read by the prefill worker.
+    assert counted(vlm_mesh, PREFILL_WORKER, "kvmesh_remote_encodes_total", outcome="remote") == 2
 
 
 def test_a_resent_image_is_a_cache_hit(client: openai.OpenAI) -> None:

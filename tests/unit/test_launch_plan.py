@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from services.launch import config
@@ -50,8 +52,7 @@ def test_encode_workers_start_first_and_the_aggregated_decode_workers_take_featu
     assert "encode-worker" not in [c.component for c in plan_children(config.load(["--engine", "mocker"]), ETCD, "/m")]
 
 
-@pytest.mark.parametrize(("flags", "says"), [(["--engine", "vllm", "--encode-workers", "1"], "mocker engine"),
-                                             (["--engine", "mocker", "--encode-workers", "1", "--planner", "local"],
+@pytest.mark.parametrize(("flags", "says"), [(["--engine", "mocker", "--encode-workers", "1", "--planner", "local"],
                                               "planner")])
 def test_encode_workers_are_refused_where_they_are_not_served(flags: list[str], says: str,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
@@ -59,3 +60,13 @@ def test_encode_workers_are_refused_where_they_are_not_served(flags: list[str], 
         config.load(flags)
     said = capsys.readouterr().err
     assert refused.value.code == 2 and "--encode-workers" in said and says in said, said
+
+
+def test_vllm_encode_workers_share_a_feature_directory_with_the_workers_that_prefill(tmp_path: Path) -> None:
+    children = plan_children(config.load(["--engine", "vllm", "--encode-workers", "1"]), ETCD, "/m", run_dir=tmp_path)
+    dirs = {c.component: c.argv[c.argv.index("--encoder-cache-dir") + 1] for c in children
+            if c.component.endswith("-worker")}
+    assert set(dirs) == {"encode-worker", "decode-worker", "prefill-worker"}
+    assert set(dirs.values()) == {str(tmp_path / "encoder-cache")}
+    (encode,) = [c for c in children if c.component == "encode-worker"]
+    assert encode.argv[encode.argv.index("--kv-transfer") + 1] == "none"  # its engine runs the encoder only

@@ -494,8 +494,9 @@ class Prefiller:
 
 
 class EncoderStub:
-    """An encode worker's service (E/P/D): it encodes one image and holds its features, which the
-    caller (the worker that prefills the prompt) pulls over NIXL into its encoder cache.
+    """An encode worker's service (E/P/D): it encodes one image and holds its features for the caller
+    (the worker that prefills the prompt): the mocker in its NIXL arena, for a pull; vLLM in the
+    run's encoder-cache directory, for a read.
     """
 
     def __init__(self, channel):
@@ -512,8 +513,9 @@ class EncoderStub:
 
 
 class EncoderServicer:
-    """An encode worker's service (E/P/D): it encodes one image and holds its features, which the
-    caller (the worker that prefills the prompt) pulls over NIXL into its encoder cache.
+    """An encode worker's service (E/P/D): it encodes one image and holds its features for the caller
+    (the worker that prefills the prompt): the mocker in its NIXL arena, for a pull; vLLM in the
+    run's encoder-cache directory, for a read.
     """
 
     def Encode(self, request, context):
@@ -539,8 +541,9 @@ def add_EncoderServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Encoder:
-    """An encode worker's service (E/P/D): it encodes one image and holds its features, which the
-    caller (the worker that prefills the prompt) pulls over NIXL into its encoder cache.
+    """An encode worker's service (E/P/D): it encodes one image and holds its features for the caller
+    (the worker that prefills the prompt): the mocker in its NIXL arena, for a pull; vLLM in the
+    run's encoder-cache directory, for a read.
     """
 
     @staticmethod
