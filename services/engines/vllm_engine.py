@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,6 +36,7 @@ from services.engines.model_facts import read_model_facts
 from services.engines.vllm_encode import EncoderCacheShare, FeatureWriter
 from services.engines.vllm_images import IMAGES_PER_PROMPT, vllm_prompt
 from services.engines.vllm_kv_events import VllmKvEventListener
+from services.engines.vllm_stats import LoadRecorder
 from services.engines.vllm_lora import held_lora, lora_engine_args, preload, vllm_adapters
 from services.engines.vllm_row_tap import tap_request
 from services.engines.vllm_warmup import WarmUpPlan, warm_up
@@ -119,44 +120,6 @@ def cpu_kernels() -> str:
         return "vLLM CPU kernels (unknown build)"
 
 
-class _LoadRecorder:
-    """Keeps the latest scheduler stats that vLLM hands its stat loggers every engine step."""
-
-    def __init__(self, on_transfer: Callable[[int, float], None]) -> None:
-        self.running = 0
-        self.waiting = 0
-        self.kv_usage = 0.0
-        self.prefix_queries = 0
-        self.prefix_hits = 0
-        self._on_transfer = on_transfer
-
-    def factory(self):
-        from vllm.v1.metrics.loggers import StatLoggerBase
-
-        recorder = self
-
-        class _Logger(StatLoggerBase):
-            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                pass
-
-            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
-                if scheduler_stats is None:
-                    return
-                recorder.running = scheduler_stats.num_running_reqs
-                recorder.waiting = scheduler_stats.num_waiting_reqs
-                recorder.kv_usage = scheduler_stats.kv_cache_usage
-                pcs = scheduler_stats.prefix_cache_stats
-                recorder.prefix_queries += pcs.queries
-                recorder.prefix_hits += pcs.hits
-                for nbytes, seconds in _nixl_transfers(scheduler_stats.kv_connector_stats):
-                    recorder._on_transfer(nbytes, seconds)
-
-            def log_engine_initialized(self) -> None:
-                pass
-
-        return _Logger
-
-
 class VllmEngine(Engine):
     name = "vllm"
 
@@ -175,7 +138,7 @@ class VllmEngine(Engine):
         self._vision = facts.vision
         share = config.encoder_cache
         self._features = FeatureWriter(share, facts.vision) if share is not None and share.producer else None
-        self._load = _LoadRecorder(self.record_kv_transfer)
+        self._load = LoadRecorder(self.record_kv_transfer)
         self._num_blocks = 0
         self._events: VllmKvEventListener | None = None
         self.adapters = vllm_adapters(config.lora, lambda: self._llm)
@@ -406,19 +369,6 @@ async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
     yield first
     async for item in rest:
         yield item
-
-
-def _nixl_transfers(stats: Any) -> list[tuple[int, float]]:
-    """(bytes, seconds) per NIXL transfer from vLLM's connector stats, wherever they are nested."""
-    if not isinstance(stats, dict):
-        return []
-    if "bytes_transferred" in stats and "transfer_duration" in stats:
-        return list(zip(stats["bytes_transferred"], stats["transfer_duration"]))
-    out: list[tuple[int, float]] = []
-    for value in stats.values():
-        data = getattr(value, "data", value)
-        out.extend(_nixl_transfers(data))
-    return out
 
 
 def _finish_reason(reason: str | None) -> FinishReason:

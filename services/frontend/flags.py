@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from services.frontend.app import FrontendConfig
+from services.frontend.config import FrontendConfig
 from services.frontend.auth import load_api_keys
 from services.frontend.images import ImageLimits
 from services.mesh.config_error import validated

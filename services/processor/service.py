@@ -14,7 +14,6 @@ and the workers' `decode` spans join it through the calls' metadata. A request t
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -49,18 +48,17 @@ from services.processor.choice_stream import (
     RouteFn,
     Started,
 )
-from services.processor.chat_render import chat_prompt, forced_tool_output
+from services.processor.chat_render import forced_tool_output
 from services.processor.context_limit import ContextLimit
 from services.processor.output_parsers import OutputParsers
 from services.processor.prompt import Prompt
 from services.processor.prompt_errors import ContextLengthError, PromptError
-from services.processor.tokenizer import LARGE_TEXT_CHARS, ModelTokenizer
+from services.processor.prompt_input import tokenized
+from services.processor.tokenizer import ModelTokenizer
 from services.processor.validation import check_request, context_error
 
 log = logging.getLogger(__name__)
 
-# Chats with more messages than this render their template in a worker thread (see _tokenize).
-LARGE_CHAT_MESSAGES = 64
 GENERATE_RPC = "kvmesh.v1.Processor/Generate"
 # The longest a new request may wait in a router's queue, whatever its own time limit.
 MAX_QUEUE_TIMEOUT_S = 60.0
@@ -206,27 +204,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
     # -- input -------------------------------------------------------------------------------
 
     async def _tokenize(self, request: processor_pb2.GenerateRequest) -> tuple[list[int], list[common_pb2.MediaItem]]:
-        """The prompt's tokens and images; a large one (or one with images, which are opened) is
-        tokenized in a worker thread so the event loop keeps serving every other stream meanwhile."""
-        if _is_large(request):
-            return await asyncio.to_thread(self._tokenize_now, request)
-        return self._tokenize_now(request)
-
-    def _tokenize_now(self, request: processor_pb2.GenerateRequest) -> tuple[list[int], list[common_pb2.MediaItem]]:
-        kind = request.WhichOneof("input")
-        media: list[common_pb2.MediaItem] = []
-        if kind == "chat":
-            tokens, media = self._tok.encode_chat_media(chat_prompt(request.chat))
-        elif kind == "text":
-            tokens = self._tok.encode_text(request.text)
-        elif kind == "tokens":
-            tokens = list(request.tokens.ids)
-            self._tok.check_ids(tokens)
-        else:
-            raise PromptError("the request has no prompt")
-        if not tokens:
-            raise PromptError("the prompt is empty")
-        return tokens, media
+        return await tokenized(self._tok, request)
 
     def _checked_sampling(self, request: processor_pb2.GenerateRequest, prompt_len: int) -> common_pb2.SamplingParams:
         """The sampling to run with, or refused when it does not fit. A request that sets no
@@ -386,18 +364,6 @@ def _routing_failure(exc: RoutingError) -> ChoiceFailure:
 def _session(request: processor_pb2.GenerateRequest) -> common_pb2.SessionRef | None:
     """The agent session the request belongs to (None: none)."""
     return request.session if request.session.id else None
-
-
-def _is_large(request: processor_pb2.GenerateRequest) -> bool:
-    kind = request.WhichOneof("input")
-    if kind == "text":
-        return len(request.text) > LARGE_TEXT_CHARS
-    if kind == "chat":
-        messages = request.chat.messages
-        # A message with parts may hold images: opened and checked off the event loop.
-        return (len(messages) > LARGE_CHAT_MESSAGES or any(m.parts for m in messages)
-                or sum(len(m.content) for m in messages) > LARGE_TEXT_CHARS)
-    return False
 
 
 def _refused(exc: PromptError) -> CallError:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from services.decode_worker.disagg_decision import DisaggConfig
-from services.frontend.app import FrontendConfig
+from services.frontend.config import FrontendConfig
 from services.routing.cost_function import CostWeights
 from services.routing.config import RouterConfig
 from services.routing.kv_truth import KvEventsMode, KvTruthConfig

@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
-from services.frontend.app import FrontendConfig, create_app
+from services.frontend.app import create_app
+from services.frontend.config import FrontendConfig
 from services.frontend.endpoints import processor_requests
 from services.frontend.lora_admin import LoraAdmin, LoraOutcome, WorkerAnswer, WorkerReply, load_outcome
 from services.frontend.mesh import MeshView, ModelTarget

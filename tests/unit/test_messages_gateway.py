@@ -14,7 +14,8 @@ import httpx2
 import pytest
 
 from gen.kvmesh.v1 import common_pb2, processor_pb2, processor_pb2_grpc
-from services.frontend.app import FrontendConfig, create_app
+from services.frontend.app import create_app
+from services.frontend.config import FrontendConfig
 from services.frontend.lora_admin import LoraAdmin
 from services.frontend.mesh import MeshView
 from services.frontend.metrics import FrontendMetrics
