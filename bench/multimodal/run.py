@@ -80,24 +80,25 @@ class Run:
 
 
 def ideal_reuse(requests: list[Request], order: list[str]) -> float:
-    """Cached over prompt tokens for one worker with an endless cache, in the order sent."""
+    """Cached over prompt tokens for one worker with an endless cache, in the order sent; each
+    prompt made as the mesh makes it (the gateway's request and images, the processor's tokens)."""
+    from services.frontend.endpoints import processor_requests
+    from services.frontend.images import ImageLimits, ImageLoader
+    from services.frontend.schemas import ChatCompletionRequest, parse
     from services.kv_protocol.hashing import chain_from, local_block_hashes
     from services.kv_protocol.media import MediaSpan
-    from services.processor.chat_render import ChatPrompt
-    from services.processor.images import open_image
+    from services.processor.prompt_input import tokenize_now
     from services.processor.tokenizer import ModelTokenizer
 
     tokenizer = ModelTokenizer(str(MODEL_DIR))
+    loader = ImageLoader(ImageLimits())
     by_key = {r.key: r for r in requests}
     seen: set[int] = set()
     cached = total = 0
     for key in order:
-        request = by_key[key]
-        messages = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else [
-            {"type": "text", "text": p["text"]} if p["type"] == "text" else {"type": "image"} for p in m["content"]]}
-            for m in request.messages]
-        prompt = ChatPrompt(messages, images=tuple(open_image(i, "bench") for i in request.images))
-        ids, media = tokenizer.encode_chat_media(prompt)
+        req = parse(ChatCompletionRequest, {"model": MODEL, "messages": by_key[key].messages})
+        [msg] = processor_requests(key, req, images=asyncio.run(loader.load(req.image_refs())))
+        ids, media = tokenize_now(tokenizer, msg)
         spans = [MediaSpan(m.span.digest, m.span.offset, m.span.length) for m in media]
         chain = chain_from(local_block_hashes(ids, BLOCK_SIZE, media=spans))
         hit = next((i for i, h in enumerate(chain) if h not in seen), len(chain))

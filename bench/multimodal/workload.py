@@ -35,8 +35,6 @@ class Workload:
 class Request:
     key: str  # "s3t2" (session 3, turn 2) or "bg5"
     messages: list[dict]
-    # The images in prompt order, for the ideal reuse (their bytes, as the mesh gets them).
-    images: tuple[bytes, ...]
 
 
 @cache
@@ -75,13 +73,10 @@ def session_turns(w: Workload, seed: int, session: int) -> list[Request]:
     rng = random.Random(seed * 1000 + session)
     shots = [screenshot(seed * 100_000 + session * 100 + k) for k in range(w.screenshots_per_session)]
     history = [system_prompt(w, seed)]
-    images: list[bytes] = []
     out = []
     for turn in range(w.turns):
-        image = shots[turn % len(shots)]
-        history = [*history, _user(_text(rng, w.turn_words), image)]
-        images = [*images, image]
-        out.append(Request(f"s{session}t{turn}", history, tuple(images)))
+        history = [*history, _user(_text(rng, w.turn_words), shots[turn % len(shots)])]
+        out.append(Request(f"s{session}t{turn}", history))
         history = [*history, {"role": "assistant", "content": f"Noted step {turn}: {_text(rng, 8)}"}]
     return out
 
@@ -91,5 +86,5 @@ def background(w: Workload, seed: int) -> list[Request]:
     out = []
     for i in range(w.background):
         image = screenshot(seed * 100_000 + 90_000 + i)
-        out.append(Request(f"bg{i}", [system_prompt(w, seed), _user(_text(rng, w.turn_words), image)], (image,)))
+        out.append(Request(f"bg{i}", [system_prompt(w, seed), _user(_text(rng, w.turn_words), image)]))
     return out

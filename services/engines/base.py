@@ -8,7 +8,7 @@ from __future__ import annotations
 import abc
 import enum
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass, field
 
 from services.engines.lora import AdapterSet
@@ -89,6 +89,15 @@ class EngineRequest:
     def spans(self) -> tuple[MediaSpan, ...]:
         """Where its images stand: its blocks hash with them (services/kv_protocol/media.py)."""
         return tuple(item.span for item in self.media)
+
+
+def distinct_images(media: Iterable[MediaInput]) -> list[MediaInput]:
+    """Each image once (where it first stands), however often a prompt holds it: what to encode,
+    or hand over, once."""
+    first: dict[int, MediaInput] = {}
+    for item in media:
+        first.setdefault(item.span.digest, item)
+    return list(first.values())
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.engines.base import EncodedImage, EngineRequest, MediaInput, Sampling
+from services.engines.base import EncodedImage, EngineRequest, MediaInput, Sampling, distinct_images
 from services.engines.model_facts import VisionFacts
 from services.engines.vllm_images import vllm_prompt
 from services.kv_protocol.media import MediaSpan, media_uuid
@@ -53,11 +53,7 @@ class EncoderCacheShare:
         """A consumer's images with no features in the directory yet, each once."""
         if self.producer:
             return []
-        wanted: dict[int, MediaInput] = {}
-        for item in request.media:
-            if not self.holds(item.span.digest):
-                wanted.setdefault(item.span.digest, item)
-        return list(wanted.values())
+        return distinct_images(item for item in request.media if not self.holds(item.span.digest))
 
     def taken(self, item: MediaInput, features: dict) -> None:
         """The producer said it wrote them: the consumer's engine loads them when it prefills."""

@@ -1,5 +1,5 @@
 """An encode worker's `Encoder` service (E/P/D): one image encoded and its features held for the
-caller to pull over NIXL (the engine's `encode`)."""
+caller (the engine's `encode`: the mocker's in its NIXL arena, vLLM's in the shared directory)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.engines.base import Engine, EngineBusy
+from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.engines.base import Engine
 from services.mesh.grpc_server import as_unary_rpc
 from services.mesh.logs import REQUEST_ID
-from services.mesh.session_kind import CallError
 from services.worker.kv_pull import kv_pull_to_proto
-from services.worker.servicer import media_from_proto, refused
+from services.worker.servicer import engine_refusals, media_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +31,8 @@ class EncoderServicer(worker_pb2_grpc.EncoderServicer):
     async def encode(self, request: worker_pb2.EncodeRequest) -> AsyncIterator[worker_pb2.EncodeResponse]:
         REQUEST_ID.set(request.request_id)
         (item,) = media_from_proto([request.item], request.item.span.offset + request.item.span.length)
-        try:
+        with engine_refusals():
             encoded = await self.engine.encode(request.request_id, item)
-        except NotImplementedError as exc:
-            raise CallError(common_pb2.OUTCOME_UNSUPPORTED, str(exc)) from None
-        except EngineBusy as exc:
-            raise CallError(common_pb2.OUTCOME_NO_CAPACITY, str(exc)) from None
-        except ValueError as exc:
-            raise refused(exc) from None
         log.info("request %s: image %016x %s (%d tokens), its features held for a pull", request.request_id,
                  item.span.digest, "found in the encoder cache" if encoded.cached else "encoded", item.span.length)
         yield worker_pb2.EncodeResponse(features=kv_pull_to_proto(encoded.features), cached=encoded.cached)

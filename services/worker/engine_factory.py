@@ -72,6 +72,8 @@ def _vllm(config: EngineConfig, kv_events: bool) -> Engine:
     from services.engines.vllm_encode import EncoderCacheShare
     from services.engines.vllm_engine import VllmConfig, VllmEngine, nixl_transfer_config
 
+    # An encode worker's engine runs the image encoder only: no KV to move or report.
+    kv_events = kv_events and not config.encodes
     return VllmEngine(
         VllmConfig(
             model_dir=config.model.model_dir,
@@ -80,13 +82,12 @@ def _vllm(config: EngineConfig, kv_events: bool) -> Engine:
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs or VLLM_MAX_NUM_SEQS,
             cpu_kv_cache_gib=int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")),
-            # An encode worker's engine runs the image encoder only: no KV to move or report.
             kv_connector=nixl_transfer_config(config.advertise_host, port_for_later())
             if config.kv_transfer == "nixl" and not config.encodes else None,
             host_kv_blocks=config.host_kv_blocks,
-            kv_events=kv_events and not config.encodes,
+            kv_events=kv_events,
             lora=config.lora,
-            kv_events_port=port_for_later() if kv_events and not config.encodes else 0,
+            kv_events_port=port_for_later() if kv_events else 0,
             encoder_cache=EncoderCacheShare(config.encoder_cache_dir, config.encodes)
             if config.encoder_cache_dir else None,
         )

@@ -20,20 +20,20 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from gen.kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from gen.kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.contract.worker_roles import RoleName
-from services.engines.base import Engine, EngineBusy, EngineRequest
+from services.engines.base import Engine, EngineRequest
 from services.engines.lora import AdapterError
 from services.mesh.grpc_server import as_unary_rpc
 from services.mesh.logs import REQUEST_ID
-from services.mesh.session_kind import PREFILL_SESSION, CallError, CallInfo, call_info
+from services.mesh.session_kind import PREFILL_SESSION, CallInfo, call_info
 from services.mesh.session_server import SessionHub
 from services.mesh.tracing import TRACING_OFF, Tracing
 from services.worker.kv_pull import kv_pull_to_proto
 from services.worker.lora_adapters import adapter_refused, check_adapter
 from services.worker.remote_encode import RemoteEncoder
 from services.worker.role_switch import Admit, always
-from services.worker.servicer import media_from_proto, refused, sampling_from_proto
+from services.worker.servicer import engine_refusals, media_from_proto, sampling_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +84,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillerServicer):
         if self.encoder is not None:
             await self.encoder.prepare(self.engine, engine_request)  # its images encoded on the encode pool
         try:
-            result = await self.engine.prefill(engine_request)
-        except NotImplementedError as exc:
-            raise CallError(common_pb2.OUTCOME_UNSUPPORTED, str(exc)) from None
-        except EngineBusy as exc:
-            raise CallError(common_pb2.OUTCOME_NO_CAPACITY, str(exc)) from None
-        except ValueError as exc:
-            raise refused(exc) from None
+            with engine_refusals():
+                result = await self.engine.prefill(engine_request)
         except AdapterError as exc:  # forgotten between the check and the engine's `use`
             raise adapter_refused(exc) from None
         log.info("request %s: prefilled %d tokens (%d cached%s) for remote decode", request.request_id,

@@ -11,8 +11,8 @@ import asyncio
 import logging
 import time
 from typing import cast
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import aclosing, contextmanager
 
 import grpc
 
@@ -48,6 +48,7 @@ from services.worker.kv_event_log import KvEventLog, NumberedEvent
 from services.engines.base import (
     Engine,
     EngineOutput,
+    EngineBusy,
     EngineRequest,
     SessionRetention,
     FinishReason,
@@ -120,6 +121,20 @@ def structured_from_proto(p: common_pb2.StructuredOutput) -> Structured:
     else:
         value = getattr(p, kind)
     return Structured("json" if kind == "json_schema" else kind, value, p.param or "structured_outputs")
+
+
+@contextmanager
+def engine_refusals() -> Iterator[None]:
+    """An engine's refusals of a prefill or an encode as the call's outcomes: a role the engine
+    was not started for UNSUPPORTED, no room now NO_CAPACITY, bad input BAD_REQUEST."""
+    try:
+        yield
+    except NotImplementedError as exc:
+        raise CallError(common_pb2.OUTCOME_UNSUPPORTED, str(exc)) from None
+    except EngineBusy as exc:
+        raise CallError(common_pb2.OUTCOME_NO_CAPACITY, str(exc)) from None
+    except ValueError as exc:
+        raise refused(exc) from None
 
 
 def refused(exc: ValueError) -> CallError:

@@ -161,6 +161,12 @@ class BlockManager:
         """How many blocks of `chain` from `start` on continue the prefix in host memory."""
         return _run_held(self._host, chain, start) if self._host else 0
 
+    def reusable_prefix_blocks(self, chain: Sequence[SequenceHash]) -> int:
+        """The blocks of `chain`'s prefix a prompt need not compute: cached on the device, then
+        continuing in host memory."""
+        hit = self.cached_prefix_blocks(chain)
+        return hit + self.host_prefix_blocks(chain, hit)
+
     # -- allocation ----------------------------------------------------------------------------
 
     def allocate(self, chain: list[SequenceHash], locals_: list[LocalBlockHash],

@@ -16,11 +16,11 @@ import itertools
 import logging
 from collections.abc import Callable
 
-from services.engines.base import EncodedImage, EngineBusy, EngineRequest, MediaInput
+from services.engines.base import EncodedImage, EngineBusy, EngineRequest, MediaInput, distinct_images
 from services.engines.mocker.encoder import ImageEncoder
 from services.engines.mocker.kv_transfer import KvTransferError, NixlKvEndpoint
 from services.engines.mocker.timing import TimingModel
-from services.kv_protocol.hashing import chain_from, local_block_hashes
+from services.kv_protocol.hashing import SequenceHash, chain_from, local_block_hashes
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,8 @@ class EncodeStage:
         if not request.media or self._endpoint is None or self._encoder.vision is None:
             return []
         cached = self._cached_prefix(request)
-        wanted: dict[int, MediaInput] = {}  # one pull for an image the prompt holds twice
-        for item in request.media:
-            if item.span.end > cached and not self._encoder.holds(item.span.digest):
-                wanted.setdefault(item.span.digest, item)
-        return list(wanted.values())
+        return distinct_images(item for item in request.media
+                               if item.span.end > cached and not self._encoder.holds(item.span.digest))
 
     async def encode(self, request_id: str, item: MediaInput) -> EncodedImage:
         if self._endpoint is None:
@@ -93,7 +90,7 @@ def feature_rows(item: MediaInput) -> list[int]:
 
 
 def cached_prefix_tokens(request: EngineRequest, block_size: int, seed: int,
-                         prefix_blocks: Callable[[list], int]) -> int:
+                         prefix_blocks: Callable[[list[SequenceHash]], int]) -> int:
     """The tokens of `request`'s prompt in cached blocks (`prefix_blocks` of its chained hashes)."""
     chain = chain_from(local_block_hashes(request.token_ids, block_size, seed, request.spans()))
     return prefix_blocks(chain) * block_size

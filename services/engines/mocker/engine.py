@@ -174,11 +174,8 @@ class MockerEngine(Engine):
         await self._encode_stage.take_features(item, features)
 
     def _cached_prefix_tokens(self, request: EngineRequest) -> int:
-        def prefix(chain: list) -> int:
-            hit = self.blocks.cached_prefix_blocks(chain)
-            return hit + self.blocks.host_prefix_blocks(chain, hit)
-
-        return cached_prefix_tokens(request, self.config.block_size, adapter_seed(request.lora_name), prefix)
+        return cached_prefix_tokens(request, self.config.block_size, adapter_seed(request.lora_name),
+                                    self.blocks.reusable_prefix_blocks)
 
     async def release_kv(self, request_id: str) -> bool:
         return self.kv_endpoint is not None and self.kv_endpoint.release(request_id)
@@ -332,8 +329,7 @@ class MockerEngine(Engine):
             if seq.remote_kv:
                 uncached = 0
             else:
-                hit = self.blocks.cached_prefix_blocks(chain)
-                uncached = len(seq.tokens) - (hit + self.blocks.host_prefix_blocks(chain, hit)) * bs
+                uncached = len(seq.tokens) - self.blocks.reusable_prefix_blocks(chain) * bs
             # A prompt longer than the budget runs alone in its step (chunked prefill, collapsed).
             if used and used + uncached > budget:
                 break
