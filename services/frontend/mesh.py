@@ -85,19 +85,22 @@ class MeshView:
         pools = [self.decoders] if self.prefills is None else [self.decoders, self.prefills]
         return [i for pool in pools for i in pool.instances.values() if base is None or i.model == base]
 
-    def processor_for(self, model: str, exclude: Sequence[str] = ()) -> tuple[str, Session] | None:
-        """The processor this gateway hosts, or else the next processor of `model` in turn, skipping
-        `exclude`: its id and the session to it. The hosted one is also registered like any, so
-        once it is excluded (it failed a stream) the others are taken in turn without it."""
+    def processor_for(self, model: str, exclude: Sequence[str] = (),
+                      avoid: Sequence[str] = ()) -> tuple[str, Session] | None:
+        """The processor this gateway hosts, or else the next processor of `model` in turn, never
+        one of `exclude` (those the request tried) and one of `avoid` (seen failing lately) only
+        when no other is left: its id and the session to it. The hosted one is also registered
+        like any, so once it is avoided (it failed a stream) the others are taken in turn first."""
         local = self.local
-        if local is not None and local.model == model and local.instance_id not in exclude:
+        if local is not None and local.model == model and local.instance_id not in exclude \
+                and local.instance_id not in avoid:
             return local.instance_id, local.session
         candidates = in_turn((p for p in self.processors.instances.values()
                               if p.model == model and p.instance_id not in exclude),
                              next(self._turn), lambda p: p.instance_id)
         if not candidates:
             return None
-        chosen = candidates[0]
+        chosen = next((p for p in candidates if p.instance_id not in avoid), candidates[0])
         return chosen.instance_id, self.sessions.get(PROCESSOR_SESSION, chosen.address)
 
     def health(self) -> tuple[bool, str]:

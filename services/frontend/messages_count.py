@@ -47,7 +47,7 @@ async def count_tokens(mesh: MeshView, channels: ChannelPool, request: processor
     tried: list[str] = []
     last: CallError | None = None
     while len(tried) < MAX_PROCESSORS:
-        chosen = mesh.processor_for(request.model, exclude=failures.excluding(tried))
+        chosen = mesh.processor_for(request.model, exclude=tried, avoid=failures.current())
         if chosen is None:
             break
         processor, session = chosen

@@ -164,7 +164,8 @@ class ProcessorStream:
     async def _open(self, request: processor_pb2.GenerateRequest) -> processor_pb2.RouteInfo:
         last: CallError | None = None
         while len(self._tried) < MAX_PROCESSORS_PER_STREAM:
-            chosen = self._mesh.processor_for(request.model, exclude=self._failures.excluding(self._tried))
+            chosen = self._mesh.processor_for(request.model, exclude=self._tried,
+                                                  avoid=self._failures.current())
             if chosen is None:
                 break
             self._processor, session = chosen

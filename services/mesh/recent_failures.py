@@ -1,4 +1,4 @@
-"""Instances a client saw fail, kept out of its choices before their lease runs out.
+"""Instances a client saw fail, passed over in its choices before their lease runs out.
 
 A SIGKILLed instance stays registered until its etcd lease expires (up to the lease TTL);
 without this list every request sent to it in the meantime would fail once first. An entry
@@ -6,12 +6,15 @@ expires after `hold_s` (longer than a lease TTL): by then a dead instance has le
 one that only lost one stream is chosen again. A restarted instance registers under a new
 instance id, so it is never held back by its predecessor's entry. The processor keeps one for
 decode workers, the gateway one for processors.
+
+Passed over, not refused: when every other instance is gone (the one healthy peer lost its
+lease), a choice takes a listed one rather than turn a request away that it may well serve.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 # Longer than the lease TTL (10 s), so the entry outlives a dead instance's registration.
 HOLD_S = 15.0
@@ -38,13 +41,9 @@ class RecentFailures:
         """The instance answered again: no longer kept out."""
         self._until.pop(instance_id, None)
 
-    def excluding(self, tried: Sequence[str]) -> list[str]:
-        """What a request's next choice must avoid: the instances it tried, then those failing
-        lately, each once."""
-        return list(tried) + [i for i in self.current() if i not in tried]
-
     def current(self) -> list[str]:
-        """The instances to keep out of choices right now."""
+        """The instances to pass over right now while another can be chosen (a choice falls back
+        to them when none is left: the list must never refuse what a live instance can serve)."""
         if not self._until:
             return []
         self._prune(self._clock())

@@ -35,12 +35,12 @@ class LocalRouter:
     async def route(self, request_id: str, model: str, token_ids: Sequence[int], role: common_pb2.WorkerRole,
                     exclude: Sequence[str] = (), explain: bool = False, lora_name: str = "",
                     session: common_pb2.SessionRef | None = None,
-                    media: Sequence[common_pb2.MediaSpan] = ()) -> RouteChoice:
+                    media: Sequence[common_pb2.MediaSpan] = (), avoid: Sequence[str] = ()) -> RouteChoice:
         name = role_of(role)
         if name is None:
             raise _unknown_role(role)
         query = RouteQuery(request_id, model, token_ids, name, frozenset(exclude), explain, lora_name=lora_name,
-                           session=session_of(session), media=media_of(media))
+                           session=session_of(session), media=media_of(media), avoid=frozenset(avoid))
         try:
             with self._tracing.span("route") as span:
                 return _choice(self._router.decide(query, span), request_id)
@@ -52,11 +52,11 @@ class LocalRouter:
     async def admit(self, request_id: str, model: str, token_ids: Sequence[int], admit: Admit,
                     explain: bool = False, exclude: Sequence[str] = (), lora_name: str = "",
                     session: common_pb2.SessionRef | None = None,
-                    media: Sequence[common_pb2.MediaSpan] = ()) -> tuple[RouteChoice, Held]:
+                    media: Sequence[common_pb2.MediaSpan] = (), avoid: Sequence[str] = ()) -> tuple[RouteChoice, Held]:
         query = RouteQuery(request_id, model, token_ids, exclude=frozenset(exclude), explain=explain,
                            qos=qos_of(admit.qos), streams=admit.streams, max_tokens=admit.max_tokens,
                            queue_timeout_s=admit.queue_timeout_s, lora_name=lora_name,
-                           session=session_of(session), media=media_of(media))
+                           session=session_of(session), media=media_of(media), avoid=frozenset(avoid))
         try:
             with self._tracing.span("route") as span:
                 route, ticket = await self._router.admit(query, span)

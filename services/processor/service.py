@@ -243,12 +243,12 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
                      lora_name: str = "", session: common_pb2.SessionRef | None = None,
                      media: Sequence[common_pb2.MediaSpan] = ()) -> RouteChoice:
         """A decode worker for the tokens (one that knows `lora_name`, when the request names an
-        adapter), avoiding the ones tried and the ones seen failing."""
-        exclude = self._failed.excluding(tried)
+        adapter), never one tried, and one seen failing lately only when no other serves it."""
         try:
             return await self._routers.route(rid, self._config.served_model_name, tokens,
-                                             common_pb2.WORKER_ROLE_DECODE, exclude, explain=explain,
-                                             lora_name=lora_name, session=session, media=media)
+                                             common_pb2.WORKER_ROLE_DECODE, tried, explain=explain,
+                                             lora_name=lora_name, session=session, media=media,
+                                             avoid=self._failed.current())
         except RoutingError as exc:
             raise _routing_failure(exc) from exc
 
@@ -286,11 +286,11 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
                      max_tokens: int) -> tuple[RouteChoice, Held]:
         """A new request's worker through the router's admission (its queue and objectives)."""
         admit = Admit(request.qos, streams, max_tokens, min(self._config.request_timeout_s, MAX_QUEUE_TIMEOUT_S))
-        exclude = self._failed.current()
         try:
             return await self._routers.admit(rid, self._config.served_model_name, prompt.tokens, admit,
-                                             request.explain, exclude, lora_name=request.lora_name,
-                                             session=_session(request), media=prompt.spans())
+                                             request.explain, lora_name=request.lora_name,
+                                             session=_session(request), media=prompt.spans(),
+                                             avoid=self._failed.current())
         except Overloaded as exc:
             raise exc.error from None  # the refusal as the router gave it: status, reason, Retry-After
         except RoutingError as exc:

@@ -59,6 +59,9 @@ class RouteQuery:
     session: SessionKey | None = None
     # Where its images stand in token_ids: their blocks hash with them (kv_protocol/media.py).
     media: tuple[MediaSpan, ...] = ()
+    # Workers the caller saw failing lately: passed over while any other candidate serves the
+    # query, taken when none does (a failure list must not refuse a request a worker can serve).
+    avoid: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

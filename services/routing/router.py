@@ -198,7 +198,8 @@ class Router:
 
     def _candidates(self, query: RouteQuery) -> tuple[WorkerPool, list[WorkerState]]:
         """The query's pool and its workers serving the model (and the query's LoRA adapter, when
-        it names one), less the excluded (`NoWorker` if none)."""
+        it names one), less the excluded (`NoWorker` if none), and less the avoided while any
+        other is left."""
         pool = self._pool(query.role)
         candidates = [w for w in pool.candidates(query.model) if w.info.instance_id not in query.exclude]
         if not candidates:
@@ -210,6 +211,8 @@ class Router:
                 self._metrics.no_worker.inc()
                 raise NoWorker(f"no {pool.view.component} serves LoRA adapter {query.lora_name!r} of model "
                                f"{query.model!r}")
+        if query.avoid:
+            candidates = [w for w in candidates if w.info.instance_id not in query.avoid] or candidates
         return pool, candidates
 
     def _decide(self, query: RouteQuery, span: Span, eligible: Callable[[WorkerState], bool] | None = None) -> Route:

@@ -136,17 +136,19 @@ class Routes(Protocol):
     async def route(self, request_id: str, model: str, token_ids: Sequence[int], role: common_pb2.WorkerRole,
                     exclude: Sequence[str] = (), explain: bool = False, lora_name: str = "",
                     session: common_pb2.SessionRef | None = None,
-                    media: Sequence[common_pb2.MediaSpan] = ()) -> RouteChoice:
+                    media: Sequence[common_pb2.MediaSpan] = (), avoid: Sequence[str] = ()) -> RouteChoice:
         """A worker of the `role` pool for the prompt, run with LoRA adapter `lora_name` of
         `model` ("" for the base model): only workers knowing the adapter are candidates; of the
         agent `session` (None: none), whose binding the router weighs and renews; `media` where
-        the prompt's images stand (their blocks hash with them)."""
+        the prompt's images stand (their blocks hash with them). `exclude`: workers it must not
+        take (those the request tried); `avoid`: workers seen failing lately, taken only when no
+        other serves the request."""
         ...
 
     async def admit(self, request_id: str, model: str, token_ids: Sequence[int], admit: Admit,
                     explain: bool = False, exclude: Sequence[str] = (), lora_name: str = "",
                     session: common_pb2.SessionRef | None = None,
-                    media: Sequence[common_pb2.MediaSpan] = ()) -> tuple[RouteChoice, Held]:
+                    media: Sequence[common_pb2.MediaSpan] = (), avoid: Sequence[str] = ()) -> tuple[RouteChoice, Held]:
         """A decode worker for a new request, through admission: it may wait, or be refused
         (`Overloaded`); the place it holds is released by the caller at the request's end."""
         ...
@@ -225,10 +227,10 @@ class RouterClient:
     async def route(self, request_id: str, model: str, token_ids: Sequence[int], role: common_pb2.WorkerRole,
                     exclude: Sequence[str] = (), explain: bool = False, lora_name: str = "",
                     session: common_pb2.SessionRef | None = None,
-                    media: Sequence[common_pb2.MediaSpan] = ()) -> RouteChoice:
+                    media: Sequence[common_pb2.MediaSpan] = (), avoid: Sequence[str] = ()) -> RouteChoice:
         request = router_pb2.RouteRequest(request_id=request_id, model=model, token_ids=token_ids, role=role,
                                           exclude_worker_ids=exclude, explain=explain, lora_name=lora_name,
-                                          session=session, media=media)
+                                          session=session, media=media, avoid_worker_ids=avoid)
         # The router's span joins the caller's trace (None when the caller traces nothing).
         metadata = outgoing_metadata()
 
@@ -241,13 +243,13 @@ class RouterClient:
     async def admit(self, request_id: str, model: str, token_ids: Sequence[int], admit: Admit,
                     explain: bool = False, exclude: Sequence[str] = (), lora_name: str = "",
                     session: common_pb2.SessionRef | None = None,
-                    media: Sequence[common_pb2.MediaSpan] = ()) -> tuple[RouteChoice, Held]:
+                    media: Sequence[common_pb2.MediaSpan] = (), avoid: Sequence[str] = ()) -> tuple[RouteChoice, Held]:
         queue_ms = max(1, int(admit.queue_timeout_s * 1000))
         request = router_pb2.RouteRequest(request_id=request_id, model=model, token_ids=token_ids,
                                           role=common_pb2.WORKER_ROLE_DECODE, explain=explain, hold=True,
                                           exclude_worker_ids=exclude, lora_name=lora_name, session=session,
                                           qos=admit.qos, streams=admit.streams, max_tokens=admit.max_tokens,
-                                          queue_timeout_ms=queue_ms, media=media)
+                                          queue_timeout_ms=queue_ms, media=media, avoid_worker_ids=avoid)
         metadata = outgoing_metadata()
         # The router answers at once (a worker, a refusal, or "queued"), and a queued request
         # within the queue's bound; a router that does not is taken for one that cannot answer.

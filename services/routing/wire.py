@@ -28,7 +28,8 @@ def query_of(request: router_pb2.RouteRequest, role: RoleName) -> RouteQuery:
                       frozenset(request.exclude_worker_ids), request.explain, qos_of(request.qos),
                       request.streams, request.max_tokens,
                       request.queue_timeout_ms / 1000 if request.queue_timeout_ms else None, request.lora_name,
-                      session_of(request.session), media_of(request.media))
+                      session_of(request.session), media_of(request.media),
+                      frozenset(request.avoid_worker_ids))
 
 
 def media_of(media: Sequence[common_pb2.MediaSpan]) -> tuple[MediaSpan, ...]:

@@ -92,8 +92,10 @@ class Processors:
     count: int = 6
     chosen: list[str] = field(default_factory=list)
 
-    def processor_for(self, model: str, exclude: Sequence[str] = ()) -> tuple[str, Session] | None:
+    def processor_for(self, model: str, exclude: Sequence[str] = (),
+                      avoid: Sequence[str] = ()) -> tuple[str, Session] | None:
         free = [f"p{i}" for i in range(self.count) if f"p{i}" not in exclude]
+        free = [p for p in free if p not in avoid] or free
         if not free:
             return None
         self.chosen.append(free[0])

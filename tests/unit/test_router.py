@@ -82,6 +82,17 @@ def test_no_worker_and_no_pool_are_named_refusals() -> None:
         r.decide(query(role=RoleName.PREFILL))
 
 
+def test_an_avoided_worker_is_passed_over_while_another_serves_and_taken_when_none_does() -> None:
+    pool = make_pool(info("a"), info("b"))
+    cache(pool, "a", PROMPT)  # the avoided worker would otherwise win on its cache
+    r, registry = router(pool)
+    assert r.decide(query(avoid=frozenset({"a"}))).worker_id == "b"
+    # The one healthy peer has left (its lease lapsed): the avoided worker serves rather than a refusal.
+    assert r.decide(query(avoid=frozenset({"a"}), exclude=frozenset({"b"}))).worker_id == "a"
+    assert r.decide(query(avoid=frozenset({"a", "b"}))).worker_id == "a"
+    assert registry.get_sample_value("kvmesh_router_no_worker_total") == 0
+
+
 @pytest.mark.parametrize("mode", ["kv", "round-robin"])
 def test_the_host_credit_is_worked_out_once_and_weighed_alike_by_pick_explanation_and_hit_rate(
         mode: str, monkeypatch: pytest.MonkeyPatch) -> None:

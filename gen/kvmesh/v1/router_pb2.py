@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from gen.kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/router.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\x8c\x03\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12#\n\x04role\x18\x04 \x01(\x0e\x32\x15.kvmesh.v1.WorkerRole\x12\x1a\n\x12\x65xclude_worker_ids\x18\x05 \x03(\t\x12\x0f\n\x07\x65xplain\x18\x06 \x01(\x08\x12\x0c\n\x04hold\x18\x07 \x01(\x08\x12\x1b\n\x03qos\x18\x08 \x01(\x0b\x32\x0e.kvmesh.v1.Qos\x12\x0f\n\x07streams\x18\t \x01(\r\x12\x12\n\nmax_tokens\x18\n \x01(\r\x12\x18\n\x10queue_timeout_ms\x18\x0b \x01(\r\x12*\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x0c \x03(\x0b\x32\x18.kvmesh.v1.RouteFeedback\x12\x11\n\tlora_name\x18\r \x01(\t\x12&\n\x07session\x18\x0e \x01(\x0b\x32\x15.kvmesh.v1.SessionRef\x12#\n\x05media\x18\x0f \x03(\x0b\x32\x14.kvmesh.v1.MediaSpan\"d\n\rRouteFeedback\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\"\x8b\x02\n\rRouteResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0eoverlap_blocks\x18\x03 \x01(\r\x12\x17\n\x0fprefix_hit_rate\x18\x04 \x01(\x01\x12\x14\n\x0cpool_waiting\x18\x05 \x01(\r\x12\x30\n\x0b\x65xplanation\x18\x06 \x01(\x0b\x32\x1b.kvmesh.v1.RouteExplanation\x12\x1b\n\x13host_overlap_blocks\x18\x07 \x01(\r\x12\x0e\n\x06queued\x18\x08 \x01(\x08\x12\x15\n\rqueue_wait_ms\x18\t \x01(\r\x12\x19\n\x11session_retain_ms\x18\n \x01(\r\"n\n\x12\x46indMatchesRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12#\n\x04role\x18\x03 \x01(\x0e\x32\x15.kvmesh.v1.WorkerRole\x12\x11\n\tlora_name\x18\x04 \x01(\t\"\x8c\x02\n\x13\x46indMatchesResponse\x12:\n\x06scores\x18\x01 \x03(\x0b\x32*.kvmesh.v1.FindMatchesResponse.ScoresEntry\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x43\n\x0bhost_scores\x18\x03 \x03(\x0b\x32..kvmesh.v1.FindMatchesResponse.HostScoresEntry\x1a-\n\x0bScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x31\n\x0fHostScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xc5\x01\n\nRouterCall\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\x12\x35\n\x08metadata\x18\x03 \x03(\x0b\x32#.kvmesh.v1.RouterCall.MetadataEntry\x12(\n\x07request\x18\x04 \x01(\x0b\x32\x17.kvmesh.v1.RouteRequest\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"I\n\x11RouterSessionDown\x12$\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.RouterCall\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\x04\"L\n\x0bRouterReply\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12*\n\x08response\x18\x02 \x01(\x0b\x32\x18.kvmesh.v1.RouteResponse\"t\n\x0fRouterSessionUp\x12\'\n\x07replies\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.RouterReply\x12\"\n\x04\x65nds\x18\x02 \x03(\x0b\x32\x14.kvmesh.v1.StreamEnd\x12\x14\n\x0csent_unix_ns\x18\x04 \x01(\x06\x32\xdb\x01\n\x06Router\x12:\n\x05Route\x12\x17.kvmesh.v1.RouteRequest\x1a\x18.kvmesh.v1.RouteResponse\x12G\n\x07Session\x12\x1c.kvmesh.v1.RouterSessionDown\x1a\x1a.kvmesh.v1.RouterSessionUp(\x01\x30\x01\x12L\n\x0b\x46indMatches\x12\x1d.kvmesh.v1.FindMatchesRequest\x1a\x1e.kvmesh.v1.FindMatchesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/router.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xa6\x03\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12#\n\x04role\x18\x04 \x01(\x0e\x32\x15.kvmesh.v1.WorkerRole\x12\x1a\n\x12\x65xclude_worker_ids\x18\x05 \x03(\t\x12\x0f\n\x07\x65xplain\x18\x06 \x01(\x08\x12\x0c\n\x04hold\x18\x07 \x01(\x08\x12\x1b\n\x03qos\x18\x08 \x01(\x0b\x32\x0e.kvmesh.v1.Qos\x12\x0f\n\x07streams\x18\t \x01(\r\x12\x12\n\nmax_tokens\x18\n \x01(\r\x12\x18\n\x10queue_timeout_ms\x18\x0b \x01(\r\x12*\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x0c \x03(\x0b\x32\x18.kvmesh.v1.RouteFeedback\x12\x11\n\tlora_name\x18\r \x01(\t\x12&\n\x07session\x18\x0e \x01(\x0b\x32\x15.kvmesh.v1.SessionRef\x12#\n\x05media\x18\x0f \x03(\x0b\x32\x14.kvmesh.v1.MediaSpan\x12\x18\n\x10\x61void_worker_ids\x18\x10 \x03(\t\"d\n\rRouteFeedback\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\"\x8b\x02\n\rRouteResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0eoverlap_blocks\x18\x03 \x01(\r\x12\x17\n\x0fprefix_hit_rate\x18\x04 \x01(\x01\x12\x14\n\x0cpool_waiting\x18\x05 \x01(\r\x12\x30\n\x0b\x65xplanation\x18\x06 \x01(\x0b\x32\x1b.kvmesh.v1.RouteExplanation\x12\x1b\n\x13host_overlap_blocks\x18\x07 \x01(\r\x12\x0e\n\x06queued\x18\x08 \x01(\x08\x12\x15\n\rqueue_wait_ms\x18\t \x01(\r\x12\x19\n\x11session_retain_ms\x18\n \x01(\r\"n\n\x12\x46indMatchesRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12#\n\x04role\x18\x03 \x01(\x0e\x32\x15.kvmesh.v1.WorkerRole\x12\x11\n\tlora_name\x18\x04 \x01(\t\"\x8c\x02\n\x13\x46indMatchesResponse\x12:\n\x06scores\x18\x01 \x03(\x0b\x32*.kvmesh.v1.FindMatchesResponse.ScoresEntry\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x43\n\x0bhost_scores\x18\x03 \x03(\x0b\x32..kvmesh.v1.FindMatchesResponse.HostScoresEntry\x1a-\n\x0bScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a\x31\n\x0fHostScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\xc5\x01\n\nRouterCall\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\x12\x35\n\x08metadata\x18\x03 \x03(\x0b\x32#.kvmesh.v1.RouterCall.MetadataEntry\x12(\n\x07request\x18\x04 \x01(\x0b\x32\x17.kvmesh.v1.RouteRequest\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"I\n\x11RouterSessionDown\x12$\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x15.kvmesh.v1.RouterCall\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\x04\"L\n\x0bRouterReply\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12*\n\x08response\x18\x02 \x01(\x0b\x32\x18.kvmesh.v1.RouteResponse\"t\n\x0fRouterSessionUp\x12\'\n\x07replies\x18\x01 \x03(\x0b\x32\x16.kvmesh.v1.RouterReply\x12\"\n\x04\x65nds\x18\x02 \x03(\x0b\x32\x14.kvmesh.v1.StreamEnd\x12\x14\n\x0csent_unix_ns\x18\x04 \x01(\x06\x32\xdb\x01\n\x06Router\x12:\n\x05Route\x12\x17.kvmesh.v1.RouteRequest\x1a\x18.kvmesh.v1.RouteResponse\x12G\n\x07Session\x12\x1c.kvmesh.v1.RouterSessionDown\x1a\x1a.kvmesh.v1.RouterSessionUp(\x01\x30\x01\x12L\n\x0b\x46indMatches\x12\x1d.kvmesh.v1.FindMatchesRequest\x1a\x1e.kvmesh.v1.FindMatchesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,29 +39,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUTERCALL_METADATAENTRY']._loaded_options = None
   _globals['_ROUTERCALL_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_ROUTEREQUEST']._serialized_start=62
-  _globals['_ROUTEREQUEST']._serialized_end=458
-  _globals['_ROUTEFEEDBACK']._serialized_start=460
-  _globals['_ROUTEFEEDBACK']._serialized_end=560
-  _globals['_ROUTERESPONSE']._serialized_start=563
-  _globals['_ROUTERESPONSE']._serialized_end=830
-  _globals['_FINDMATCHESREQUEST']._serialized_start=832
-  _globals['_FINDMATCHESREQUEST']._serialized_end=942
-  _globals['_FINDMATCHESRESPONSE']._serialized_start=945
-  _globals['_FINDMATCHESRESPONSE']._serialized_end=1213
-  _globals['_FINDMATCHESRESPONSE_SCORESENTRY']._serialized_start=1117
-  _globals['_FINDMATCHESRESPONSE_SCORESENTRY']._serialized_end=1162
-  _globals['_FINDMATCHESRESPONSE_HOSTSCORESENTRY']._serialized_start=1164
-  _globals['_FINDMATCHESRESPONSE_HOSTSCORESENTRY']._serialized_end=1213
-  _globals['_ROUTERCALL']._serialized_start=1216
-  _globals['_ROUTERCALL']._serialized_end=1413
-  _globals['_ROUTERCALL_METADATAENTRY']._serialized_start=1366
-  _globals['_ROUTERCALL_METADATAENTRY']._serialized_end=1413
-  _globals['_ROUTERSESSIONDOWN']._serialized_start=1415
-  _globals['_ROUTERSESSIONDOWN']._serialized_end=1488
-  _globals['_ROUTERREPLY']._serialized_start=1490
-  _globals['_ROUTERREPLY']._serialized_end=1566
-  _globals['_ROUTERSESSIONUP']._serialized_start=1568
-  _globals['_ROUTERSESSIONUP']._serialized_end=1684
-  _globals['_ROUTER']._serialized_start=1687
-  _globals['_ROUTER']._serialized_end=1906
+  _globals['_ROUTEREQUEST']._serialized_end=484
+  _globals['_ROUTEFEEDBACK']._serialized_start=486
+  _globals['_ROUTEFEEDBACK']._serialized_end=586
+  _globals['_ROUTERESPONSE']._serialized_start=589
+  _globals['_ROUTERESPONSE']._serialized_end=856
+  _globals['_FINDMATCHESREQUEST']._serialized_start=858
+  _globals['_FINDMATCHESREQUEST']._serialized_end=968
+  _globals['_FINDMATCHESRESPONSE']._serialized_start=971
+  _globals['_FINDMATCHESRESPONSE']._serialized_end=1239
+  _globals['_FINDMATCHESRESPONSE_SCORESENTRY']._serialized_start=1143
+  _globals['_FINDMATCHESRESPONSE_SCORESENTRY']._serialized_end=1188
+  _globals['_FINDMATCHESRESPONSE_HOSTSCORESENTRY']._serialized_start=1190
+  _globals['_FINDMATCHESRESPONSE_HOSTSCORESENTRY']._serialized_end=1239
+  _globals['_ROUTERCALL']._serialized_start=1242
+  _globals['_ROUTERCALL']._serialized_end=1439
+  _globals['_ROUTERCALL_METADATAENTRY']._serialized_start=1392
+  _globals['_ROUTERCALL_METADATAENTRY']._serialized_end=1439
+  _globals['_ROUTERSESSIONDOWN']._serialized_start=1441
+  _globals['_ROUTERSESSIONDOWN']._serialized_end=1514
+  _globals['_ROUTERREPLY']._serialized_start=1516
+  _globals['_ROUTERREPLY']._serialized_end=1592
+  _globals['_ROUTERSESSIONUP']._serialized_start=1594
+  _globals['_ROUTERSESSIONUP']._serialized_end=1710
+  _globals['_ROUTER']._serialized_start=1713
+  _globals['_ROUTER']._serialized_end=1932
 # @@protoc_insertion_point(module_scope)
