@@ -31,12 +31,17 @@ def role_name(role: WorkerRole) -> RoleName | None:
     return ROLE_NAMES.get(role)
 
 
-async def requested_role(role: WorkerRole, context: grpc.aio.ServicerContext) -> RoleName:
-    """The name of the role an RPC asks for; an unspecified or unknown one ends the call with
-    INVALID_ARGUMENT."""
+# The roles a worker switches between.
+SWITCHED_ROLES = (RoleName.PREFILL, RoleName.DECODE)
+
+
+async def requested_role(role: WorkerRole, context: grpc.aio.ServicerContext,
+                         allowed: tuple[RoleName, ...] = SWITCHED_ROLES) -> RoleName:
+    """The name of the role an RPC asks for, one of `allowed`; an unspecified or unknown one ends
+    the call with INVALID_ARGUMENT."""
     name = role_name(role)
-    if name not in (RoleName.PREFILL, RoleName.DECODE):  # the roles a worker switches between
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"role must be WORKER_ROLE_PREFILL or WORKER_ROLE_DECODE, got {role}")
+    if name not in allowed:
+        wire = " or ".join(common_pb2.WorkerRole.Name(ROLE_OF[r]) for r in allowed)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role must be {wire}, got {role}")
         raise AssertionError("abort raises")
     return name

@@ -18,7 +18,7 @@ from services.engines.base import Engine
 from services.mesh.discovery import ENCODE_WORKER
 from services.mesh.flags import die
 from services.mesh.grpc_server import ServiceBinding
-from services.worker.encode_servicer import ENCODER_SERVICE, EncoderServicer
+from services.worker.encode_servicer import ENCODER_SERVICE, EncoderBusy, EncoderBusyCollector, EncoderServicer
 from services.worker.engine_flags import EngineConfig
 from services.worker.kv_event_log import KvEventLog
 from services.worker.runtime import Role, ServicesFactory, WorkerContext, WorkerServices, main
@@ -26,9 +26,13 @@ from services.worker.servicer import WorkerServicer
 
 
 async def prepare(ctx: WorkerContext) -> ServicesFactory:
+    busy: dict[str, EncoderBusy] = {}
+    ctx.registry.register(EncoderBusyCollector(lambda: list(busy.items())))
+
     def services(engine: Engine, worker_id: str, events: KvEventLog) -> WorkerServices:
-        encoder = ServiceBinding(worker_pb2_grpc.add_EncoderServicer_to_server, EncoderServicer(engine),
-                                 ENCODER_SERVICE)
+        busy[worker_id] = EncoderBusy()
+        encoder = ServiceBinding(worker_pb2_grpc.add_EncoderServicer_to_server,
+                                 EncoderServicer(engine, busy[worker_id]), ENCODER_SERVICE)
         return WorkerServices(WorkerServicer(engine, worker_id, events, ctx.tracing), (encoder,))
 
     return services

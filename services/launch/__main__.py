@@ -60,11 +60,11 @@ async def assemble(runner: ServiceRunner, cfg: LaunchConfig, console: Console, r
         stop = ChildrenStop(cfg.drain_timeout_s)
         runner.on_teardown("stop the mesh's processes", stop.stop_all, stop.teardown_s)
         for child in children:
-            if control is not None and "--switchable" in child.argv:
+            if control is not None and _is_worker(child):
                 await control.start(RoleName(child.component.removesuffix("-worker")))
             else:
                 await stop.start(child)
-        children = [c for c in children if "--switchable" not in c.argv]
+        children = [c for c in children if control is None or not _is_worker(c)]
         await wait_ready(f"http://{url_host(cfg.advertise_host)}:{cfg.health_port}/health", children,
                          cfg.ready_timeout_s)
     except (RuntimeError, TimeoutError, FileNotFoundError) as exc:
@@ -73,6 +73,12 @@ async def assemble(runner: ServiceRunner, cfg: LaunchConfig, console: Console, r
     console.status(f"READY http://{url_host(cfg.advertise_host)}:{cfg.http_port}/v1")
     for child in children:
         supervise(runner, child, cfg.on_child_exit)
+
+
+def _is_worker(child: Child) -> bool:
+    """A prefill, decode or encode worker: with a local planner, started and stopped through the
+    worker control."""
+    return child.component.endswith("-worker")
 
 
 async def start_worker_control(runner: ServiceRunner, cfg: LaunchConfig,

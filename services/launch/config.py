@@ -115,6 +115,8 @@ class LaunchConfig:
     advertise_host: str = "127.0.0.1"
     # Encode workers (E/P/D): the workers that prefill have their images encoded there.
     encode_workers: int = 0
+    # The most a local planner starts (0: it leaves the encode pool alone).
+    max_encode_workers: int = 0
 
     def __post_init__(self) -> None:
         if self.decode_workers < 1 or self.prefill_workers < 0:
@@ -130,8 +132,6 @@ class LaunchConfig:
             raise ConfigError(f"--ready-timeout must be > 0, got {self.ready_timeout_s}")
         if self.encode_workers < 0:
             raise ConfigError(f"--encode-workers must be >= 0, got {self.encode_workers}")
-        if self.encode_workers and self.planner_switches:
-            raise ConfigError("--encode-workers with --planner local: the planner does not size the encode pool yet")
 
     @property
     def disaggregated(self) -> bool:
@@ -141,6 +141,11 @@ class LaunchConfig:
     def planner_switches(self) -> bool:
         """The planner starts, stops and switches the workers (each its own switchable process)."""
         return self.planner == "local"
+
+    @property
+    def encode_pool(self) -> bool:
+        """Encode workers may run: started with the mesh, or by a planner that sizes their pool."""
+        return self.encode_workers > 0 or (self.planner_switches and self.max_encode_workers > 0)
 
 
 @dataclass(frozen=True)
@@ -162,7 +167,8 @@ def parser() -> tuple[FlagParser, _Groups]:
     p.add_argument("--encode-workers", type=non_negative_int, default=0,
                    help="encode workers (E/P/D): the workers that prefill a prompt with images have them encoded "
                         "there (the mocker's features come over NIXL, vLLM's through a directory of the run's; "
-                        "0 = encode in place)")
+                        "0 = encode in place; with --planner local, the pool's size at start, which the planner "
+                        "then sizes up to --max-encode-workers, default 4)")
     p.add_argument("--processors", type=positive_int, default=1, help="processor replicas")
     p.add_argument("--embed-processors", action="store_true",
                    help="each frontend hosts its processor in its own process and calls it in-process (one hop "
@@ -239,6 +245,7 @@ def load(argv: list[str] | None = None) -> LaunchConfig:
         decode_workers=args.decode_workers,
         prefill_workers=args.prefill_workers, processors=args.processors, frontends=args.frontends,
         encode_workers=args.encode_workers,
+        max_encode_workers=_max_encode_workers(args),
         routers=args.routers,
         remote_prefill=args.remote_prefill is not False,
         http_port=args.http_port, api_key=args.api_key, etcd_endpoints=args.etcd_endpoints,
@@ -259,7 +266,7 @@ def load(argv: list[str] | None = None) -> LaunchConfig:
         # The API key goes by environment so it never shows in `ps`.
         frontend_argv=forwarded(groups.frontend, ("api_key",)),
         planner=args.planner,
-        planner_argv=_planner_argv(args, forwarded(groups.planner)),
+        planner_argv=_planner_argv(args, forwarded(groups.planner, skip=("max_encode_workers",))),
         control_port=free_port() if args.planner == "local" else 0,
         tls=mesh.tls,
         advertise_host=mesh.advertise_host,
@@ -286,10 +293,27 @@ def with_demo_adapters(cfg: LaunchConfig) -> LaunchConfig:
     return replace(cfg, engine_argv=(*cfg.engine_argv, *_lora_modules_argv(ensure_demo_adapters())))
 
 
+# A local planner given encode workers sizes their pool up to this many, unless told otherwise.
+DEFAULT_MAX_ENCODE_WORKERS = 4
+
+
+def _max_encode_workers(args: argparse.Namespace) -> int:
+    """A local planner sizes the encode pool it was given (or told to size); no other does here."""
+    if args.planner != "local":
+        return 0
+    if args.max_encode_workers:
+        return int(args.max_encode_workers)
+    return max(DEFAULT_MAX_ENCODE_WORKERS, args.encode_workers) if args.encode_workers else 0
+
+
 def _planner_argv(args: argparse.Namespace, given: tuple[str, ...]) -> tuple[str, ...]:
     """The planner's flags; with the mocker its profile is the mocker's own timing unless given
-    (a profile given was measured as it is: the mocker's speedup is not applied to it)."""
+    (a profile given was measured as it is: the mocker's speedup is not applied to it). A local
+    planner given encode workers sizes their pool."""
     argv = list(given)
+    max_encode = _max_encode_workers(args) if args.planner == "local" else args.max_encode_workers
+    if max_encode:
+        argv += ["--max-encode-workers", str(max_encode)]
     if args.engine == "mocker" and args.profile is None:
         argv += ["--profile", args.timing_profile or args.timing]
         if args.profile_speedup is None:

@@ -33,8 +33,13 @@ def plan_children(cfg: LaunchConfig, etcd: str, model: str, console: Console | N
         children += [_child("processor", python_module("services.processor", *common, *processor_argv), env)
                      for _ in range(cfg.processors)]
     if cfg.planner_switches:
-        children += [switchable_worker(cfg, common, model, RoleName.DECODE, env) for _ in range(cfg.decode_workers)]
-        children += [switchable_worker(cfg, common, model, RoleName.PREFILL, env) for _ in range(cfg.prefill_workers)]
+        # Encode workers first: the workers that prefill find them when they join.
+        children += [planned_worker(cfg, common, model, RoleName.ENCODE, env, run_dir)
+                     for _ in range(cfg.encode_workers)]
+        children += [planned_worker(cfg, common, model, RoleName.DECODE, env, run_dir)
+                     for _ in range(cfg.decode_workers)]
+        children += [planned_worker(cfg, common, model, RoleName.PREFILL, env, run_dir)
+                     for _ in range(cfg.prefill_workers)]
     else:
         children += _fixed_workers(cfg, common, model, env, run_dir)
     if cfg.engine == "vllm":
@@ -65,7 +70,7 @@ def worker_factory(cfg: LaunchConfig, etcd: str, model: str, console: Console,
     started = itertools.count(1)
 
     def make(role: RoleName) -> Child:
-        child = switchable_worker(cfg, _common(cfg, etcd), model, role, env)
+        child = planned_worker(cfg, _common(cfg, etcd), model, role, env, run_dir)
         child.console = console
         child.log_path = run_dir / f"{role}-worker-{next(started)}.log"
         return child
@@ -80,13 +85,8 @@ def _engine_argv(cfg: LaunchConfig, common: list[str], model: str) -> list[str]:
 
 def _fixed_workers(cfg: LaunchConfig, common: list[str], model: str, env: dict[str, str],
                    run_dir: Path | None) -> list[Child]:
-    engine = _engine_argv(cfg, common, model)
-    encoding = ["--kv-transfer", "nixl"]
-    if cfg.encode_workers and cfg.engine == "vllm":
-        # vLLM's features go through a directory every worker of the run shares (vllm_encode.py).
-        shared = (run_dir or Path(".cache") / "encoder-cache" / cfg.namespace) / "encoder-cache"
-        engine += ["--encoder-cache-dir", str(shared.resolve())]
-        encoding = ["--kv-transfer", "none"]
+    engine = [*_engine_argv(cfg, common, model), *_encoder_cache(cfg, run_dir)]
+    encoding = _encode_transfer(cfg)
     decode = [*engine, *cfg.disagg_argv]
     if cfg.disaggregated:
         decode += ["--kv-transfer", "nixl", "--remote-prefill"]
@@ -103,12 +103,31 @@ def _fixed_workers(cfg: LaunchConfig, common: list[str], model: str, env: dict[s
     return children
 
 
-def switchable_worker(cfg: LaunchConfig, common: list[str], model: str, role: RoleName,
-                      env: dict[str, str]) -> Child:
-    """One worker in its own process that the planner can switch, start and stop: it prefills
-    long prompts remotely while it decodes, and hands KV over NIXL while it prefills."""
-    argv = [*_engine_argv(cfg, common, model), *cfg.disagg_argv, "--kv-transfer", "nixl", "--remote-prefill",
-            "--switchable", "--start-as", role]
+def _encoder_cache(cfg: LaunchConfig, run_dir: Path | None) -> list[str]:
+    """vLLM's image features go through a directory every worker of the run shares
+    (vllm_encode.py), where encode workers may run; the mocker's come over NIXL."""
+    if not cfg.encode_pool or cfg.engine != "vllm":
+        return []
+    shared = (run_dir or Path(".cache") / "encoder-cache" / cfg.namespace) / "encoder-cache"
+    return ["--encoder-cache-dir", str(shared.resolve())]
+
+
+def _encode_transfer(cfg: LaunchConfig) -> list[str]:
+    """An encode worker's KV transfer: NIXL hands the mocker's features over; vLLM's go through
+    the shared directory."""
+    return ["--kv-transfer", "none" if cfg.engine == "vllm" else "nixl"]
+
+
+def planned_worker(cfg: LaunchConfig, common: list[str], model: str, role: RoleName,
+                   env: dict[str, str], run_dir: Path | None) -> Child:
+    """One worker in its own process that the planner can start and stop (and, but for an encode
+    worker, switch): it prefills long prompts remotely while it decodes, and hands KV over NIXL
+    while it prefills."""
+    engine = [*_engine_argv(cfg, common, model), *_encoder_cache(cfg, run_dir)]
+    if role == RoleName.ENCODE:
+        argv = [*engine, *_encode_transfer(cfg)]
+        return _child("encode-worker", python_module("services.encode_worker", *argv), env, required=True)
+    argv = [*engine, *cfg.disagg_argv, "--kv-transfer", "nixl", "--remote-prefill", "--switchable", "--start-as", role]
     return _child(f"{role}-worker", python_module("services.decode_worker", *argv), env, required=True)
 
 

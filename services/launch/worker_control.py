@@ -80,7 +80,7 @@ class WorkerControl(launcher_pb2_grpc.LauncherControlServicer):
 
     async def StartWorker(self, request: launcher_pb2.StartWorkerRequest,  # noqa: N802
                           context: grpc.aio.ServicerContext) -> launcher_pb2.StartWorkerResponse:
-        role = await requested_role(request.role, context)
+        role = await requested_role(request.role, context, tuple(RoleName))  # the encode pool too
         try:
             worker = await self.start(role)
         except (RuntimeError, TimeoutError) as exc:

@@ -1,4 +1,5 @@
-"""python -m services.planner: sizes the prefill and decode pools and switches worker roles.
+"""python -m services.planner: sizes the prefill and decode pools and switches worker roles (and,
+with `--max-encode-workers`, sizes the encode pool).
 
 Every `--adjustment-interval` it measures the traffic at the frontends, predicts TTFT and ITL
 for candidate pool sizes, and plans the sizes that meet `--ttft-slo-ms` and `--itl-slo-ms`
@@ -21,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from services.mesh.discovery import (
     DECODE_WORKER,
+    ENCODE_WORKER,
     FRONTEND,
     PLANNER,
     PREFILL_WORKER,
@@ -55,6 +57,9 @@ def parser() -> FlagParser:
 def check_connector_flags(args: argparse.Namespace) -> None:
     if args.connector == "local" and not args.launcher:
         die("--connector local needs --launcher HOST:PORT (services.launch --planner local passes it)")
+    if args.connector == "kubernetes" and args.max_encode_workers:
+        die("--max-encode-workers with --connector kubernetes: the kubernetes connector does not scale an encode "
+            "Deployment yet")
     if args.connector == "kubernetes":
         from services.mesh.config_error import validated
         from services.planner.connectors.kubernetes import KubernetesTarget
@@ -63,11 +68,11 @@ def check_connector_flags(args: argparse.Namespace) -> None:
 
 
 async def build_connector(args: argparse.Namespace, runner: ServiceRunner, prefill: ComponentView,
-                          decode: ComponentView) -> Connector:
+                          decode: ComponentView, encode: ComponentView | None) -> Connector:
     if args.connector == "local":
         from services.planner.connectors.local import LocalConnector
 
-        return LocalConnector(args.launcher, runner.channels, prefill, decode, runner.drain_timeout_s)
+        return LocalConnector(args.launcher, runner.channels, prefill, decode, runner.drain_timeout_s, encode)
     if args.connector == "kubernetes":
         from services.planner.connectors.kubernetes import KubernetesTarget, from_environment
 
@@ -95,13 +100,15 @@ def main(argv: list[str] | None = None) -> None:
         await runner.connect_store()
         prefill = await runner.watch_component(PREFILL_WORKER)
         decode = await runner.watch_component(DECODE_WORKER)
-        traffic = MeshTraffic(await runner.watch_component(FRONTEND), decode, await runner.watch_component(ROUTER))
+        encode = await runner.watch_component(ENCODE_WORKER) if config.limits.encode.sized else None
+        traffic = MeshTraffic(await runner.watch_component(FRONTEND), decode, await runner.watch_component(ROUTER),
+                              prefill, encode)
         runner.on_teardown("close the metrics reader", traffic.close)
-        connector = await build_connector(args, runner, prefill, decode)
+        connector = await build_connector(args, runner, prefill, decode, encode)
         runner.on_teardown(f"close the {connector.name} connector", connector.close)
         registry = CollectorRegistry()
         planner = Planner(Policy(config.cost, config.slo, config.limits), traffic, prefill, decode, connector,
-                          PlannerMetrics(registry), config.interval_s)
+                          PlannerMetrics(registry), config.interval_s, encode)
         metrics_port = runner.serve_metrics(registry, args.metrics_port)
         runner.watch(asyncio.create_task(planner.run(), name="planner"), "the planning loop")
         info = InstanceInfo(component=PLANNER, instance_id=new_instance_id(), metrics_port=metrics_port,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from services.config_error import ConfigError
 from services.mesh.config_error import validated
 from services.mesh.flags import non_negative_float, non_negative_int, positive_float, positive_int
+from services.planner.encode_pool import EncodeLimits
 from services.planner.policy import Limits, Slo
 from services.profiles.cost_model import CostModel, ProfileError
 from services.profiles.profile_file import DEFAULT_PRESET, load_profile, preset_names
@@ -45,6 +46,11 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
                    help="seconds a pool keeps a new size before it may change again")
     g.add_argument("--scale-down-headroom", type=positive_float, default=_LIMITS.headroom,
                    help="a pool shrinks only if the smaller size predicts at most this share of its SLO")
+    g.add_argument("--min-encode-workers", type=non_negative_int, default=_LIMITS.encode.min_workers,
+                   help="the fewest encode workers (E/P/D) the planner keeps")
+    g.add_argument("--max-encode-workers", type=non_negative_int, default=_LIMITS.encode.max_workers,
+                   help="the most encode workers the planner starts (0: it leaves the encode pool alone; "
+                        "the launcher passes 4 with --encode-workers and --planner local)")
     g.add_argument("--switch-gain", type=positive_float, default=_LIMITS.switch_gain,
                    help="a fixed budget is re-split only if the new split scores below this share of the current")
     return g
@@ -79,7 +85,8 @@ def planner_config(args: argparse.Namespace) -> PlannerConfig:
         limits = Limits(min_prefill=args.min_prefill_workers, max_prefill=args.max_prefill_workers,
                         min_decode=args.min_decode_workers, max_decode=args.max_decode_workers,
                         total=args.total_workers, cooldown_s=args.cooldown, headroom=args.scale_down_headroom,
-                        switch_gain=args.switch_gain)
+                        switch_gain=args.switch_gain,
+                        encode=EncodeLimits(args.min_encode_workers, args.max_encode_workers))
         return PlannerConfig(Slo(args.ttft_slo_ms / 1000, args.itl_slo_ms / 1000), limits,
                              profile_cost(args.profile or DEFAULT_PRESET, args.profile_speedup or 1.0),
                              args.adjustment_interval)

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.planner.model import Scales, Traffic
 from services.planner.policy import Decision
-from services.planner.pools import ROLES, PoolSizes
+from services.planner.pools import ROLES, SIZED_ROLES, PoolSizes
 
 
 class PlannerMetrics:
@@ -39,14 +39,21 @@ class PlannerMetrics:
         self.switches = Counter("kvmesh_planner_switches", "workers moved to the other role", registry=r)
         self.scale_events = Counter("kvmesh_planner_scale_events", "workers started or stopped, by role",
                                     ["role", "direction"], registry=r)
+        self.encode_rate = Gauge("kvmesh_planner_encode_rate", "images per second asked of the encode pool over "
+                                 "the last interval (when the planner sizes it)", registry=r)
+        self.encode_service = Gauge("kvmesh_planner_encode_seconds", "encode workers' busy seconds per image over the "
+                                    "last interval (when measured)", registry=r)
         self.connector_errors = Counter("kvmesh_planner_connector_errors", "plans the connector could not carry out",
                                         registry=r)
 
     def record(self, registered: PoolSizes, traffic: Traffic, scales: Scales, decision: Decision) -> None:
         self.decisions.inc()
-        for role in ROLES:
+        for role in SIZED_ROLES:
             self.desired.labels(role).set(decision.desired.of(role))
             self.actual.labels(role).set(registered.of(role))
+        self.encode_rate.set(traffic.encode.rate_per_s)
+        if traffic.encode.service_s is not None:
+            self.encode_service.set(traffic.encode.service_s)
         self.predicted_ttft.set(decision.predicted_ttft_s)  # +Inf: the pool would be saturated
         self.predicted_itl.set(decision.predicted_itl_s)
         self.observed_ttft.set(traffic.observed_ttft_s or 0.0)
@@ -62,9 +69,10 @@ class PlannerMetrics:
     def applied(self, current: PoolSizes, desired: PoolSizes, switched: int) -> None:
         """Counts a carried-out plan: `switched` workers changed role, the rest started or stopped."""
         self.switches.inc(switched)
-        for role in ROLES:
+        for role in SIZED_ROLES:
             change = desired.of(role) - current.of(role)
-            moved_in = switched if change > 0 else -switched if change < 0 else 0
+            # Only prefill and decode workers switch roles; the encode pool is started and stopped.
+            moved_in = 0 if role not in ROLES else switched if change > 0 else -switched if change < 0 else 0
             started = change - moved_in
             if started:
                 self.scale_events.labels(role, "up" if started > 0 else "down").inc(abs(started))

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.contract.worker_roles import RoleName
+from services.planner.encode_pool import EncodeTraffic
 from services.profiles.cost_model import CostModel
 
 # The scales a bisection may find: a profile 20x off is another system, not a calibration.
@@ -72,6 +73,8 @@ class Traffic:
     # the longest wait a new request is predicted there (0: a worker has room).
     queued: float = 0.0
     queue_wait_s: float = 0.0
+    # The images asked of the encode pool (encode_pool.py).
+    encode: EncodeTraffic = EncodeTraffic()
 
     @property
     def idle(self) -> bool:

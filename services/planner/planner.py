@@ -15,6 +15,7 @@ import time
 
 from services.mesh.discovery import ComponentView
 from services.planner.connectors.base import Connector, ConnectorError
+from services.planner.encode_pool import EncodeTraffic
 from services.planner.metrics import PlannerMetrics
 from services.planner.policy import Decision, Policy
 from services.planner.pools import PoolSizes
@@ -29,14 +30,17 @@ APPLY_TIMEOUT_S = 120.0
 
 class Planner:
     def __init__(self, policy: Policy, traffic: MeshTraffic, prefill: ComponentView, decode: ComponentView,
-                 connector: Connector, metrics: PlannerMetrics, interval_s: float) -> None:
+                 connector: Connector, metrics: PlannerMetrics, interval_s: float,
+                 encode: ComponentView | None = None) -> None:
+        """`encode`: the encode pool's view, when the planner sizes it."""
         self.policy, self.traffic, self.connector, self.metrics = policy, traffic, connector, metrics
-        self._prefill, self._decode = prefill, decode
+        self._prefill, self._decode, self._encode = prefill, decode, encode
         self.interval_s = interval_s
         self.last: Decision | None = None
 
     def registered(self) -> PoolSizes:
-        return PoolSizes(len(self._prefill.instances), len(self._decode.instances))
+        return PoolSizes(len(self._prefill.instances), len(self._decode.instances),
+                         0 if self._encode is None else len(self._encode.instances))
 
     async def run(self) -> None:
         await self.traffic.sample(time.monotonic())  # the baseline the first interval is measured from
@@ -62,11 +66,12 @@ class Planner:
         hindsight = decision.hindsight
         log.info("plan %s -> %s (%s): %.2f req/s, mean in %.0f / out %.0f tokens, remote prefill %s, "
                  "TTFT %s ITL %s observed, %s / %s modelled, %.3fs / %.4fs predicted, profile scales %.2f / %.2f, "
-                 "registered %s", current, decision.desired, decision.reason, traffic.rate_per_s,
+                 "registered %s%s", current, decision.desired, decision.reason, traffic.rate_per_s,
                  traffic.mean_input_tokens, traffic.mean_output_tokens, _share(traffic.remote_share),
                  _seconds(traffic.observed_ttft_s), _seconds(traffic.observed_itl_s),
                  _seconds(hindsight.ttft_s if hindsight else None), _seconds(hindsight.itl_s if hindsight else None),
-                 decision.predicted_ttft_s, decision.predicted_itl_s, scales.prefill, scales.decode, registered)
+                 decision.predicted_ttft_s, decision.predicted_itl_s, scales.prefill, scales.decode, registered,
+                 _encoding(traffic.encode) if self._encode is not None else "")
         if decision.desired != current:
             await self._carry_out(current, decision.desired)
         return decision
@@ -81,6 +86,10 @@ class Planner:
             return
         if self.connector.acts:
             self.metrics.applied(current, desired, switched)
+
+
+def _encoding(encode: EncodeTraffic) -> str:
+    return f", images {encode.rate_per_s:.2f}/s at {_seconds(encode.service_s)} each"
 
 
 def _seconds(value: float | None) -> str:

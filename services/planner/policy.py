@@ -15,19 +15,22 @@ Two modes:
 
 Either way a pool changed less than `cooldown_s` ago keeps its size (its workers are still
 warming up, and the latency it shows is still that of the old size), and a pool never drops
-below one worker while there is traffic.
+below one worker while there is traffic. The encode pool (E/P/D, with `--max-encode-workers`)
+is sized on its own, by starting and stopping its workers (encode_pool.py), in either mode.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from services.config_error import ConfigError
 from services.profiles.cost_model import CostModel
 from services.planner.model import Calibration, Prediction, Traffic, predict
-from services.planner.pools import ROLES, PoolSizes
+from services.contract.worker_roles import RoleName
+from services.planner.encode_pool import WAIT_SHARE_OF_TTFT, EncodeLimits, encode_pool_size
+from services.planner.pools import ROLES, SIZED_ROLES, PoolSizes
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class Limits:
     headroom: float = 0.7
     # A fixed budget is re-split only if the new split's score is below switch_gain x the current one's.
     switch_gain: float = 0.8
+    encode: EncodeLimits = field(default_factory=EncodeLimits)
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_prefill <= self.max_prefill:
@@ -93,7 +97,7 @@ class Policy:
     def __init__(self, cost: CostModel, slo: Slo, limits: Limits) -> None:
         self.cost, self.slo, self.limits = cost, slo, limits
         self.calibration = Calibration()
-        self._changed_at = {role: -math.inf for role in ROLES}
+        self._changed_at = {role: -math.inf for role in SIZED_ROLES}
 
     def predict(self, traffic: Traffic, sizes: PoolSizes) -> Prediction:
         return predict(self.cost, self.calibration.scales, traffic, sizes.prefill, sizes.decode)
@@ -108,10 +112,11 @@ class Policy:
             desired, reason = self._sized(current, traffic)
         else:
             desired, reason = self._split(current, traffic, self.limits.total)
+        desired, reason = self._encode_pool(current, replace(desired, encode=current.encode), traffic, reason)
         desired, held = self._cool_down(now, current, desired)
         if held:
             reason = f"{reason}; {held} cooling down"
-        for role in ROLES:
+        for role in SIZED_ROLES:
             if desired.of(role) != current.of(role):
                 self._changed_at[role] = now
         planned = self.predict(traffic, desired)
@@ -146,6 +151,18 @@ class Policy:
         relaxed = next((n for n in range(floor, high + 1) if ratio(n) <= self.limits.headroom), high)
         return relaxed if current > relaxed else min(current, high)
 
+    # -- the encode pool -----------------------------------------------------------------------
+
+    def _encode_pool(self, current: PoolSizes, desired: PoolSizes, traffic: Traffic,
+                     reason: str) -> tuple[PoolSizes, str]:
+        if not self.limits.encode.sized:
+            return desired, reason
+        n, why = encode_pool_size(current.encode, traffic.encode, self.limits.encode,
+                                  WAIT_SHARE_OF_TTFT * self.slo.ttft_s, self.limits.headroom)
+        if n == current.encode:
+            return desired, reason
+        return desired.with_role(RoleName.ENCODE, n), f"{reason}; encode pool {current.encode} -> {n}: {why}"
+
     # -- a fixed budget ------------------------------------------------------------------------
 
     def _split(self, current: PoolSizes, traffic: Traffic, total: int) -> tuple[PoolSizes, str]:
@@ -169,12 +186,13 @@ class Policy:
     # -- cool-down -----------------------------------------------------------------------------
 
     def _cool_down(self, now: float, current: PoolSizes, desired: PoolSizes) -> tuple[PoolSizes, str]:
-        cooling = [r for r in ROLES
+        cooling = [r for r in SIZED_ROLES
                    if desired.of(r) != current.of(r) and now - self._changed_at[r] < self.limits.cooldown_s]
         if not cooling:
             return desired, ""
-        if self.limits.total is not None:
-            return current, " and ".join(cooling)  # a switch moves both pools or neither
+        if self.limits.total is not None and any(r in ROLES for r in cooling):
+            # A switch moves both pools or neither.
+            desired = replace(desired, prefill=current.prefill, decode=current.decode)
         for role in cooling:
             desired = desired.with_role(role, current.of(role))
         return desired, " and ".join(cooling)

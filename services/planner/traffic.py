@@ -6,8 +6,11 @@ reads the cumulative counters and histogram sums of all of them and turns the di
 the last reading into a `Traffic`: from the frontends the arrival rate (requests per second as
 they arrive), and the mean prompt and output length, TTFT and ITL of the requests answered;
 from the decode workers where the prompts were prefilled (the share sent to the prefill pool,
-and the uncached tokens of each kind). An instance that appears starts from its first reading; one that restarted (counters
-went down) is read from zero again, so a restart never shows a negative rate.
+and the uncached tokens of each kind); from the workers that prefill and the encode workers
+what the encode pool was asked and what an image cost it (encode_pool.py). An instance that
+appears starts from its first reading; one that restarted (counters went down) is read from
+zero again, so a restart never shows a negative rate. Workers that share a process (the
+mocker's `--num-workers`) share its /metrics, which is read once.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.mesh.discovery import ComponentView
+from services.planner.encode_pool import EncodeTraffic
 from services.planner.model import Traffic
 
 log = logging.getLogger(__name__)
@@ -45,6 +49,14 @@ _PREFILL_SAMPLES = {
     "kvmesh_decode_local_prefill_total": "local",
     "kvmesh_decode_remote_prefill_tokens_total": "remote_tokens",
     "kvmesh_decode_local_prefill_tokens_total": "local_tokens",
+}
+
+
+# Every image a worker that prefills wanted from the encode pool, whatever became of it.
+_ASKED_SAMPLES = {"kvmesh_remote_encodes_total": "asked"}
+_ENCODER_SAMPLES = {
+    "kvmesh_encoder_busy_seconds_total": "busy_s",
+    "kvmesh_encoder_images_total": "images",
 }
 
 
@@ -88,6 +100,21 @@ class PrefillCounters(_Sums):
     local_tokens: float = 0.0
 
 
+@dataclass
+class AskedCounters(_Sums):
+    """A worker's that prefills: images it asked the encode pool for."""
+
+    asked: float = 0.0
+
+
+@dataclass
+class EncoderCounters(_Sums):
+    """An encode worker's: its encoder's busy seconds and the images it encoded."""
+
+    busy_s: float = 0.0
+    images: float = 0.0
+
+
 _C = TypeVar("_C", bound=_Sums)
 
 
@@ -97,6 +124,19 @@ def parse_counters(text: str) -> Counters:
 
 def parse_prefill_counters(text: str) -> PrefillCounters:
     return _parse(text, PrefillCounters(), _PREFILL_SAMPLES)
+
+
+def parse_asked(text: str) -> AskedCounters:
+    return _parse(text, AskedCounters(), _ASKED_SAMPLES)
+
+
+def parse_encoder(text: str) -> EncoderCounters:
+    return _parse(text, EncoderCounters(), _ENCODER_SAMPLES)
+
+
+def encode_traffic_of(asked: AskedCounters, encoded: EncoderCounters, seconds: float) -> EncodeTraffic:
+    return EncodeTraffic(rate_per_s=asked.asked / seconds if seconds > 0 else 0.0,
+                         service_s=encoded.busy_s / encoded.images if encoded.images else None)
 
 
 def _parse(text: str, counters: _C, samples: dict[str, str]) -> _C:
@@ -138,18 +178,18 @@ class _Deltas(Generic[_C]):
     _last: dict[str, _C] = field(default_factory=dict)
 
     async def read(self) -> _C:
-        members = dict(self.view.instances)
-        readings = await asyncio.gather(*(self._read(f"{info.address.rsplit(':', 1)[0]}:{info.metrics_port}")
-                                          for info in members.values()))
+        # One reading per /metrics: workers sharing a process share it.
+        endpoints = sorted({f"{i.address.rsplit(':', 1)[0]}:{i.metrics_port}" for i in self.view.instances.values()})
+        readings = await asyncio.gather(*(self._read(endpoint) for endpoint in endpoints))
         total = self.empty()
         current: dict[str, _C] = {}
-        for instance_id, reading in zip(members, readings, strict=True):
+        for endpoint, reading in zip(endpoints, readings, strict=True):
             if reading is None:
-                if instance_id in self._last:
-                    current[instance_id] = self._last[instance_id]  # skipped this time, not reset
+                if endpoint in self._last:
+                    current[endpoint] = self._last[endpoint]  # skipped this time, not reset
                 continue
-            current[instance_id] = reading
-            total = total.plus(reading.minus(self._last.get(instance_id, reading)))
+            current[endpoint] = reading
+            total = total.plus(reading.minus(self._last.get(endpoint, reading)))
         self._last = current
         return total
 
@@ -185,18 +225,25 @@ class MeshTraffic:
     traffic since the previous call, with the routers' queues as they are now."""
 
     def __init__(self, frontends: ComponentView, decode_workers: ComponentView,
-                 routers: ComponentView | None = None) -> None:
+                 routers: ComponentView | None = None, prefill_workers: ComponentView | None = None,
+                 encode_workers: ComponentView | None = None) -> None:
+        """`prefill_workers` and `encode_workers`: read for the encode pool (None: not sized)."""
         self.client = httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_S)
         self._routers = routers
         self._frontends = _Deltas(frontends, parse_counters, Counters, self.client, "frontend")
         self._workers = _Deltas(decode_workers, parse_prefill_counters, PrefillCounters, self.client, "decode worker")
+        self._asking = [_Deltas(v, parse_asked, AskedCounters, self.client, what)
+                        for v, what in ((decode_workers, "decode worker"), (prefill_workers, "prefill worker"))
+                        if v is not None and encode_workers is not None]
+        self._encoders = None if encode_workers is None else _Deltas(encode_workers, parse_encoder, EncoderCounters,
+                                                                     self.client, "encode worker")
         self._last_at: float | None = None
         # The latest interval in which requests were answered: the shape of the traffic.
         self._shape: Traffic | None = None
 
     async def sample(self, now: float) -> Traffic:
-        answered, prefilled, (queued, wait) = await asyncio.gather(self._frontends.read(), self._workers.read(),
-                                                                   self._queues())
+        answered, prefilled, (queued, wait), encode = await asyncio.gather(
+            self._frontends.read(), self._workers.read(), self._queues(), self._encode_counters())
         seconds = 0.0 if self._last_at is None else now - self._last_at
         self._last_at = now
         traffic = traffic_of(answered, seconds, prefilled)
@@ -210,7 +257,14 @@ class MeshTraffic:
                               mean_output_tokens=shape.mean_output_tokens, remote_share=shape.remote_share,
                               remote_prompt_tokens=shape.remote_prompt_tokens,
                               local_prompt_tokens=shape.local_prompt_tokens)
-        return replace(traffic, queued=queued, queue_wait_s=wait)
+        asked, encoded = encode
+        return replace(traffic, queued=queued, queue_wait_s=wait, encode=encode_traffic_of(asked, encoded, seconds))
+
+    async def _encode_counters(self) -> tuple[AskedCounters, EncoderCounters]:
+        asked = AskedCounters()
+        for reading in await asyncio.gather(*(d.read() for d in self._asking)):
+            asked = asked.plus(reading)
+        return asked, EncoderCounters() if self._encoders is None else await self._encoders.read()
 
     async def _queues(self) -> tuple[float, float]:
         """Requests waiting in all the routers' queues, and the longest predicted wait."""

@@ -65,7 +65,9 @@ def disagg_mesh(etcd: Etcd, prefill_timeout_s: float, *prefill_extra: str) -> Se
     return mesh
 
 
-@pytest.fixture
+# Module-scoped: its tests run in file order, the one that counts what the decode worker did
+# first, the one that adds and kills a prefill worker last.
+@pytest.fixture(scope="module")
 def disagg(etcd: Etcd) -> Iterator[ServiceMesh]:
     mesh = disagg_mesh(etcd, 5)
     yield mesh

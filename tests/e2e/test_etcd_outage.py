@@ -15,8 +15,9 @@ import pytest
 from tests.procs import Etcd, ServiceMesh, registered, wait_until
 
 COMPONENTS = ("frontend", "processor", "kv-router", "decode-worker")
-# Longer than the 10 s lease TTL: every lease the mesh held has lapsed by the time etcd is back.
-OUTAGE_S = 30.0
+# Longer than the 10 s lease TTL (with 6 s to spare): every lease the mesh held has lapsed by the
+# time etcd is back.
+OUTAGE_S = 16.0
 
 
 @pytest.fixture

@@ -1,22 +1,31 @@
 """The planner on real processes: a launched mocker mesh, real etcd, real load.
 
-- `--planner local` grows the prefill pool under a burst of long prompts and shrinks it after,
-  losing no request;
+- `--planner local` grows the prefill pool under a burst of long prompts and, given encode
+  workers, the encode pool under a burst of images its one worker cannot encode in time, and
+  shrinks both after, losing no request;
 - `--planner none` plans the same and changes nothing;
 - the traffic it reads from the frontends' metrics, in-process.
 """
 
 from __future__ import annotations
 
+import base64
+import dataclasses
+import io
 import random
 import threading
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
 
 import httpx
 import pytest
+from PIL import Image
 
-from services.mesh.discovery import DECODE_WORKER, PLANNER, PREFILL_WORKER
+from services.mesh.discovery import DECODE_WORKER, ENCODE_WORKER, PLANNER, PREFILL_WORKER
+from services.profiles.profile_file import DEFAULT_PRESET, load_profile
 from services.planner.traffic import Counters, parse_counters, traffic_of
 from testkit.metrics import metrics_url, scrape, total
 from tests.procs import MODEL, Etcd, Mesh, registered, wait_until
@@ -44,23 +53,23 @@ def planner_metric(mesh: Mesh, name: str, **labels: str) -> float:
     return total(scrape(metrics_url(info.metrics_port)), name, **labels)
 
 
-def burst(mesh: Mesh, stop: threading.Event, seconds: float = BURST_S) -> list[int]:
-    """Long prompts, Poisson arrivals, until `stop` or `seconds`' worth; returns every status."""
+def long_prompt(mesh: Mesh, seed: int, model: str = MODEL) -> int:
+    prompt = [random.Random(seed).randrange(20, 1000) for _ in range(BURST_PROMPT)]
+    r = httpx.post(f"{mesh.base_url}/completions", json={"model": model, "prompt": prompt, "max_tokens": 4},
+                   timeout=120)
+    return r.status_code
+
+
+def burst(mesh: Mesh, stop: threading.Event, seconds: float = BURST_S, rate: float = BURST_RATE,
+          send: Callable[[Mesh, int], int] = long_prompt) -> list[int]:
+    """Requests (`send`, long prompts by default), Poisson arrivals, until `stop` or `seconds`'
+    worth; returns every status."""
     rng = random.Random(7)
-    statuses: list[int] = []
-
-    def one(seed: int) -> int:
-        prompt = [random.Random(seed).randrange(20, 1000) for _ in range(BURST_PROMPT)]
-        r = httpx.post(f"{mesh.base_url}/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4},
-                       timeout=120)
-        return r.status_code
-
     with ThreadPoolExecutor(32) as pool:
         futures = []
-        while not stop.wait(rng.expovariate(BURST_RATE)) and len(futures) < BURST_RATE * seconds:
-            futures.append(pool.submit(one, len(futures)))
-        statuses = [f.result() for f in futures]
-    return statuses
+        while not stop.wait(rng.expovariate(rate)) and len(futures) < rate * seconds:
+            futures.append(pool.submit(send, mesh, len(futures)))
+        return [f.result() for f in futures]
 
 
 def test_traffic_is_the_difference_between_two_readings() -> None:
@@ -92,30 +101,6 @@ kvmesh_frontend_inter_token_latency_seconds_sum 9.8
     assert traffic_of(Counters(), 2.0).idle
 
 
-def test_local_planner_grows_the_prefill_pool_under_a_burst_and_shrinks_it_after(etcd: Etcd) -> None:
-    mesh = launch(etcd, "local")
-    try:
-        assert pools(mesh) == (1, 1)
-        stop = threading.Event()
-        with ThreadPoolExecutor(1) as driver:
-            load = driver.submit(burst, mesh, stop)
-            grew = wait_until(lambda: pools(mesh)[0] > 1, 60, interval_s=0.5)
-            stop.set()
-            statuses = load.result()
-        assert grew, f"the prefill pool never grew: {mesh.launcher.tail()}"
-        assert statuses and all(s == 200 for s in statuses), statuses
-        # Counted when the launcher answers the start, which is just after the worker registers.
-        assert wait_until(lambda: planner_metric(mesh, "kvmesh_planner_scale_events_total", role="prefill",
-                                                 direction="up") >= 1, 30, interval_s=0.5)
-        assert wait_until(lambda: pools(mesh) == (1, 1), 60, interval_s=0.5), f"never shrank back: {pools(mesh)}"
-        # Counted once the stopped workers' processes have exited (after their drain).
-        assert wait_until(lambda: planner_metric(mesh, "kvmesh_planner_scale_events_total", role="prefill",
-                                                 direction="down") >= 1, 60, interval_s=0.5)
-        assert planner_metric(mesh, "kvmesh_planner_desired_workers", role="prefill") == 1
-    finally:
-        assert mesh.stop() == 0
-
-
 def test_dry_run_plans_but_changes_nothing(etcd: Etcd) -> None:
     mesh = launch(etcd, "none")
     try:
@@ -134,5 +119,66 @@ def test_dry_run_plans_but_changes_nothing(etcd: Etcd) -> None:
         assert planner_metric(mesh, "kvmesh_planner_switches_total") == 0
         assert planner_metric(mesh, "kvmesh_planner_scale_events_total") == 0
         assert planner_metric(mesh, "kvmesh_planner_decisions_total") >= 1
+    finally:
+        assert mesh.stop() == 0
+
+
+# Images of 0.2 s each (the mocker's encoder, from the profile) at 6 a second: 1.2 erlangs, more
+# than one encode worker can take; three keep the wait within a tenth of the TTFT objective.
+IMAGE_ENCODE_S, IMAGE_RATE = 0.2, 6.0
+VLM, VLM_DIR = "demo-vlm", ".cache/models/kvmesh-demo-vlm"
+
+
+def image_request(mesh: Mesh, seed: int) -> int:
+    out = io.BytesIO()
+    Image.new("RGB", (64, 48), (seed % 256, seed // 256 % 256, 90)).save(out, "PNG")  # a new image each time
+    url = "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+    body = {"model": VLM, "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": url}}]}]}
+    return httpx.post(f"{mesh.base_url}/chat/completions", json=body, timeout=120).status_code
+
+
+def test_local_planner_grows_the_prefill_and_encode_pools_under_bursts_and_shrinks_them_after(
+        etcd: Etcd, tmp_path: Path) -> None:
+    """Both bursts at once on one mesh (a mesh costs seconds to start): long prompts for the prefill
+    pool, new images for the encode pool; each pool grows, then goes back to its floor."""
+    preset = load_profile(DEFAULT_PRESET)
+    profile = tmp_path / "slow-encoder.json"
+    profile.write_text(dataclasses.replace(preset, cost=dataclasses.replace(preset.cost, encode_base_s=IMAGE_ENCODE_S))
+                       .to_json())
+    mesh = Mesh.launch(etcd.endpoint, f"plan-{uuid.uuid4().hex[:6]}", "mocker", "--model", VLM_DIR,
+                       "--served-model-name", VLM, "--prefill-workers", "1", "--max-local-prefill-length", "512",
+                       "--encode-workers", "1", "--timing-profile", str(profile), "--planner", "local", *PLANNER_FLAGS)
+
+    def encoders() -> int:
+        return len(registered(mesh.etcd, mesh.namespace, ENCODE_WORKER))
+
+    def scaled(role: str, direction: str) -> bool:
+        return planner_metric(mesh, "kvmesh_planner_scale_events_total", role=role, direction=direction) >= 1
+
+    try:
+        assert pools(mesh) == (1, 1) and encoders() == 1
+        long_stop, image_stop = threading.Event(), threading.Event()
+        with ThreadPoolExecutor(2) as driver:
+            long = driver.submit(burst, mesh, long_stop, BURST_S, BURST_RATE, partial(long_prompt, model=VLM))
+            images = driver.submit(burst, mesh, image_stop, BURST_S, IMAGE_RATE, image_request)
+            prefill_grew = wait_until(lambda: pools(mesh)[0] > 1, 60, interval_s=0.5)
+            long_stop.set()
+            encode_grew = wait_until(lambda: encoders() > 1, 60, interval_s=0.5)
+            image_stop.set()
+            statuses = long.result() + images.result()
+        assert prefill_grew, f"the prefill pool never grew: {mesh.launcher.tail()}"
+        assert encode_grew, f"the encode pool never grew: {mesh.launcher.tail()}"
+        assert statuses and all(s == 200 for s in statuses), statuses
+        # Counted when the launcher answers the start, which is just after the worker registers.
+        assert wait_until(lambda: scaled("prefill", "up") and scaled("encode", "up"), 30, interval_s=0.5)
+        assert planner_metric(mesh, "kvmesh_planner_encode_seconds") == pytest.approx(IMAGE_ENCODE_S, rel=0.5)
+        # No load: each pool down to its floor (the encode pool's is 0: images are then encoded in place).
+        assert wait_until(lambda: pools(mesh) == (1, 1) and encoders() == 0, 60, interval_s=0.5), \
+            f"never shrank back: {pools(mesh)}, {encoders()} encode workers"
+        # Counted once the stopped workers' processes have exited (after their drain).
+        assert wait_until(lambda: scaled("prefill", "down") and scaled("encode", "down"), 60, interval_s=0.5)
+        assert planner_metric(mesh, "kvmesh_planner_desired_workers", role="prefill") == 1
+        assert planner_metric(mesh, "kvmesh_planner_desired_workers", role="encode") == 0
     finally:
         assert mesh.stop() == 0

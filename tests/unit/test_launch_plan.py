@@ -52,14 +52,24 @@ def test_encode_workers_start_first_and_the_aggregated_decode_workers_take_featu
     assert "encode-worker" not in [c.component for c in plan_children(config.load(["--engine", "mocker"]), ETCD, "/m")]
 
 
-@pytest.mark.parametrize(("flags", "says"), [(["--engine", "mocker", "--encode-workers", "1", "--planner", "local"],
-                                              "planner")])
-def test_encode_workers_are_refused_where_they_are_not_served(flags: list[str], says: str,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as refused:
-        config.load(flags)
-    said = capsys.readouterr().err
-    assert refused.value.code == 2 and "--encode-workers" in said and says in said, said
+@pytest.mark.parametrize("engine", ["mocker", "vllm"])
+def test_a_local_planner_given_encode_workers_starts_them_and_sizes_their_pool(engine: str, tmp_path: Path) -> None:
+    cfg = config.load(["--engine", engine, "--encode-workers", "1", "--planner", "local"])
+    children = plan_children(cfg, ETCD, "/m", run_dir=tmp_path)
+    components = [c.component for c in children]
+    assert components.index("encode-worker") < components.index("decode-worker")
+    (encode,) = [c for c in children if c.component == "encode-worker"]
+    assert "services.encode_worker" in encode.argv and "--switchable" not in encode.argv
+    (planner,) = [c for c in children if c.component == "planner"]
+    assert planner.argv[planner.argv.index("--max-encode-workers") + 1] == "4"
+    if engine == "vllm":  # every worker the planner runs reads the features where encode workers write them
+        dirs = {c.argv[c.argv.index("--encoder-cache-dir") + 1] for c in children if c.component.endswith("-worker")}
+        assert dirs == {str((tmp_path / "encoder-cache").resolve())}
+    # Without encode workers (or a planner told to size their pool) there is no pool to size.
+    plain = plan_children(config.load(["--engine", engine, "--planner", "local"]), ETCD, "/m", run_dir=tmp_path)
+    (planner,) = [c for c in plain if c.component == "planner"]
+    assert "--max-encode-workers" not in planner.argv
+    assert not any("--encoder-cache-dir" in c.argv for c in plain)
 
 
 def test_vllm_encode_workers_share_a_feature_directory_with_the_workers_that_prefill(tmp_path: Path) -> None:

@@ -54,7 +54,8 @@ class LauncherControlServicer:
     """
 
     def StartWorker(self, request, context):
-        """Starts one switchable worker process in `role`; answers once it is registered.
+        """Starts one worker process in `role` (a switchable prefill or decode worker, or an encode
+        worker); answers once it is registered.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

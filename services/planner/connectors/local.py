@@ -2,7 +2,8 @@
 
 A worker moved from a pool that shrinks to one that grows is switched (`RoleControl.SwitchRole`
 on the worker: no start-up, its prefix cache kept); only what switching cannot cover is started
-or stopped through the launcher (`LauncherControl`). The workers chosen to switch or stop are
+or stopped through the launcher (`LauncherControl`), as is every change of the encode pool (its
+workers run an encoder-only engine and never switch). The workers chosen to switch or stop are
 the least busy of their pool, read from each one's load stream, so the fewest requests wait
 out a drain or get migrated.
 """
@@ -34,10 +35,12 @@ class LocalConnector:
     acts = True
 
     def __init__(self, launcher: str, channels: ChannelPool, prefill: ComponentView, decode: ComponentView,
-                 drain_timeout_s: float) -> None:
+                 drain_timeout_s: float, encode: ComponentView | None = None) -> None:
         self._launcher = launcher
         self._channels = channels
         self._views = {RoleName.PREFILL: prefill, RoleName.DECODE: decode}
+        if encode is not None:
+            self._views[RoleName.ENCODE] = encode
         self._drain_timeout_s = drain_timeout_s
 
     async def current(self) -> PoolSizes | None:
@@ -53,7 +56,7 @@ class LocalConnector:
             switched = await self._switch(source, target, count)
             current = current.with_role(source, current.of(source) - switched)
             current = current.with_role(target, current.of(target) + switched)
-        for role in ROLES:
+        for role in self._views:
             change = desired.of(role) - current.of(role)
             if change > 0:
                 await asyncio.gather(*(self._start(role) for _ in range(change)))
