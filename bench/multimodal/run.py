@@ -13,7 +13,11 @@ Modes, each on a fresh mesh, its router seeded with the run's seed:
   have each image they would encode encoded there and pull its features over NIXL;
 - blind (the baseline): `--no-media-aware-routing`: the router hashes the tokens alone, so no block
   with an image matches and a session's turn sees every worker that served the shared system
-  prompt as equally good (what a router that knows nothing of images scores).
+  prompt as equally good (what a router that knows nothing of images scores);
+- each of the three again with `--cost-model dynamo` (NVIDIA Dynamo's block-count cost, which
+  weighs a worker's queued prefill against the blocks a prompt would reuse there; the default
+  cached-share rule lets a session's own cached history outweigh any queue, so sessions pile up
+  on the workers that hold them).
 
 Figures: prefix reuse (cached over prompt tokens, as the responses' usage says) and its share of the
 ideal (one worker with an endless cache, requests in their sending order: every full block seen
@@ -49,8 +53,13 @@ BLOCK_SIZE = 16  # the mocker's default
 MODEL = "bench-vlm"
 MODEL_DIR = ROOT / ".cache" / "bench-multimodal" / "vlm-448"
 ENCODE_WORKERS = 2
+DYNAMO_COST = ("--cost-model", "dynamo")
+ENCODE_STAGE = ("--encode-workers", str(ENCODE_WORKERS))
 MODES = {"aware": ("--media-aware-routing",), "blind": ("--no-media-aware-routing",),
-         "aware + encode stage": ("--media-aware-routing", "--encode-workers", str(ENCODE_WORKERS))}
+         "aware + encode stage": ("--media-aware-routing", *ENCODE_STAGE),
+         "aware, dynamo cost": ("--media-aware-routing", *DYNAMO_COST),
+         "blind, dynamo cost": ("--no-media-aware-routing", *DYNAMO_COST),
+         "aware + encode stage, dynamo cost": ("--media-aware-routing", *ENCODE_STAGE, *DYNAMO_COST)}
 BASELINE = "blind"
 OUTPUT_TOKENS = 8
 LIMIT_S = 120.0

@@ -209,6 +209,8 @@ class ImageLoad:
     kv_hits_total: int
     # Features pulled from an encode worker (E/P/D) instead of encoded here.
     taken_total: int = 0
+    # The images (digests) whose features the encoder cache holds now.
+    cached: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

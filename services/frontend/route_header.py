@@ -10,7 +10,9 @@ prefix is otherwise nobody's business). The value is `; `-separated sections of 
 `<id>` is a worker's instance id (as in `x-kvmesh-worker`), `overlap` the prompt blocks the
 worker already caches on its device; a worker that holds further prompt blocks in host memory
 only adds `host=N credit=C` after it (those blocks, and what each is worth against a device block,
-services/routing/host_credit.py); `usage` its KV cache usage (0..1), `waiting` its queued requests as the
+services/routing/host_credit.py), and a worker whose encoder cache keeps some of the prompt's
+images `encoder=B` (what that is worth in cached blocks, services/routing/encoder_credit.py);
+`usage` its KV cache usage (0..1), `waiting` its queued requests as the
 router counted them, `logit` the cost function's score (services/routing/cost_function.py).
 Each worker's terms end with where the router's numbers of its cache come from, `kv_source=events`
 (its KV events) or `kv_source=predicted` (the prompts the router sent it), and how right they were
@@ -44,7 +46,7 @@ from __future__ import annotations
 from urllib.parse import quote
 
 from gen.kvmesh.v1 import common_pb2
-from services.kv_protocol.tier import host_terms
+from services.kv_protocol.tier import encoder_terms, host_terms
 from services.routing.explanation import session_route_name
 from services.routing.worker_adapters import adapter_terms
 
@@ -74,8 +76,8 @@ def route_header(explanation: common_pb2.RouteExplanation) -> str:
 
 
 def _terms(role: str, c: common_pb2.RouteCandidate) -> str:
-    return (f"{role}={c.worker_id} overlap={c.overlap_blocks}{host_terms(c.host_overlap_blocks, c.host_credit)} "
-            f"usage={c.cache_usage:.3f} waiting={c.waiting} logit={c.logit:.3f}")
+    return (f"{role}={c.worker_id} overlap={c.overlap_blocks}{host_terms(c.host_overlap_blocks, c.host_credit)}"
+            f"{encoder_terms(c.encoder_blocks)} usage={c.cache_usage:.3f} waiting={c.waiting} logit={c.logit:.3f}")
 
 
 def lora_text(lora_name: str) -> str:

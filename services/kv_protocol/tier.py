@@ -29,6 +29,12 @@ def prefill_seconds(us_per_token: float, us_per_token_per_1k: float, start: int,
     return (n * us_per_token + us_per_token_per_1k * (end * end - start * start) / 2000.0) / 1e6
 
 
+def encoder_terms(encoder_blocks: float) -> str:
+    """How a routing explanation shows what a candidate's encoder cache is worth to the prompt's
+    images, in cached blocks: ` encoder=B`, or nothing when it keeps none of them."""
+    return f" encoder={encoder_blocks:.2f}" if encoder_blocks else ""
+
+
 def host_terms(host_overlap_blocks: int, host_credit: float) -> str:
     """How a routing explanation shows a candidate's host-held prompt blocks and what each is worth
     against a device block: ` host=N credit=C`, or nothing when it holds none there."""

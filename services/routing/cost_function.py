@@ -11,7 +11,8 @@ KV router's older rule, before its block-count cost, which dynamo_cost.py implem
 where overlap_ratio is the share of the prompt's tokens the worker already caches and
 normalized_waiting its queue length over the longest queue among the candidates. A block the
 worker holds in host memory only counts as `host_credit` of a cached block (`host_credit.py`:
-what loading it back saves against recomputing it).
+what loading it back saves against recomputing it), and the prompt's images whose features its
+encoder cache keeps count as the blocks `encoder_credit.py` says they are worth.
 
 The last term weighs the request's LoRA adapter (none for the base model): load_s is 0 where
 the worker holds the adapter resident, else what loading it there takes (the worker's estimate,
@@ -132,9 +133,11 @@ class Candidate:
     # The request's agent session is bound here (or its parent's, for a sub-agent): the soft
     # preference, added to the logit (session_bindings.py; 0 elsewhere).
     session_bonus: float = 0.0
+    # The prompt's images its encoder cache holds, in cached blocks they are worth (encoder_credit.py).
+    encoder_blocks: float = 0.0
 
     def cached_blocks(self) -> float:
-        return self.overlap_blocks + self.host_credit * self.host_overlap_blocks
+        return self.overlap_blocks + self.host_credit * self.host_overlap_blocks + self.encoder_blocks
 
     def cache_usage(self) -> float:
         if self.kv_total_blocks <= 0:
@@ -168,6 +171,8 @@ class Terms:
     logit: float
     host_overlap_blocks: int = 0
     host_credit: float = 0.0
+    # The prompt's images its encoder cache keeps, in the cached blocks they are worth.
+    encoder_blocks: float = 0.0
 
 
 def overlap_ratio(overlap_blocks: float, block_size: int, num_tokens: int) -> float:
@@ -198,7 +203,7 @@ def terms(candidates: Sequence[Candidate], block_size: int, num_tokens: int, w: 
     """Each candidate's terms and logit, in the candidates' order (the numbers `choose` weighs)."""
     scores = logits(candidates, block_size, num_tokens, w)
     return [Terms(c.worker_id, c.overlap_blocks, c.cache_usage(), c.waiting(), s, c.host_overlap_blocks,
-                  c.host_credit) for c, s in zip(candidates, scores)]
+                  c.host_credit, c.encoder_blocks) for c, s in zip(candidates, scores)]
 
 
 def ranked(all_terms: Sequence[Terms], chosen_id: str) -> list[Terms]:

@@ -6,7 +6,8 @@ The rule, per candidate worker, in KV blocks (lower is better):
     cost = prefill_load_scale * adjusted_prefill_blocks + decode_blocks
     adjusted_prefill_blocks = max(0, queued_prefill_blocks + prompt_blocks
                                      - overlap_score_credit * device_overlap_blocks
-                                     - host_cache_hit_weight * host_overlap_blocks)
+                                     - host_cache_hit_weight * host_overlap_blocks
+                                     - encoder_blocks)
                               + lora_weight * adapter_load_blocks
     decode_blocks = active_blocks + incoming_blocks
     adapter_load_blocks = load_s / block_prefill_s
@@ -17,6 +18,9 @@ host credit). With temperature 0 the lowest cost wins, exact ties at random; wit
 scaled onto [0, 1] by the candidates' range, c' = (c - min) / (max - min), and the choice sampled
 from softmax(-c' / T) (all costs equal: uniform). Scaling makes T mean the same whatever the
 block counts; it is Dynamo's too.
+
+encoder_blocks is kvmesh's, not Dynamo's: the prompt's images whose features the worker's encoder
+cache keeps, at the blocks encoder_credit.py says they are worth.
 
 adapter_load_blocks is kvmesh's, not Dynamo's: loading the request's LoRA adapter (load_s: 0 where
 the worker holds it resident, else its estimate, `LoraAdapterState.load_s`) counted as the blocks
@@ -116,7 +120,8 @@ class Breakdown:
 
 def breakdown(c: Candidate, block_size: int, num_tokens: int, config: DynamoCostConfig) -> Breakdown:
     prompt_blocks = num_tokens / block_size
-    credit = config.overlap_score_credit * c.overlap_blocks + config.host_cache_hit_weight * c.host_overlap_blocks
+    credit = (config.overlap_score_credit * c.overlap_blocks + config.host_cache_hit_weight * c.host_overlap_blocks
+              + c.encoder_blocks)
     per_waiting = c.kv_active_blocks / c.num_requests_running if c.num_requests_running else prompt_blocks
     queued = c.pending_blocks + c.num_requests_waiting * per_waiting
     incoming = max(0.0, prompt_blocks - c.overlap_blocks)
@@ -141,7 +146,7 @@ def costs(candidates: Sequence[Candidate], block_size: int, num_tokens: int, con
 def terms(candidates: Sequence[Candidate], block_size: int, num_tokens: int, config: DynamoCostConfig) -> list[Terms]:
     """Each candidate's terms, its logit the negated cost, in the candidates' order."""
     return [Terms(c.worker_id, c.overlap_blocks, c.cache_usage(), c.waiting(), -cost, c.host_overlap_blocks,
-                  config.host_cache_hit_weight if c.host_overlap_blocks else 0.0)
+                  config.host_cache_hit_weight if c.host_overlap_blocks else 0.0, c.encoder_blocks)
             for c, cost in zip(candidates, costs(candidates, block_size, num_tokens, config))]
 
 

@@ -28,7 +28,7 @@ from gen.kvmesh.v1 import common_pb2
 from services.routing.cost_function import Terms, ranked
 from services.routing.kv_source import KvSource
 from services.routing.worker_adapters import AdapterView, adapter_terms
-from services.kv_protocol.tier import host_terms
+from services.kv_protocol.tier import encoder_terms, host_terms
 
 
 # The wire's names of a prediction's source.
@@ -106,6 +106,8 @@ class Explanation:
                 if t.host_overlap_blocks:
                     out.update({f"{prefix}.host_overlap_blocks": t.host_overlap_blocks,
                                 f"{prefix}.host_credit": t.host_credit})
+                if t.encoder_blocks:
+                    out[f"{prefix}.encoder_blocks"] = t.encoder_blocks
                 if (adapter := self.adapters.get(t.worker_id)) is not None:
                     out.update({f"{prefix}.adapter_resident": adapter.resident,
                                 f"{prefix}.adapter_load_s": adapter.load_s})
@@ -117,7 +119,8 @@ class Explanation:
         else:
             candidates = [self._provenance_of(common_pb2.RouteCandidate(
                 worker_id=t.worker_id, overlap_blocks=t.overlap_blocks, cache_usage=t.cache_usage, waiting=t.waiting,
-                logit=t.logit, host_overlap_blocks=t.host_overlap_blocks, host_credit=t.host_credit))
+                logit=t.logit, host_overlap_blocks=t.host_overlap_blocks, host_credit=t.host_credit,
+                encoder_blocks=t.encoder_blocks))
                 for t in self.ranked]
         return common_pb2.RouteExplanation(mode=self.mode, candidates=candidates, lora_name=self.lora_name,
                                            session=self.session)
@@ -147,6 +150,6 @@ def session_route_name(route: common_pb2.SessionRoute) -> str:
 
 
 def _describe(t: Terms) -> str:
-    return (f"{t.worker_id} overlap={t.overlap_blocks}{host_terms(t.host_overlap_blocks, t.host_credit)} "
-            f"usage={t.cache_usage:.3f} waiting={t.waiting} logit={t.logit:.3f}")
+    return (f"{t.worker_id} overlap={t.overlap_blocks}{host_terms(t.host_overlap_blocks, t.host_credit)}"
+            f"{encoder_terms(t.encoder_blocks)} usage={t.cache_usage:.3f} waiting={t.waiting} logit={t.logit:.3f}")
 

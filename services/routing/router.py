@@ -42,6 +42,7 @@ from services.routing.admission.gate import Admission, Queued, Ticket
 from services.routing.config import RouterConfig
 from services.routing.cost_function import overlap_ratio
 from services.routing.explanation import Explanation, Provenance, explain
+from services.routing.encoder_credit import encoder_blocks
 from services.routing.host_credit import host_credits
 from services.routing.kv_source import KvSource
 from services.routing.index_accuracy import RecentPredictions, Sample, reusable_tokens
@@ -228,13 +229,14 @@ class Router:
         block_size = pool.block_size(query.model) or candidates[0].info.block_size
         tokens, lora = query.token_ids, query.lora_name
         # An adapter's blocks hash with its own seed: they match its own cached blocks only.
-        local_hashes = local_block_hashes(tokens, block_size, adapter_seed(lora),
-                                          self._as_seen(query).media)
+        media = self._as_seen(query).media
+        local_hashes = local_block_hashes(tokens, block_size, adapter_seed(lora), media)
         overlaps, host_overlaps = pool.matches_by_tier(local_hashes)
         credits = host_credits(candidates, overlaps, host_overlaps, block_size, self._host_weight)
         adapters = {w.info.instance_id: w.adapter(lora) for w in candidates} if lora else {}
         context = PickContext(overlaps, block_size, len(tokens), pool.index.block_count, host_overlaps, credits,
-                              adapters, *self._session_terms(preference))
+                              adapters, *self._session_terms(preference),
+                              encoder_blocks=encoder_blocks(candidates, media, overlaps, host_overlaps, block_size))
         chosen = self._picker.pick(candidates, context)
         session_route, retain_ms = self._bind(query, chosen.info.instance_id, preference)
         # Explained only when someone looks: the terms cost a second pass over the candidates. Taken
@@ -251,6 +253,7 @@ class Router:
         overlap, host_overlap = overlaps.get(wid, 0), host_overlaps.get(wid, 0)
         # Blocks loaded back from host memory take device blocks as recomputed ones do.
         chosen.add_pending(max(0, -(-len(tokens) // block_size) - overlap), lora)
+        chosen.sent_images(span.digest for span in media)
         # What the prompt need not compute (the disaggregation rule's input): a host-held block
         # counts as much as the cost function credited it.
         hit = overlap_ratio(overlap + credits.get(wid, 0.0) * host_overlap, block_size, len(tokens))

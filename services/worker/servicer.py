@@ -188,10 +188,13 @@ def event_to_proto(event: NumberedEvent) -> worker_pb2.KvEvent:
 
 
 def load_to_proto(load: LoadSnapshot, adapter_states: tuple[AdapterState, ...] = (),
-                  max_loras: int = 0) -> worker_pb2.LoadMetrics:
+                  max_loras: int = 0, encoder_cache: bool = False) -> worker_pb2.LoadMetrics:
     """`adapter_states`: every LoRA adapter the worker knows, resident or not; `max_loras`: how
-    many it keeps loaded (0: LoRA off)."""
+    many it keeps loaded (0: LoRA off); `encoder_cache`: with the encoder cache's images (an
+    engine that counts images), for a report that must carry them."""
+    images = load.images if encoder_cache else None
     return worker_pb2.LoadMetrics(
+        encoder_cache=None if images is None else worker_pb2.EncoderCache(digests=sorted(images.cached)),
         lora_adapters=[state_to_proto(s) for s in adapter_states],
         max_loras=max_loras,
         request_active_slots=load.request_active_slots,
@@ -207,6 +210,10 @@ def load_to_proto(load: LoadSnapshot, adapter_states: tuple[AdapterState, ...] =
         prefill_cost=None if (p := load.prefill_cost) is None else worker_pb2.PrefillCost(
             us_per_token=p.us_per_token, us_per_token_per_1k=p.us_per_token_per_1k),
     )
+
+
+def _cached(load: LoadSnapshot) -> frozenset[int] | None:
+    return None if load.images is None else load.images.cached
 
 
 def request_from_proto(request: worker_pb2.WorkerGenerateRequest) -> EngineRequest:
@@ -352,7 +359,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             current = (self.engine.load(), tuple(adapters.states()) if adapters is not None else ())
             now = time.monotonic()
             if current != last or now - last_sent >= METRICS_MAX_INTERVAL_S:
-                yield load_to_proto(*current, max_loras)
+                # The encoder cache's images go in the first report and when they changed only.
+                yield load_to_proto(*current, max_loras, encoder_cache=last is None or _cached(current[0]) != _cached(last[0]))
                 last, last_sent = current, now
             await asyncio.sleep(METRICS_POLL_S)
 

@@ -1,7 +1,8 @@
 """Images on a mocker mesh serving the demo vision-language model (real processes, real etcd):
 all three APIs take them through the official clients; the same screenshot resent reuses the
-cache on the worker that holds it, another image with the same text reuses nothing past it; a
-text model refuses images by name; a bad image is a 400 naming its part."""
+cache on the worker that holds it, another image with the same text reuses nothing past it; the
+same screenshot behind other words goes to the worker whose encoder cache keeps it; a text
+model refuses images by name; a bad image is a 400 naming its part."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import openai
 import pytest
 from PIL import Image
 
-from tests.procs import Etcd, Mesh
+from services.mesh.discovery import ROUTER
+from testkit.metrics import metrics_url, scrape, total
+from tests.procs import Etcd, Mesh, registered, wait_until
 
 VLM = "demo-vlm"
 SYSTEM = "You are a careful assistant that reads screenshots. " * 8  # a few blocks of prefix before the image
@@ -34,7 +37,7 @@ def data_url(data: bytes) -> str:
 @pytest.fixture(scope="module")
 def vlm_mesh(etcd: Etcd) -> Iterator[Mesh]:
     mesh = Mesh.launch(etcd.endpoint, "vlm", "mocker", "--model", ".cache/models/kvmesh-demo-vlm",
-                       "--served-model-name", VLM, "--speedup", "20", "--decode-workers", "2")
+                       "--served-model-name", VLM, "--speedup", "20", "--decode-workers", "2", "--allow-explain")
     yield mesh
     assert mesh.stop() == 0, mesh.launcher.tail()
 
@@ -90,6 +93,32 @@ def test_a_resent_screenshot_is_cached_and_another_is_not(vlm_mesh: Mesh) -> Non
     other = chat(vlm_mesh, png(41))
     assert other.json()["usage"]["prompt_tokens"] == prompt
     assert cached(other) < cached(again) - 16, (cached(other), cached(again))
+
+
+def test_the_same_screenshot_behind_other_words_goes_to_the_worker_that_keeps_its_features(vlm_mesh: Mesh) -> None:
+    image = png(230)
+
+    def ask(text: str) -> httpx.Response:
+        # No system prompt: the two prompts share no full block, so no KV overlap draws either.
+        body = {"model": VLM, "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": data_url(image)}}]}]}
+        response = httpx.post(f"{vlm_mesh.base_url}/chat/completions", json=body, headers={"x-kvmesh-explain": "1"},
+                              timeout=60)
+        assert response.status_code == 200, response.text
+        return response
+
+    first = ask("Tell me what this window shows, in a few plain words please.")
+    worker = first.headers["x-kvmesh-worker"]
+    # Until the worker's load says it took the first request, the router counts it as queued there.
+    (router,) = registered(vlm_mesh.etcd, vlm_mesh.namespace, ROUTER)
+    assert wait_until(lambda: total(scrape(metrics_url(router.metrics_port)), "kvmesh_router_pending_requests",
+                                    worker_id=worker) == 0, 10)
+    again = ask("Which colours stand out here? Answer briefly and exactly.")
+    assert again.headers["x-kvmesh-worker"] == worker, again.headers["x-kvmesh-route"]
+    assert cached(again) == 0  # no KV reused: the encoder cache drew it
+    chosen = again.headers["x-kvmesh-route"].split("; ")[1]
+    assert " encoder=" in chosen and " encoder=" not in again.headers["x-kvmesh-route"].split("; ")[2], \
+        again.headers["x-kvmesh-route"]  # the chosen worker's encoder cache was weighed, and no other's
 
 
 def test_bad_images_are_400s_naming_the_part(vlm_mesh: Mesh) -> None:

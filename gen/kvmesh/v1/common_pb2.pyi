@@ -213,7 +213,7 @@ class SessionRef(_message.Message):
     def __init__(self, id: _Optional[str] = ..., parent_id: _Optional[str] = ..., retain_ms: _Optional[int] = ...) -> None: ...
 
 class RouteCandidate(_message.Message):
-    __slots__ = ("worker_id", "overlap_blocks", "cache_usage", "waiting", "logit", "host_overlap_blocks", "host_credit", "kv_source", "recent_accuracy", "adapter_resident", "adapter_load_s")
+    __slots__ = ("worker_id", "overlap_blocks", "cache_usage", "waiting", "logit", "host_overlap_blocks", "host_credit", "kv_source", "recent_accuracy", "adapter_resident", "adapter_load_s", "encoder_blocks")
     class KvSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KV_SOURCE_UNSPECIFIED: _ClassVar[RouteCandidate.KvSource]
@@ -233,6 +233,7 @@ class RouteCandidate(_message.Message):
     RECENT_ACCURACY_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_RESIDENT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     overlap_blocks: int
     cache_usage: float
@@ -244,7 +245,8 @@ class RouteCandidate(_message.Message):
     recent_accuracy: float
     adapter_resident: bool
     adapter_load_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., cache_usage: _Optional[float] = ..., waiting: _Optional[int] = ..., logit: _Optional[float] = ..., host_overlap_blocks: _Optional[int] = ..., host_credit: _Optional[float] = ..., kv_source: _Optional[_Union[RouteCandidate.KvSource, str]] = ..., recent_accuracy: _Optional[float] = ..., adapter_resident: _Optional[bool] = ..., adapter_load_s: _Optional[float] = ...) -> None: ...
+    encoder_blocks: float
+    def __init__(self, worker_id: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., cache_usage: _Optional[float] = ..., waiting: _Optional[int] = ..., logit: _Optional[float] = ..., host_overlap_blocks: _Optional[int] = ..., host_credit: _Optional[float] = ..., kv_source: _Optional[_Union[RouteCandidate.KvSource, str]] = ..., recent_accuracy: _Optional[float] = ..., adapter_resident: _Optional[bool] = ..., adapter_load_s: _Optional[float] = ..., encoder_blocks: _Optional[float] = ...) -> None: ...
 
 class StreamEnd(_message.Message):
     __slots__ = ("stream_id", "outcome", "message", "param", "retry_after_ms", "overload")

@@ -258,7 +258,7 @@ class SubscribeMetricsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadMetrics(_message.Message):
-    __slots__ = ("request_active_slots", "request_total_slots", "kv_active_blocks", "kv_total_blocks", "num_requests_waiting", "gpu_cache_usage_perc", "gpu_prefix_cache_hit_rate", "host_tier", "prefill_cost", "lora_adapters", "max_loras")
+    __slots__ = ("request_active_slots", "request_total_slots", "kv_active_blocks", "kv_total_blocks", "num_requests_waiting", "gpu_cache_usage_perc", "gpu_prefix_cache_hit_rate", "host_tier", "prefill_cost", "lora_adapters", "max_loras", "encoder_cache")
     REQUEST_ACTIVE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_TOTAL_SLOTS_FIELD_NUMBER: _ClassVar[int]
     KV_ACTIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +270,7 @@ class LoadMetrics(_message.Message):
     PREFILL_COST_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_CACHE_FIELD_NUMBER: _ClassVar[int]
     request_active_slots: int
     request_total_slots: int
     kv_active_blocks: int
@@ -281,7 +282,14 @@ class LoadMetrics(_message.Message):
     prefill_cost: PrefillCost
     lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterState]
     max_loras: int
-    def __init__(self, request_active_slots: _Optional[int] = ..., request_total_slots: _Optional[int] = ..., kv_active_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., gpu_cache_usage_perc: _Optional[float] = ..., gpu_prefix_cache_hit_rate: _Optional[float] = ..., host_tier: _Optional[_Union[HostKvTier, _Mapping]] = ..., prefill_cost: _Optional[_Union[PrefillCost, _Mapping]] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterState, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...
+    encoder_cache: EncoderCache
+    def __init__(self, request_active_slots: _Optional[int] = ..., request_total_slots: _Optional[int] = ..., kv_active_blocks: _Optional[int] = ..., kv_total_blocks: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., gpu_cache_usage_perc: _Optional[float] = ..., gpu_prefix_cache_hit_rate: _Optional[float] = ..., host_tier: _Optional[_Union[HostKvTier, _Mapping]] = ..., prefill_cost: _Optional[_Union[PrefillCost, _Mapping]] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterState, _Mapping]]] = ..., max_loras: _Optional[int] = ..., encoder_cache: _Optional[_Union[EncoderCache, _Mapping]] = ...) -> None: ...
+
+class EncoderCache(_message.Message):
+    __slots__ = ("digests",)
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    digests: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, digests: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HostKvTier(_message.Message):
     __slots__ = ("active_blocks", "total_blocks", "load_gbps", "kv_bytes_per_token", "hit_blocks_total")

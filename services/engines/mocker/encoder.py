@@ -42,7 +42,7 @@ class ImageEncoder:
         if self.vision is None:
             return None
         c = self.counts
-        return ImageLoad(c.encoded, c.encoder_cache_hits, c.kv_hits, c.taken)
+        return ImageLoad(c.encoded, c.encoder_cache_hits, c.kv_hits, c.taken, frozenset(self._cache))
 
     def check(self, media: tuple[MediaInput, ...]) -> None:
         if media and self.vision is None:

@@ -41,6 +41,9 @@ class PickContext:
     # much (session_bindings.py): None, for a request of no session or one bound nowhere.
     session_worker: str | None = None
     session_weight: float = 0.0
+    # Per worker id whose encoder cache holds some of the prompt's images, their worth in cached
+    # blocks (encoder_credit.py).
+    encoder_blocks: Mapping[str, float] = field(default_factory=dict)
 
 
 class Picker(Protocol):

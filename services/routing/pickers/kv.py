@@ -77,7 +77,8 @@ def candidate(worker: WorkerState, context: PickContext) -> Candidate:
         host_credit=context.host_credits.get(worker_id, 0.0), adapter_load_s=load_s,
         adapter_slots_busy=busy,
         prompt_prefill_s=prompt_prefill_s(load, context.num_tokens) if load_s > 0 else None,
-        session_bonus=context.session_weight if worker_id == context.session_worker else 0.0)
+        session_bonus=context.session_weight if worker_id == context.session_worker else 0.0,
+        encoder_blocks=context.encoder_blocks.get(worker_id, 0.0))
 
 
 def prompt_prefill_s(load: worker_pb2.LoadMetrics, num_tokens: int) -> float | None:
