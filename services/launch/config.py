@@ -45,7 +45,7 @@ from services.mesh.flags import (
 )
 from services.mesh.net import free_port
 from services.mesh.tls import TlsConfig
-from services.planner.flags import add_planner_flags
+from services.planner.flags import add_planner_flags, encode_pool_max
 from services.processor.flags import add_processor_flags
 from services.worker.engine_flags import add_engine_flags
 
@@ -240,12 +240,15 @@ def load(argv: list[str] | None = None) -> LaunchConfig:
     if args.frontends > 1 and args.metrics_port:
         die("--metrics-port with --frontends > 1: each frontend would need a port of its own; leave it out "
             "(metrics are then on --http-port)")
+    # A local planner's encode pool limits, checked here rather than in its child.
+    max_encode = validated(lambda: encode_pool_max(args.min_encode_workers if args.planner == "local" else 0,
+                                                   _max_encode_workers(args)))
     return validated(lambda: LaunchConfig(
         engine=args.engine, model=args.model, served_model_name=args.served_model_name,
         decode_workers=args.decode_workers,
         prefill_workers=args.prefill_workers, processors=args.processors, frontends=args.frontends,
         encode_workers=args.encode_workers,
-        max_encode_workers=_max_encode_workers(args),
+        max_encode_workers=max_encode,
         routers=args.routers,
         remote_prefill=args.remote_prefill is not False,
         http_port=args.http_port, api_key=args.api_key, etcd_endpoints=args.etcd_endpoints,

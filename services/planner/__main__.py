@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         runner.on_teardown(f"close the {connector.name} connector", connector.close)
         registry = CollectorRegistry()
         planner = Planner(Policy(config.cost, config.slo, config.limits), traffic, prefill, decode, connector,
-                          PlannerMetrics(registry), config.interval_s, encode)
+                          PlannerMetrics(registry, encode is not None), config.interval_s, encode)
         metrics_port = runner.serve_metrics(registry, args.metrics_port)
         runner.watch(asyncio.create_task(planner.run(), name="planner"), "the planning loop")
         info = InstanceInfo(component=PLANNER, instance_id=new_instance_id(), metrics_port=metrics_port,

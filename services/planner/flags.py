@@ -50,7 +50,7 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGrou
                    help="the fewest encode workers (E/P/D) the planner keeps")
     g.add_argument("--max-encode-workers", type=non_negative_int, default=_LIMITS.encode.max_workers,
                    help="the most encode workers the planner starts (0: it leaves the encode pool alone; "
-                        "the launcher passes 4 with --encode-workers and --planner local)")
+                        "with --planner local and --encode-workers N the launcher passes max(4, N) unless given)")
     g.add_argument("--switch-gain", type=positive_float, default=_LIMITS.switch_gain,
                    help="a fixed budget is re-split only if the new split scores below this share of the current")
     return g
@@ -92,6 +92,12 @@ def planner_config(args: argparse.Namespace) -> PlannerConfig:
                              args.adjustment_interval)
 
     return validated(build)
+
+
+def encode_pool_max(min_workers: int, max_workers: int) -> int:
+    """The most encode workers the planner may run, once their limits are checked (ConfigError):
+    the launcher checks a local planner's before it starts any child."""
+    return EncodeLimits(min_workers, max_workers).max_workers
 
 
 def profile_cost(name_or_path: str, speedup: float) -> CostModel:

@@ -10,8 +10,10 @@ from services.planner.pools import ROLES, SIZED_ROLES, PoolSizes
 
 
 class PlannerMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, sizes_encode: bool = False) -> None:
+        """`sizes_encode`: the planner sizes the encode pool (its role's series exported)."""
         r = registry
+        self._roles = SIZED_ROLES if sizes_encode else ROLES
         self.desired = Gauge("kvmesh_planner_desired_workers", "workers per role the last plan asks for", ["role"],
                              registry=r)
         self.actual = Gauge("kvmesh_planner_actual_workers", "workers per role registered in etcd", ["role"],
@@ -48,7 +50,7 @@ class PlannerMetrics:
 
     def record(self, registered: PoolSizes, traffic: Traffic, scales: Scales, decision: Decision) -> None:
         self.decisions.inc()
-        for role in SIZED_ROLES:
+        for role in self._roles:
             self.desired.labels(role).set(decision.desired.of(role))
             self.actual.labels(role).set(registered.of(role))
         self.encode_rate.set(traffic.encode.rate_per_s)
@@ -69,7 +71,7 @@ class PlannerMetrics:
     def applied(self, current: PoolSizes, desired: PoolSizes, switched: int) -> None:
         """Counts a carried-out plan: `switched` workers changed role, the rest started or stopped."""
         self.switches.inc(switched)
-        for role in SIZED_ROLES:
+        for role in self._roles:
             change = desired.of(role) - current.of(role)
             # Only prefill and decode workers switch roles; the encode pool is started and stopped.
             moved_in = 0 if role not in ROLES else switched if change > 0 else -switched if change < 0 else 0

@@ -135,7 +135,7 @@ class Policy:
             decode = min(lim.max_decode, current.decode + 1)
         prefill = self._size(current.prefill, lim.min_prefill, lim.max_prefill, traffic,
                              lambda n: self.predict(traffic, PoolSizes(n, decode)).ttft_s / self.slo.ttft_s)
-        desired = PoolSizes(prefill, decode)
+        desired = PoolSizes(prefill, decode, current.encode)  # the encode pool is sized after (_encode_pool)
         if queue_grew:
             return desired, f"{traffic.queued:.0f} requests wait in the routers' queues"
         return desired, "sizes meet the SLOs" if desired == current else "resized to meet the SLOs"

@@ -24,7 +24,7 @@ from typing import Generic, Self, TypeVar
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.mesh.discovery import ComponentView
+from services.mesh.discovery import ComponentView, InstanceInfo
 from services.planner.encode_pool import EncodeTraffic
 from services.planner.model import Traffic
 
@@ -175,21 +175,25 @@ class _Deltas(Generic[_C]):
     empty: Callable[[], _C]
     client: httpx.AsyncClient
     what: str
+    # Instances that share a /metrics share a process (the mocker's workers): read it once. Not
+    # for frontends, whose shared port (--reuse-port) is one of several processes at random.
+    shared_process: bool = True
     _last: dict[str, _C] = field(default_factory=dict)
 
     async def read(self) -> _C:
-        # One reading per /metrics: workers sharing a process share it.
-        endpoints = sorted({f"{i.address.rsplit(':', 1)[0]}:{i.metrics_port}" for i in self.view.instances.values()})
-        readings = await asyncio.gather(*(self._read(endpoint) for endpoint in endpoints))
+        members = {i.instance_id if not self.shared_process else _endpoint(i): _endpoint(i)
+                   for i in self.view.instances.values()}
+        keys = sorted(members)
+        readings = await asyncio.gather(*(self._read(members[key]) for key in keys))
         total = self.empty()
         current: dict[str, _C] = {}
-        for endpoint, reading in zip(endpoints, readings, strict=True):
+        for key, reading in zip(keys, readings, strict=True):
             if reading is None:
-                if endpoint in self._last:
-                    current[endpoint] = self._last[endpoint]  # skipped this time, not reset
+                if key in self._last:
+                    current[key] = self._last[key]  # skipped this time, not reset
                 continue
-            current[endpoint] = reading
-            total = total.plus(reading.minus(self._last.get(endpoint, reading)))
+            current[key] = reading
+            total = total.plus(reading.minus(self._last.get(key, reading)))
         self._last = current
         return total
 
@@ -201,6 +205,10 @@ class _Deltas(Generic[_C]):
             log.warning("could not read the metrics of the %s at %s: %s", self.what, host_port, exc)
             return None
         return self.parse(response.text)
+
+
+def _endpoint(info: InstanceInfo) -> str:
+    return f"{info.address.rsplit(':', 1)[0]}:{info.metrics_port}"
 
 
 # The routers' admission gauges (read as they are, not as differences).
@@ -230,7 +238,7 @@ class MeshTraffic:
         """`prefill_workers` and `encode_workers`: read for the encode pool (None: not sized)."""
         self.client = httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_S)
         self._routers = routers
-        self._frontends = _Deltas(frontends, parse_counters, Counters, self.client, "frontend")
+        self._frontends = _Deltas(frontends, parse_counters, Counters, self.client, "frontend", shared_process=False)
         self._workers = _Deltas(decode_workers, parse_prefill_counters, PrefillCounters, self.client, "decode worker")
         self._asking = [_Deltas(v, parse_asked, AskedCounters, self.client, what)
                         for v, what in ((decode_workers, "decode worker"), (prefill_workers, "prefill worker"))

@@ -4,9 +4,9 @@ A worker whose engine keeps an image's features (its encoder cache, by the image
 not encode that image again, even where the KV blocks holding its tokens are gone (evicted, or
 the same screenshot behind another prefix). Workers report the digests their encoder cache
 holds (`LoadMetrics.encoder_cache`: in a load stream's first report and whenever the set
-changes), and the router adds the images of each prompt it sends one (as it predicts the blocks
-it will cache) until the next report, so a screenshot resent at once finds its worker. For each
-candidate, the prompt's images it holds there count as
+changes), and for a short while the router adds the images of each prompt it sends one
+(worker_images.py), so a screenshot resent at once finds its worker. For each candidate, the
+prompt's images it holds there count as
 
     ENCODER_HIT_WEIGHT x (the image's tokens after the worker's cached prefix) / block_size
 
@@ -38,15 +38,15 @@ def encoder_blocks(workers: Iterable[WorkerState], media: Sequence[MediaSpan], d
     if not media:
         return out
     for worker in workers:
-        held = worker.encoder_cache
-        if not held:
+        images = worker.images
+        if not images.reports:
             continue
         wid = worker.info.instance_id
         start = (device.get(wid, 0) + host.get(wid, 0)) * block_size
         seen: set[int] = set()
         tokens = 0
         for span in media:
-            if span.end <= start or span.digest not in held or span.digest in seen:
+            if span.end <= start or span.digest in seen or not images.keeps(span.digest):
                 continue  # in cached blocks already, not held, or the same image again (encoded once)
             seen.add(span.digest)
             tokens += span.end - max(start, span.offset)

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -42,6 +42,7 @@ from services.routing.predicted_cache import PredictedCache
 from services.routing.index_choice import new_index
 from services.routing.router_metrics import KvTruthMetrics
 from services.routing.worker_adapters import AdapterView, WorkerAdapters
+from services.routing.worker_images import WorkerImages
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +78,8 @@ class WorkerState:
     # Its series of the router's load metrics, once the pool follows it (WorkerPool._follow).
     load_reports: Counter | None = None
     pending_gauge: Gauge | None = None
-    # The images (digests) whose features its engine keeps, as last reported (encoder_credit.py),
-    # with those of the prompts this router sent it since; None: it reports no encoder cache.
-    encoder_cache: frozenset[int] | None = None
+    # Its encoder cache as this router sees it (worker_images.py).
+    images: WorkerImages = field(default_factory=WorkerImages)
 
     def add_pending(self, new_blocks: int, lora_name: str = "") -> None:
         now = time.monotonic()
@@ -92,21 +92,13 @@ class WorkerState:
 
     def observe_load(self, load: worker_pb2.LoadMetrics) -> None:
         self.load = load
-        if load.HasField("encoder_cache"):  # unset: as last reported
-            self.encoder_cache = frozenset(load.encoder_cache.digests)
+        self.images.observe(load)
         now = time.monotonic()
         self.adapters.observe(load, now)
         horizon = now - PENDING_GRACE_S
         pending = self.pending
         while pending and pending[0][0] < horizon:
             self.pending_blocks -= pending.popleft()[1]
-
-    def sent_images(self, digests: Iterable[int]) -> None:
-        """A prompt with these images was routed here: its engine will keep their features (it
-        encodes them, or takes them from an encode worker) until its next report says otherwise.
-        Only for a worker that reports its encoder cache, which bounds what is added."""
-        if self.encoder_cache is not None:
-            self.encoder_cache = self.encoder_cache.union(digests)
 
     def knows_adapter(self, lora_name: str) -> bool:
         """Whether the worker serves LoRA adapter `lora_name` (always, the base model ""): its

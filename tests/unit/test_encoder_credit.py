@@ -16,6 +16,7 @@ from services.kv_protocol.media import MediaSpan
 from services.routing.cost_function import CostModel, CostWeights
 from services.routing.encoder_credit import ENCODER_HIT_WEIGHT, encoder_blocks
 from services.routing.route_query import RouteQuery
+from services.routing.worker_images import MAX_SENT, SENT_GRACE_S, WorkerImages
 from services.worker.kv_event_log import KvEventLog
 from services.worker.servicer import WorkerServicer
 from tests.unit.adapter_engine import AdapterEngine
@@ -48,13 +49,16 @@ def test_a_report_without_the_encoder_cache_keeps_the_last_one() -> None:
     pool = make_pool(info("a"))
     holding(pool, "a", SHOT)
     pool.workers["a"].observe_load(worker_pb2.LoadMetrics(kv_active_blocks=3))
-    assert pool.workers["a"].encoder_cache == {SHOT}
+    assert pool.workers["a"].images.keeps(SHOT)
     holding(pool, "a")  # an empty set, sent: the cache was emptied
-    assert pool.workers["a"].encoder_cache == frozenset()
+    assert not pool.workers["a"].images.keeps(SHOT) and pool.workers["a"].images.reports
 
 
-def test_the_images_routed_to_a_worker_count_as_kept_there_until_its_next_report() -> None:
+def test_the_images_routed_to_a_worker_count_as_kept_there_for_a_while() -> None:
+    now = [0.0]
     pool = make_pool(info("a"), info("b"))
+    for state in pool.workers.values():
+        state.images.clock = lambda: now[0]
     holding(pool, "a")
     r, _ = router(pool)
     prompt = list(range(100, 100 + 8 * BS))
@@ -62,10 +66,19 @@ def test_the_images_routed_to_a_worker_count_as_kept_there_until_its_next_report
         query = RouteQuery(worker, MODEL, prompt, exclude=frozenset({"a", "b"} - {worker}),
                            media=(MediaSpan(SHOT, 4 * BS, 4 * BS),))
         assert r.decide(query).worker_id == worker
-    assert pool.workers["a"].encoder_cache == {SHOT}
-    assert pool.workers["b"].encoder_cache is None  # it reports no encoder cache: nothing is added
-    holding(pool, "a", OTHER)  # the worker's report is the truth again
-    assert pool.workers["a"].encoder_cache == {OTHER}
+    assert pool.workers["a"].images.keeps(SHOT)
+    assert not pool.workers["b"].images.keeps(SHOT)  # it reports no encoder cache: nothing is credited
+    holding(pool, "a", OTHER)  # a report that came before the worker encoded it
+    assert pool.workers["a"].images.keeps(SHOT) and pool.workers["a"].images.keeps(OTHER)
+    # A worker that never reports keeping it (its prompts prefilled elsewhere) is not credited long.
+    now[0] = SENT_GRACE_S
+    assert not pool.workers["a"].images.keeps(SHOT) and pool.workers["a"].images.keeps(OTHER)
+
+
+def test_the_images_sent_are_bounded() -> None:
+    images = WorkerImages(reported=frozenset())
+    images.routed(range(MAX_SENT + 10))
+    assert len(images.sent) == MAX_SENT and not images.keeps(0) and images.keeps(MAX_SENT + 9)
 
 
 @pytest.mark.parametrize("model", [CostModel.CACHED_SHARE, CostModel.DYNAMO])
