@@ -36,13 +36,10 @@ from services.engines.base import (
     EngineOutput,
     EngineRequest,
     FinishReason,
-    HostTierLoad,
     LoadSnapshot,
     MediaInput,
-    PrefillCost,
     PrefillResult,
     RowTap,
-    UnsupportedFieldError,
 )
 from services.engines.lora import AdapterError, AdapterErrorKind, AdapterSet
 from services.engines.mocker.adapter_loads import SimulatedAdapterLoader
@@ -53,7 +50,9 @@ from services.engines.mocker.encoder import ImageEncoder
 from services.engines.model_facts import read_model_facts
 from services.engines.output_channel import OutputChannel
 from services.engines.mocker.output_tokens import OutputTokens
-from services.engines.mocker.kv_transfer import KvTransferError, NixlKvEndpoint, check_pull_adapter
+from services.engines.mocker.kv_transfer import KvTransferError, NixlKvEndpoint
+from services.engines.mocker.load_terms import host_tier_load, prefill_cost
+from services.engines.mocker.request_checks import check_request
 from services.engines.mocker.sequence import Seq
 from services.engines.mocker.session_pins import SessionPins
 
@@ -133,25 +132,11 @@ class MockerEngine(Engine):
             num_requests_waiting=len(self._waiting),
             gpu_cache_usage_perc=active / total if total else 0.0,
             gpu_prefix_cache_hit_rate=self._prompt_tokens_hit / seen if seen else 0.0,
-            host_tier=self._host_tier_load(),
-            prefill_cost=self._prefill_cost(),
+            host_tier=host_tier_load(self.config, self.blocks),
+            prefill_cost=prefill_cost(self.config.timing),
             sessions=self.sessions.load(),
             images=self.encoder.load(),
         )
-
-    def _host_tier_load(self) -> HostTierLoad | None:
-        c = self.config
-        if not c.host_kv_blocks:
-            return None
-        return HostTierLoad(self.blocks.host_active_blocks, c.host_kv_blocks, c.host_kv_gbps,
-                            c.kv_bytes_per_token, self.blocks.host_hit_blocks)
-
-    def _prefill_cost(self) -> PrefillCost:
-        """What a prompt token costs on the machine the timing model imitates. `speedup` divides
-        compute and host-tier transfers alike, so it is left out: the router weighs the two
-        against each other, and that ratio is the imitated machine's whatever the speedup."""
-        t = self.config.timing
-        return PrefillCost(t.prefill_per_token_us, t.prefill_us_per_token_per_1k())
 
     async def prefill(self, request: EngineRequest) -> PrefillResult:
         if self.kv_endpoint is None:
@@ -235,32 +220,7 @@ class MockerEngine(Engine):
 
     def _check(self, request: EngineRequest) -> None:
         """Refuses a request this engine cannot serve as asked, before it takes anything."""
-        self.encoder.check(request.media)
-        shaping = request.sampling.shaping_fields()
-        if shaping:
-            # Its tokens are a hash of prompt and position, not a draw from a distribution:
-            # a penalty, bias or grammar has nothing to act on, and ignoring it would be a
-            # silent wrong answer.
-            raise UnsupportedFieldError(shaping[0], f"the mocker engine cannot honour {shaping[0]} (its tokens are "
-                                                    f"not sampled from a distribution); serve this with vLLM")
-        if len(request.token_ids) > self.info.max_model_len:
-            # vLLM's own refusal, so a worker of either engine refuses the same prompts.
-            raise ValueError(f"the prompt ({len(request.token_ids)} tokens) is longer than the maximum model length "
-                             f"of {self.info.max_model_len}")
-        # The most it can hold at once: its prompt and the longest answer it may get (with
-        # --answer-tokens, an agent's max_tokens of 32,000 is not what it will write).
-        output = request.sampling.max_tokens
-        if self.config.answer_tokens and not request.sampling.ignore_eos:
-            output = min(output, max(self.config.answer_tokens, request.sampling.min_tokens))
-        max_blocks = -(-(len(request.token_ids) + output) // self.config.block_size)
-        if max_blocks > self.config.num_gpu_blocks:
-            raise ValueError(
-                f"request needs {max_blocks} KV blocks; this worker has {self.config.num_gpu_blocks}"
-            )
-        if request.lora_name:
-            self._adapter_set().get(request.lora_name)  # unknown: refused now, not after a wait
-        if request.kv_pull is not None:
-            check_pull_adapter(request.kv_pull, request.lora_name)
+        check_request(request, self.info, self.config, self.encoder, self._adapter_set)
 
     def _adapter_set(self) -> AdapterSet:
         if self.adapters is None:
@@ -370,12 +330,12 @@ class MockerEngine(Engine):
                 self._preempt(seq)
                 continue
             position = seq.request.resumed_tokens + seq.generated
-            ends = self._answer_ends(seq, position)
+            ends = seq.answer_ends(position, self.config.answer_tokens)
             token = self.info.eos_token_ids[0] if ends and self.info.eos_token_ids else self._tokens.at(seq.digest,
                                                                                                      position)
             seq.tokens.append(token)
             seq.generated += 1
-            finish = self._finish_reason(seq, token) or (FinishReason.STOP if ends else None)
+            finish = seq.finish_reason(token) or (FinishReason.STOP if ends else None)
             seq.out.put(EngineOutput([token], finish, seq.cached_tokens))
             if finish is None:
                 still.append(seq)
@@ -414,22 +374,6 @@ class MockerEngine(Engine):
         seq.blocks = []
         seq.remote_kv = False  # its pulled KV is gone with the blocks: recomputed on readmission
         self._waiting.appendleft(seq)
-
-    def _answer_ends(self, seq: Seq, position: int) -> bool:
-        """Whether the token at `position` of the output ends the answer (--answer-tokens): an
-        end-of-sequence the request does not ignore, past its min_tokens. Counted in output
-        positions, so a request moved to another worker ends where it would have."""
-        n = self.config.answer_tokens
-        sampling = seq.request.sampling
-        return n > 0 and not sampling.ignore_eos and position + 1 >= max(n, sampling.min_tokens)
-
-    def _finish_reason(self, seq: Seq, token: int) -> FinishReason | None:
-        sampling = seq.request.sampling
-        if seq.generated >= sampling.max_tokens:
-            return FinishReason.LENGTH
-        if token in sampling.stop_token_ids and seq.generated >= sampling.min_tokens:
-            return FinishReason.STOP
-        return None
 
     def _release(self, seq: Seq) -> None:
         seq.done = True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.engines.base import EngineRequest
+from services.engines.base import EngineRequest, FinishReason
 from services.engines.output_channel import OutputChannel
 from services.kv_protocol.hashing import KV_HASH_SEED, LocalBlockHash, SequenceHash
 
@@ -31,3 +31,19 @@ class Seq:
     remote_kv: bool = False
     # When the host blocks prefetched for it are on the device (engine clock; 0: none moved).
     kv_ready_at: float = 0.0
+
+    def answer_ends(self, position: int, answer_tokens: int) -> bool:
+        """Whether the token at `position` of the output ends the answer (--answer-tokens): an
+        end-of-sequence the request does not ignore, past its min_tokens. Counted in output
+        positions, so a request moved to another worker ends where it would have."""
+        sampling = self.request.sampling
+        return answer_tokens > 0 and not sampling.ignore_eos and position + 1 >= max(answer_tokens, sampling.min_tokens)
+
+    def finish_reason(self, token: int) -> FinishReason | None:
+        """Why the sequence ends after `token`, its latest (None: it goes on)."""
+        sampling = self.request.sampling
+        if self.generated >= sampling.max_tokens:
+            return FinishReason.LENGTH
+        if token in sampling.stop_token_ids and self.generated >= sampling.min_tokens:
+            return FinishReason.STOP
+        return None
