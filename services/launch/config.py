@@ -115,7 +115,8 @@ class LaunchConfig:
     advertise_host: str = "127.0.0.1"
     # Encode workers (E/P/D): the workers that prefill have their images encoded there.
     encode_workers: int = 0
-    # The most a local planner starts (0: it leaves the encode pool alone).
+    # The planner's --max-encode-workers: the most a local planner starts (0: it leaves the encode
+    # pool alone).
     max_encode_workers: int = 0
 
     def __post_init__(self) -> None:
@@ -269,7 +270,7 @@ def load(argv: list[str] | None = None) -> LaunchConfig:
         # The API key goes by environment so it never shows in `ps`.
         frontend_argv=forwarded(groups.frontend, ("api_key",)),
         planner=args.planner,
-        planner_argv=_planner_argv(args, forwarded(groups.planner, skip=("max_encode_workers",))),
+        planner_argv=_planner_argv(args, forwarded(groups.planner, skip=("max_encode_workers",)), max_encode),
         control_port=free_port() if args.planner == "local" else 0,
         tls=mesh.tls,
         advertise_host=mesh.advertise_host,
@@ -301,20 +302,18 @@ DEFAULT_MAX_ENCODE_WORKERS = 4
 
 
 def _max_encode_workers(args: argparse.Namespace) -> int:
-    """A local planner sizes the encode pool it was given (or told to size); no other does here."""
-    if args.planner != "local":
-        return 0
-    if args.max_encode_workers:
+    """The planner's --max-encode-workers: as given, but a local planner given encode workers
+    sizes their pool (up to DEFAULT_MAX_ENCODE_WORKERS, or more if it starts with more)."""
+    if args.planner != "local" or args.max_encode_workers:
         return int(args.max_encode_workers)
     return max(DEFAULT_MAX_ENCODE_WORKERS, args.encode_workers) if args.encode_workers else 0
 
 
-def _planner_argv(args: argparse.Namespace, given: tuple[str, ...]) -> tuple[str, ...]:
+def _planner_argv(args: argparse.Namespace, given: tuple[str, ...], max_encode: int) -> tuple[str, ...]:
     """The planner's flags; with the mocker its profile is the mocker's own timing unless given
     (a profile given was measured as it is: the mocker's speedup is not applied to it). A local
     planner given encode workers sizes their pool."""
     argv = list(given)
-    max_encode = _max_encode_workers(args) if args.planner == "local" else args.max_encode_workers
     if max_encode:
         argv += ["--max-encode-workers", str(max_encode)]
     if args.engine == "mocker" and args.profile is None:

@@ -83,11 +83,12 @@ def encode_pool_size(current: int, traffic: EncodeTraffic, limits: EncodeLimits,
     if traffic.idle:
         return low, "no images to encode"
     floor = max(low, 1)
-    if traffic.service_s is None:
+    service_s = traffic.service_s
+    if service_s is None:
         return max(current, floor), "images to encode, none measured yet"
 
     def wait(n: int) -> float:
-        return erlang_c_wait(traffic.rate_per_s, traffic.service_s or 0.0, n)
+        return erlang_c_wait(traffic.rate_per_s, service_s, n)
 
     needed = next((n for n in range(floor, high + 1) if wait(n) <= budget_s), high)
     if current < needed:

@@ -49,11 +49,12 @@ _PREFILL_SAMPLES = {
     "kvmesh_decode_local_prefill_total": "local",
     "kvmesh_decode_remote_prefill_tokens_total": "remote_tokens",
     "kvmesh_decode_local_prefill_tokens_total": "local_tokens",
+    # Every image it wanted from the encode pool, whatever became of it (a prefill worker counts
+    # these alone).
+    "kvmesh_remote_encodes_total": "encode_asked",
 }
 
 
-# Every image a worker that prefills wanted from the encode pool, whatever became of it.
-_ASKED_SAMPLES = {"kvmesh_remote_encodes_total": "asked"}
 _ENCODER_SAMPLES = {
     "kvmesh_encoder_busy_seconds_total": "busy_s",
     "kvmesh_encoder_images_total": "images",
@@ -92,19 +93,14 @@ class Counters(_Sums):
 
 @dataclass
 class PrefillCounters(_Sums):
-    """A decode worker's: where it had prompts prefilled."""
+    """A decode worker's: where it had prompts prefilled, and the images it asked the encode pool
+    for (all a prefill worker's counters hold)."""
 
     remote: float = 0.0
     local: float = 0.0
     remote_tokens: float = 0.0
     local_tokens: float = 0.0
-
-
-@dataclass
-class AskedCounters(_Sums):
-    """A worker's that prefills: images it asked the encode pool for."""
-
-    asked: float = 0.0
+    encode_asked: float = 0.0
 
 
 @dataclass
@@ -126,16 +122,13 @@ def parse_prefill_counters(text: str) -> PrefillCounters:
     return _parse(text, PrefillCounters(), _PREFILL_SAMPLES)
 
 
-def parse_asked(text: str) -> AskedCounters:
-    return _parse(text, AskedCounters(), _ASKED_SAMPLES)
-
-
 def parse_encoder(text: str) -> EncoderCounters:
     return _parse(text, EncoderCounters(), _ENCODER_SAMPLES)
 
 
-def encode_traffic_of(asked: AskedCounters, encoded: EncoderCounters, seconds: float) -> EncodeTraffic:
-    return EncodeTraffic(rate_per_s=asked.asked / seconds if seconds > 0 else 0.0,
+def encode_traffic_of(asked: float, encoded: EncoderCounters, seconds: float) -> EncodeTraffic:
+    """`asked`: the images the workers that prefill asked the encode pool for in `seconds`."""
+    return EncodeTraffic(rate_per_s=asked / seconds if seconds > 0 else 0.0,
                          service_s=encoded.busy_s / encoded.images if encoded.images else None)
 
 
@@ -240,9 +233,9 @@ class MeshTraffic:
         self._routers = routers
         self._frontends = _Deltas(frontends, parse_counters, Counters, self.client, "frontend", shared_process=False)
         self._workers = _Deltas(decode_workers, parse_prefill_counters, PrefillCounters, self.client, "decode worker")
-        self._asking = [_Deltas(v, parse_asked, AskedCounters, self.client, what)
-                        for v, what in ((decode_workers, "decode worker"), (prefill_workers, "prefill worker"))
-                        if v is not None and encode_workers is not None]
+        # The decode workers' images asked come with their prefill counters, in the same reading.
+        self._prefill_workers = None if prefill_workers is None or encode_workers is None else _Deltas(
+            prefill_workers, parse_prefill_counters, PrefillCounters, self.client, "prefill worker")
         self._encoders = None if encode_workers is None else _Deltas(encode_workers, parse_encoder, EncoderCounters,
                                                                      self.client, "encode worker")
         self._last_at: float | None = None
@@ -250,7 +243,7 @@ class MeshTraffic:
         self._shape: Traffic | None = None
 
     async def sample(self, now: float) -> Traffic:
-        answered, prefilled, (queued, wait), encode = await asyncio.gather(
+        answered, prefilled, (queued, wait), (prefill_asked, encoded) = await asyncio.gather(
             self._frontends.read(), self._workers.read(), self._queues(), self._encode_counters())
         seconds = 0.0 if self._last_at is None else now - self._last_at
         self._last_at = now
@@ -265,14 +258,16 @@ class MeshTraffic:
                               mean_output_tokens=shape.mean_output_tokens, remote_share=shape.remote_share,
                               remote_prompt_tokens=shape.remote_prompt_tokens,
                               local_prompt_tokens=shape.local_prompt_tokens)
-        asked, encoded = encode
-        return replace(traffic, queued=queued, queue_wait_s=wait, encode=encode_traffic_of(asked, encoded, seconds))
+        encode = encode_traffic_of(prefilled.encode_asked + prefill_asked, encoded, seconds)
+        return replace(traffic, queued=queued, queue_wait_s=wait, encode=encode)
 
-    async def _encode_counters(self) -> tuple[AskedCounters, EncoderCounters]:
-        asked = AskedCounters()
-        for reading in await asyncio.gather(*(d.read() for d in self._asking)):
-            asked = asked.plus(reading)
-        return asked, EncoderCounters() if self._encoders is None else await self._encoders.read()
+    async def _encode_counters(self) -> tuple[float, EncoderCounters]:
+        """The prefill workers' images asked of the encode pool, and the encode workers' counters
+        (nothing where the pool is not sized)."""
+        if self._prefill_workers is None or self._encoders is None:
+            return 0.0, EncoderCounters()
+        asked, encoded = await asyncio.gather(self._prefill_workers.read(), self._encoders.read())
+        return asked.encode_asked, encoded
 
     async def _queues(self) -> tuple[float, float]:
         """Requests waiting in all the routers' queues, and the longest predicted wait."""

@@ -253,7 +253,8 @@ class Router:
         overlap, host_overlap = overlaps.get(wid, 0), host_overlaps.get(wid, 0)
         # Blocks loaded back from host memory take device blocks as recomputed ones do.
         chosen.add_pending(max(0, -(-len(tokens) // block_size) - overlap), lora)
-        chosen.images.routed(span.digest for span in media)
+        if media:
+            chosen.images.routed(span.digest for span in media)
         # What the prompt need not compute (the disaggregation rule's input): a host-held block
         # counts as much as the cost function credited it.
         hit = overlap_ratio(overlap + credits.get(wid, 0.0) * host_overlap, block_size, len(tokens))

@@ -19,7 +19,7 @@ from services.planner.encode_pool import (
 from services.planner.model import Traffic
 from services.planner.policy import Limits, Policy
 from services.planner.pools import PoolSizes
-from services.planner.traffic import AskedCounters, EncoderCounters, encode_traffic_of, parse_asked, parse_encoder
+from services.planner.traffic import EncoderCounters, encode_traffic_of, parse_encoder, parse_prefill_counters
 from services.worker.encode_servicer import EncoderBusy
 from tests.unit.test_planner_policy import PROFILE, SLO
 
@@ -88,8 +88,8 @@ kvmesh_encoder_busy_seconds_total{worker_id="e2"} 0.2
 kvmesh_encoder_images_total{worker_id="e1"} 5.0
 kvmesh_encoder_images_total{worker_id="e2"} 3.0
 """
-    asked, encoded = parse_asked(asking), parse_encoder(encoders)
-    assert asked == AskedCounters(10.0) and encoded == EncoderCounters(pytest.approx(0.8), 8.0)
+    asked, encoded = parse_prefill_counters(asking).encode_asked, parse_encoder(encoders)
+    assert asked == 10.0 and encoded == EncoderCounters(pytest.approx(0.8), 8.0)
     assert encode_traffic_of(asked, encoded, 5.0) == EncodeTraffic(2.0, pytest.approx(0.1))
     assert encode_traffic_of(asked, EncoderCounters(), 5.0).service_s is None
 
