@@ -48,8 +48,7 @@ def check_flags(args: argparse.Namespace, spec: EngineConfig) -> None:
 
 # A mocker encode worker without KV transfer could hand nothing over: NIXL is its default (vLLM's
 # features go through --encoder-cache-dir instead: its worker takes --kv-transfer none).
-ROLE = Role(ENCODE_WORKER, RoleName.ENCODE, prepare, check_flags=check_flags, default_kv_transfer="nixl",
-            encodes=True)
+ROLE = Role(ENCODE_WORKER, RoleName.ENCODE, prepare, check_flags=check_flags, default_kv_transfer="nixl")
 
 if __name__ == "__main__":
     main(ROLE)

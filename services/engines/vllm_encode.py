@@ -48,7 +48,6 @@ class EncoderCacheShare:
     def holds(self, digest: int) -> bool:
         return self.file_of(digest).is_file()
 
-
     def to_encode(self, request: EngineRequest) -> list[MediaInput]:
         """A consumer's images with no features in the directory yet, each once."""
         if self.producer:
@@ -63,7 +62,8 @@ class EncoderCacheShare:
 
 
 class FeatureWriter:
-    """A producer's encodings: one image through the encoder-only engine, its file checked."""
+    """A producer's encodings (the engine builds one for a producer's share only): one image
+    through the encoder-only engine, its file checked."""
 
     def __init__(self, share: EncoderCacheShare, vision: VisionFacts | None) -> None:
         self._share = share
@@ -73,8 +73,6 @@ class FeatureWriter:
     async def encode(self, llm: Any, request_id: str, item: MediaInput) -> EncodedImage:
         from vllm import SamplingParams
 
-        if not self._share.producer:
-            raise NotImplementedError("this vLLM worker reads image features (--encoder-cache-dir); it writes none")
         path = self._share.file_of(item.span.digest)
         if path.is_file():
             os.utime(path.parent)  # recently used: the last to be pruned

@@ -148,7 +148,8 @@ class ImageLoader:
         # Dot segments the server would resolve (%2e%2e reaches the path decoded) and credentials
         # have no place in an image's address.
         odd = url.userinfo or any(segment in (".", "..") for segment in url.path.split("/"))
-        if odd or not any(_normal(url).startswith(prefix) for prefix in self._prefixes):
+        normal = _normal(url)
+        if odd or not any(normal.startswith(prefix) for prefix in self._prefixes):
             raise ApiError(400, "image URLs are not fetched from this address: send the image as a data: URL "
                                 "(the operator allows URLs with --image-url-allow)", param=ref.param,
                            code="image_url_not_allowed")

@@ -15,6 +15,7 @@ even one with random weights, produces calls that parse:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +41,9 @@ class ChatPrompt:
     images: tuple[PromptImage, ...] = ()
 
 
-def chat_prompt(chat: processor_pb2.ChatInput) -> ChatPrompt:
+def chat_prompt(chat: processor_pb2.ChatInput, decoded: Callable[[int], bool] | None = None) -> ChatPrompt:
+    """The chat as the template takes it; `decoded`: whether an image (by digest) was decoded whole
+    before (images.py `open_image`)."""
     tools = openai_tools(chat) or None
     kwargs = _json(chat.template_kwargs, "chat_template_kwargs") if chat.HasField("template_kwargs") else {}
     if not isinstance(kwargs, dict):
@@ -49,12 +52,13 @@ def chat_prompt(chat: processor_pb2.ChatInput) -> ChatPrompt:
     if clash:
         raise PromptError(f"chat_template_kwargs may not set {sorted(clash)}", param="chat_template_kwargs")
     images: list[PromptImage] = []
-    messages = [_message(m, i, images) for i, m in enumerate(chat.messages)]
+    messages = [_message(m, i, images, decoded) for i, m in enumerate(chat.messages)]
     return ChatPrompt(messages, tools, kwargs, chat.add_generation_prompt, chat.continue_final_message, tuple(images))
 
 
-def _message(m: processor_pb2.ChatMessage, index: int, images: list[PromptImage]) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": m.role, "content": _content(m, index, images)}
+def _message(m: processor_pb2.ChatMessage, index: int, images: list[PromptImage],
+             decoded: Callable[[int], bool] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": _content(m, index, images, decoded)}
     if m.name:
         out["name"] = m.name
     if m.tool_call_id:
@@ -66,7 +70,8 @@ def _message(m: processor_pb2.ChatMessage, index: int, images: list[PromptImage]
     return out
 
 
-def _content(m: processor_pb2.ChatMessage, index: int, images: list[PromptImage]) -> str | list[dict] | None:
+def _content(m: processor_pb2.ChatMessage, index: int, images: list[PromptImage],
+             decoded: Callable[[int], bool] | None) -> str | list[dict] | None:
     """A message's content; one with images as Hugging Face templates take it: a list of
     `{"type": "text", "text": ...}` and `{"type": "image"}` parts (the image itself is in
     `images`, in order)."""
@@ -75,7 +80,7 @@ def _content(m: processor_pb2.ChatMessage, index: int, images: list[PromptImage]
     out: list[dict] = []
     for j, part in enumerate(m.parts):
         if part.WhichOneof("part") == "image":
-            images.append(open_image(part.image, f"messages.{index}.content.{j}"))
+            images.append(open_image(part.image, f"messages.{index}.content.{j}", decoded))
             out.append({"type": "image"})
         else:
             out.append({"type": "text", "text": part.text})

@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,14 +41,17 @@ class PromptImage:
     digest: int
 
 
-def open_image(data: bytes, param: str) -> PromptImage:
-    """The image in `data`, checked to be one an engine can decode; PromptError naming `param`."""
+def open_image(data: bytes, param: str, decoded: Callable[[int], bool] | None = None) -> PromptImage:
+    """The image in `data`, checked to be one an engine can decode; PromptError naming `param`.
+    `decoded`: whether the image of a digest was decoded whole before (these very bytes: a
+    screenshot an agent resends every turn is not decoded again)."""
     from PIL import Image, UnidentifiedImageError
 
+    digest = media_digest(data)
     try:
         with Image.open(io.BytesIO(data)) as image:
             kind, (width, height) = image.format, image.size
-            if kind in FORMATS and width * height <= MAX_PIXELS:
+            if kind in FORMATS and width * height <= MAX_PIXELS and not (decoded is not None and decoded(digest)):
                 # Decoded whole here, so a damaged file (a JPEG cut short passes any header
                 # check) is this request's 400, not an engine's failure later.
                 image.load()
@@ -60,7 +63,7 @@ def open_image(data: bytes, param: str) -> PromptImage:
         raise PromptError(f"images of format {kind} are not taken: send PNG, JPEG, GIF or WebP", param=param)
     if width * height > MAX_PIXELS:
         raise PromptError(f"the image is {width}x{height} pixels; at most {MAX_PIXELS} pixels are taken", param=param)
-    return PromptImage(data, FORMATS[kind], width, height, media_digest(data))
+    return PromptImage(data, FORMATS[kind], width, height, digest)
 
 
 class ImagePlaceholders:
@@ -79,6 +82,11 @@ class ImagePlaceholders:
         # Prompts with images are tokenized in worker threads: the lock keeps the order whole.
         self._widened: OrderedDict[int, list[int]] = OrderedDict()
         self._lock = threading.Lock()
+
+    def holds(self, digest: int) -> bool:
+        """Whether the image of `digest` was widened, so decoded whole, lately."""
+        with self._lock:
+            return digest in self._widened
 
     def expand(self, ids: list[int], images: Sequence[PromptImage]) -> tuple[list[int], list[common_pb2.MediaItem]]:
         """The rendered prompt with each image token widened for its image, and each image with

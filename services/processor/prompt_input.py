@@ -28,7 +28,7 @@ def tokenize_now(tok: ModelTokenizer, request: processor_pb2.GenerateRequest
     kind = request.WhichOneof("input")
     media: list[common_pb2.MediaItem] = []
     if kind == "chat":
-        tokens, media = tok.encode_chat_media(chat_prompt(request.chat))
+        tokens, media = tok.encode_chat_media(chat_prompt(request.chat, tok.images.holds if tok.images else None))
     elif kind == "text":
         tokens = tok.encode_text(request.text)
     elif kind == "tokens":

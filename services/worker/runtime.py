@@ -99,8 +99,6 @@ class Role:
     prepare: Callable[[WorkerContext], Awaitable[ServicesFactory]]
     add_flags: Callable[[argparse.ArgumentParser], object] | None = None
     default_kv_transfer: str = "none"
-    # An encode worker's role: its engine runs the image encoder for the others (E/P/D).
-    encodes: bool = False
     # Validates the role's own flags up front, so `--check-config` and a bad flag fail before
     # anything starts (`prepare` builds them again from the same arguments).
     check_flags: Callable[[argparse.Namespace, EngineConfig], object] | None = None
@@ -250,7 +248,7 @@ def main(role: Role, argv: list[str] | None = None) -> None:
     if args.num_workers > 1 and args.engine != "mocker":
         die("--num-workers > 1 needs --engine mocker (one vLLM engine per process)")
     spec = engine_config(args, mesh.advertise_host)
-    if role.encodes:
+    if role.name == RoleName.ENCODE:  # its engine runs the image encoder for the others (E/P/D)
         spec = dataclasses.replace(spec, encodes=True)
     if role.check_flags is not None:
         role.check_flags(args, spec)

@@ -126,6 +126,21 @@ def test_what_is_not_an_image_is_refused(data: bytes, says: str) -> None:
     assert refused.value.param == "messages.2.content.1"
 
 
+def test_an_image_decoded_before_is_not_decoded_again_and_its_header_still_checked() -> None:
+    asked: list[int] = []
+
+    def decoded(digest: int) -> bool:
+        asked.append(digest)
+        return True
+
+    data = cut_jpeg()  # a whole decode would refuse it: skipped, the image is taken as decoded before
+    assert open_image(data, "p", decoded).digest == media_digest(data) == asked[0]
+    with pytest.raises(PromptError, match="cannot be read"):
+        open_image(data, "p", lambda digest: False)
+    with pytest.raises(PromptError, match="not a PNG"):
+        open_image(b"not an image at all", "p", decoded)
+
+
 def test_a_bmp_is_refused_by_format() -> None:
     out = io.BytesIO()
     Image.new("RGB", (8, 8)).save(out, "BMP")
