@@ -6,8 +6,9 @@ With `--kv-transfer nixl` it prefills long prompts on the prefill pool (see disa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from services.decode_worker.flags import add_disagg_flags, disagg_config
+from services.decode_worker.flags import DrainMode, add_disagg_flags, add_drain_flags, disagg_config
 from services.decode_worker.switchable import add_switch_flags, role_switch, switchable_services
 from services.mesh.flags import die
 from services.worker.engine_flags import EngineConfig
@@ -18,6 +19,7 @@ from services.mesh.discovery import DECODE_WORKER, ROUTER
 from services.routing.router_client import RouterClient
 from services.worker.kv_event_log import KvEventLog
 from services.contract.worker_roles import RoleName
+from services.worker.handoff import MoveMetrics, move_away
 from services.worker.remote_encode import remote_encoder
 from services.worker.role_switch import always
 from services.worker.runtime import Role, ServicesFactory, WorkerContext, WorkerServices, main
@@ -27,6 +29,7 @@ async def prepare(ctx: WorkerContext) -> ServicesFactory:
     """Per process: the disaggregation rule, its metrics, and a router client for the prefill pool."""
     config = disagg_config(ctx.args, can_receive_kv=ctx.engine.kv_transfer == "nixl")
     metrics = DisaggMetrics(ctx.registry)
+    moves = MoveMetrics(ctx.registry)
     encoder = await remote_encoder(ctx.engine.kv_transfer, ctx.args, ctx.runner, ctx.registry)
     prefiller = None
     if config.remote_prefill:
@@ -39,15 +42,20 @@ async def prepare(ctx: WorkerContext) -> ServicesFactory:
         switch = role_switch(ctx) if ctx.args.switchable else None
         decode = DecodeServicer(engine, worker_id, events, prefiller, metrics, ctx.tracing,
                                 ctx.args.stream_interval_ms / 1000, admit=switch.work if switch else always,
-                                encoder=encoder)
-        return WorkerServices(decode) if switch is None else switchable_services(decode, switch, engine, ctx,
-                                                                                 encoder)
+                                encoder=encoder, moves=moves)
+        built = WorkerServices(decode) if switch is None else switchable_services(decode, switch, engine, ctx,
+                                                                                  encoder)
+        if ctx.args.drain_mode is DrainMode.MOVE and engine.can_move:
+            built = dataclasses.replace(built, drain=lambda: move_away(engine, worker_id, ctx.mesh.drain_timeout_s,
+                                                                       moves))
+        return built
 
     return services
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     add_disagg_flags(parser)
+    add_drain_flags(parser)
     add_switch_flags(parser)
 
 

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import enum
 
 from services.decode_worker.disagg_decision import DisaggConfig
 from services.mesh.config_error import validated
 from services.mesh.flags import non_negative_int, positive_float
 
 _DEFAULTS = DisaggConfig()
+
+
+class DrainMode(enum.StrEnum):
+    """What a decode worker does with its running requests when it drains (worker/handoff.py)."""
+
+    # Hand them over with their KV (engines that can: `Engine.can_move`); the rest finish.
+    MOVE = "move"
+    # Let them finish within the drain timeout.
+    FINISH = "finish"
 
 
 def add_disagg_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -35,3 +45,10 @@ def disagg_config(args: argparse.Namespace, can_receive_kv: bool) -> DisaggConfi
         remote_prefill=remote, conditional_disagg=args.conditional_disagg,
         max_local_prefill_length=args.max_local_prefill_length, max_prefill_queue_size=args.max_prefill_queue_size,
         prefill_timeout_s=args.prefill_timeout, can_receive_kv=can_receive_kv))
+
+
+def add_drain_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--drain-mode", type=DrainMode, choices=list(DrainMode), default=DrainMode.MOVE,
+                        help="at a drain (SIGTERM): move hands running requests over to other decode workers with "
+                             "their KV (engines that can: the mocker with --kv-transfer nixl; the others finish), "
+                             "finish lets them finish within --drain-timeout")

@@ -83,10 +83,14 @@ class DisaggMetrics:
 
 @dataclass(frozen=True, slots=True)
 class RemotePrefill:
+    """KV computed elsewhere to decode from: a prefill worker's, or (`moved`) the KV a draining
+    decode worker handed over with the request (worker/handoff.py)."""
+
     worker_id: str
     address: str
     # What the decode engine needs to pull the KV (EngineRequest.kv_pull).
     kv_pull: dict[str, Any]
+    moved: bool = False
 
 
 class RemotePrefiller:

@@ -3,6 +3,8 @@
 A request whose remote prefill succeeded is generated from the pulled KV; if that fails before
 the first token (the KV cannot be pulled, the engine rejects it), the request is generated from
 scratch locally instead — counted as a fallback — so no request is lost to the prefill pool.
+A request a draining decode worker handed over with its KV (`moved_kv`, worker/handoff.py) is
+decoded from that KV the same way, and recomputed here if it cannot be pulled.
 
 Traced as a `decode` span with, under it, `remote prefill` (remote_prefill.py) and `kv transfer`:
 from handing the engine the prefill worker's KV parameters to the engine's first output. Both
@@ -32,6 +34,8 @@ from services.mesh.logs import REQUEST_ID
 from services.contract.worker_roles import RoleName
 from services.worker.kv_event_log import KvEventLog
 from services.worker.lora_adapters import adapter_refused
+from services.worker.handoff import MoveMetrics
+from services.worker.kv_pull import kv_pull_from_proto
 from services.worker.pacing import DEFAULT_INTERVAL_S
 from services.worker.remote_encode import RemoteEncoder
 from services.worker.role_switch import Admit, always
@@ -52,14 +56,16 @@ class DecodeServicer(WorkerServicer):
     def __init__(self, engine: Engine, worker_id: str, events: KvEventLog, prefiller: RemotePrefiller | None,
                  metrics: DisaggMetrics, tracing: Tracing = TRACING_OFF,
                  stream_interval_s: float = DEFAULT_INTERVAL_S, admit: Admit = always,
-                 encoder: RemoteEncoder | None = None) -> None:
+                 encoder: RemoteEncoder | None = None, moves: MoveMetrics | None = None) -> None:
         """`admit` gates each call by role (a worker that can switch roles decodes only in the
-        decode role); `encoder`: the encode pool's client, for images this worker prefills."""
+        decode role); `encoder`: the encode pool's client, for images this worker prefills;
+        `moves`: where requests moved here are counted (handoff.py)."""
         super().__init__(engine, worker_id, events, tracing, stream_interval_s, metrics.hops)
         self.admit = admit
         self.prefiller = prefiller
         self.encoder = encoder
         self.metrics = metrics
+        self.moves = moves
         # Releases of KV we abandoned, sent after our own request was cancelled: owned here.
         self._releases: set[asyncio.Task[None]] = set()
 
@@ -93,7 +99,9 @@ class DecodeServicer(WorkerServicer):
         rid = request.request_id
         local = self.engine_request(request)
         remote: RemotePrefill | None = None
-        if self.prefiller is not None:
+        if request.moved_kv.HasField("params"):  # handed over by a draining worker: its KV is there
+            remote = RemotePrefill(request.moved_from, "", kv_pull_from_proto(request.moved_kv), moved=True)
+        elif self.prefiller is not None:
             # The prefill worker computes the prompt's KV with the same adapter as this one decodes.
             remote = await self.prefiller.plan(rid, local.token_ids, request.sampling, request.prefix_hit_rate,
                                                local.lora_name, request.media)
@@ -116,22 +124,36 @@ class DecodeServicer(WorkerServicer):
                         # engine that dropped the request raised CallError (PEER_FAILED) instead.
                         assert not isinstance(first, list)
                     started = True
+                    if remote.moved and self.moves is not None:
+                        self.moves.moved_in.labels("pulled").inc()
                     yield first
                     async for msg in outputs:
                         yield msg
                 return
             except asyncio.CancelledError:
-                if not started:  # the client left before the KV was pulled: free it now
+                if not started and not remote.moved:  # the client left before the KV was pulled: free it now
                     self._release_later(rid, remote)
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure before output means: prefill here
                 if started:
                     raise
-                assert self.prefiller is not None
-                self.prefiller.fallback(rid, "transfer", f"KV from {remote.worker_id} unusable: {exc}")
-                self.metrics.prefilled(False, absolute_prefill_length(len(local.token_ids), request.prefix_hit_rate))
-                await self.prefiller.release(rid, remote)
+                await self._unusable(rid, remote, exc, request)
         if self.encoder is not None:
             await self.encoder.prepare(self.engine, local)  # prefilled here: its images encoded on the pool
         async for msg in self.stream(local, LOCAL_PREFILL, reply):
             yield msg
+
+    async def _unusable(self, rid: str, remote: RemotePrefill, exc: Exception,
+                        request: worker_pb2.WorkerGenerateRequest) -> None:
+        """The pulled KV could not be used: the request is computed here instead (a moved
+        request's KV, held by a draining worker, expires there by itself)."""
+        if remote.moved:
+            log.warning("request %s: the KV handed over by %s is unusable (%s); recomputing it here", rid,
+                        remote.worker_id, exc)
+            if self.moves is not None:
+                self.moves.moved_in.labels("recomputed").inc()
+            return
+        assert self.prefiller is not None
+        self.prefiller.fallback(rid, "transfer", f"KV from {remote.worker_id} unusable: {exc}")
+        self.metrics.prefilled(False, absolute_prefill_length(len(request.token_ids), request.prefix_hit_rate))
+        await self.prefiller.release(rid, remote)

@@ -148,11 +148,14 @@ class TokenLogprobs:
 class FinishReason(enum.StrEnum):
     """Why a request's generation ended. STOP and LENGTH travel on (common.proto's FinishReason);
     ABORT (the engine dropped the request: cancelled, or lost with its worker) does not: the
-    worker ends the call with OUTCOME_PEER_FAILED instead, and the processor moves the request."""
+    worker ends the call with OUTCOME_PEER_FAILED instead, and the processor moves the request.
+    MOVED (handed over at a drain, `Engine.move_out`) does not either: the output's `kv_pull`
+    says where its KV is held, and the worker sends it as the call's handoff."""
 
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    MOVED = "moved"
 
 
 @dataclass(slots=True)
@@ -288,6 +291,27 @@ class Engine(abc.ABC):
     async def release_kv(self, request_id: str) -> bool:
         """Frees KV held for a decode side that gave up; False if nothing was held."""
         return False
+
+    # -- moving running requests (a drain) -----------------------------------------------------
+
+    @property
+    def can_move(self) -> bool:
+        """Whether `move_out` hands requests over with their KV (an engine that cannot keep and
+        export a running request's blocks says no: its drain waits for its requests instead)."""
+        return False
+
+    async def move_out(self) -> int:
+        """Stops every request in flight at a step boundary and hands it over: each one's last
+        output has finish reason MOVED and, in `kv_pull`, where the engine holds the KV of its
+        tokens so far for the next worker to pull (None: it holds none, the request had not
+        started); its blocks stay taken until that pull or `moves_unpulled`'s expiry. Returns
+        how many were handed over."""
+        return 0
+
+    def moves_unpulled(self) -> int:
+        """Requests handed over whose KV no worker has pulled yet (nor has its hold expired): what
+        a drain waits for before the engine stops."""
+        return 0
 
     # -- the encode stage (E/P/D) --------------------------------------------------------------
 

@@ -55,11 +55,13 @@ class ChoiceFailure(CallError):
 
 
 class _WorkerLost(Exception):
-    """The worker stopped serving this choice with an outcome the table moves it on from."""
+    """The worker stopped serving this choice with an outcome the table moves it on from, or
+    handed it over (a drain: `handoff` says where it holds the choice's KV)."""
 
-    def __init__(self, message: str, set_aside: bool = True) -> None:
+    def __init__(self, message: str, set_aside: bool = True, handoff: worker_pb2.KvPull | None = None) -> None:
         super().__init__(message)
         self.set_aside = set_aside
+        self.handoff = handoff
 
 
 @dataclass(slots=True)
@@ -138,6 +140,8 @@ class ChoiceContext:
     reply: Callable[[TextRow], None] | None = None
     # Hears, per worker call, (its routing, prompt tokens sent, the engine's cached_tokens).
     on_cached: Callable[[RouteChoice, int, int], None] | None = None
+    # Hears each choice a draining worker handed over (moved with its KV where it held any).
+    on_handoff: Callable[[], None] | None = None
 
 
 @dataclass
@@ -155,6 +159,9 @@ class ChoiceStream:
     def __post_init__(self) -> None:
         self.deadline = time.monotonic() + self.ctx.limits.request_timeout_s
         self._parser: OutputParser | None = None
+        # The handoff of the worker that last gave the choice up (its id, where it holds the KV),
+        # for the next worker call only.
+        self._handoff: tuple[str, worker_pb2.KvPull] | None = None
 
     async def run(self, first_route: RouteChoice, resumed: Sequence[int] = ()) -> AsyncIterator[ChoiceEvent]:
         """The choice's events: `Started` once, its deltas (each a `Delta` wrapping the
@@ -204,6 +211,9 @@ class ChoiceStream:
                 yield Finished(len(self.generated), self.cached_tokens)
                 return
             except _WorkerLost as exc:
+                if exc.handoff is not None and self._handed_over(route.worker_id, exc.handoff):
+                    route = None
+                    continue
                 if exc.set_aside:
                     ctx.on_worker_failed(route.worker_id)
                 if not announced:
@@ -231,6 +241,19 @@ class ChoiceStream:
                                 spec.rid, route.worker_id, len(self.generated), exc)
                 route = None
 
+    def _handed_over(self, worker_id: str, handoff: worker_pb2.KvPull) -> bool:
+        """A draining worker handed the choice over: it goes to another worker at once, with the
+        KV where one is held (no retry or migration counted: nothing failed). Not a structured
+        choice past its first token: the grammar would restart there (a migration's refusal)."""
+        if self.generated and self.spec.sampling.HasField("structured"):
+            return False
+        self._handoff = (worker_id, handoff)
+        if self.ctx.on_handoff is not None:
+            self.ctx.on_handoff()
+        log.info("request %s: worker %s handed it over after %d tokens (%s); moving it", self.spec.rid, worker_id,
+                 len(self.generated), "with its KV" if handoff.HasField("params") else "without KV")
+        return True
+
     def _request(self, route: RouteChoice) -> worker_pb2.WorkerGenerateRequest:
         spec = self.spec
         sampling = common_pb2.SamplingParams()
@@ -245,10 +268,16 @@ class ChoiceStream:
         if spec.session is not None:
             session = common_pb2.SessionRef(id=spec.session.id, parent_id=spec.session.parent_id,
                                             retain_ms=route.session_retain_ms)
-        return worker_pb2.WorkerGenerateRequest(request_id=rid, token_ids=spec.prompt + self.generated,
-                                                sampling=sampling, prefix_hit_rate=route.prefix_hit_rate,
-                                                resumed_tokens=done, lora_name=spec.lora_name, session=session,
-                                                media=spec.media)
+        request = worker_pb2.WorkerGenerateRequest(request_id=rid, token_ids=spec.prompt + self.generated,
+                                                   sampling=sampling, prefix_hit_rate=route.prefix_hit_rate,
+                                                   resumed_tokens=done, lora_name=spec.lora_name, session=session,
+                                                   media=spec.media)
+        if self._handoff is not None:
+            request.moved_from, handoff = self._handoff
+            self._handoff = None
+            if handoff.HasField("params"):
+                request.moved_kv.CopyFrom(handoff)
+        return request
 
     async def _from_worker(self, route: RouteChoice, detok: Detokenizer,
                            stopper: StopStrings) -> AsyncIterator[ChoiceEvent]:
@@ -273,6 +302,8 @@ class ChoiceStream:
                     # A token row: output tokens and nothing else, never a call's first or last.
                     response = self._delta(msg, UNFINISHED, (), detok, stopper, want_logprobs)
                 else:
+                    if msg.HasField("handoff"):
+                        raise _WorkerLost(f"worker {route.worker_id} handed the request over", False, msg.handoff)
                     if first:
                         first = False
                         if not self.generated:

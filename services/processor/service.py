@@ -93,6 +93,8 @@ class ProcessorMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.migrations = Counter("kvmesh_processor_migrations",
                                   "choices moved to another decode worker after their first token", registry=registry)
+        self.handoffs = Counter("kvmesh_processor_handoffs", "choices a draining decode worker handed over (moved "
+                                "with their KV where it held any)", registry=registry)
         self.inflight = Gauge("kvmesh_processor_inflight_requests", "requests this processor is serving",
                               registry=registry)
         self.worker_failures = Counter("kvmesh_processor_worker_failures",
@@ -306,7 +308,8 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         # them and `call.reply` but this generator chain), so its rows may take the short cut.
         ctx = ChoiceContext(self._tok, self._sessions, self._limits, route_fn, self._worker_failed,
                             self._metrics.migrations.inc, self._parsers.for_request(request),
-                            call.reply if len(running) == 1 else None, each_routing_once(self._routers.report))
+                            call.reply if len(running) == 1 else None, each_routing_once(self._routers.report),
+                            self._metrics.handoffs.inc)
         stops = tuple(request.stop)
         choices = [
             ChoiceStream(spec=ChoiceSpec(f"{rid}-{i}" if n > 1 else rid, request.choice_offset + i, tokens,

@@ -86,6 +86,8 @@ class WorkerServices:
     extra: tuple[ServiceBinding, ...] = ()
     # A worker that can change role: it says which pool it joins first and learns its registration.
     switch: RoleSwitch | None = None
+    # The drain's step before the server stops taking calls (a decode worker's moves, handoff.py).
+    drain: Callable[[], Awaitable[None]] | None = None
 
 
 ServicesFactory = Callable[[Engine, str, KvEventLog], WorkerServices]
@@ -163,6 +165,9 @@ async def start_worker(role: Role, ctx: WorkerContext, make_services: ServicesFa
     binding = ServiceBinding(worker_pb2_grpc.add_WorkerServicer_to_server, services.worker, WORKER_SERVICE)
     bound, health_servicer = await runner.serve_grpc([binding, *services.extra], port)
     runner.on_teardown(f"end subscriptions to {instance_id}", services.worker.end_subscriptions)
+    if services.drain is not None:
+        runner.on_teardown(f"hand over the requests of {instance_id}", services.drain,
+                           mesh.drain_timeout_s + ENGINE_STOP_S)
     switch = services.switch
     info = InstanceInfo(
         component=role.component if switch is None else switch.component,

@@ -45,6 +45,7 @@ from services.worker.lora_adapters import (
 from services.mesh.instance_record import InstanceRecord
 from services.worker.pacing import DEFAULT_INTERVAL_S, paced
 from services.worker.kv_event_log import KvEventLog, NumberedEvent
+from services.worker.handoff import handoff_reply, moved_away
 from services.engines.base import (
     Engine,
     EngineOutput,
@@ -149,10 +150,13 @@ FINISH_REASONS = {FinishReason.STOP: common_pb2.FINISH_REASON_STOP, FinishReason
 
 def output_to_proto(out: EngineOutput) -> worker_pb2.WorkerGenerateResponse:
     """One engine output as a reply; an output that says the engine dropped the request ends the
-    call instead (OUTCOME_PEER_FAILED: the caller moves the request to another worker)."""
+    call instead (OUTCOME_PEER_FAILED: the caller moves the request to another worker). A request
+    the engine handed over (MOVED) is a reply with its handoff and no finish reason."""
     reason = out.finish_reason
     if reason is FinishReason.ABORT:
         raise CallError(common_pb2.OUTCOME_PEER_FAILED, "the engine aborted the request")
+    if reason is FinishReason.MOVED:
+        return handoff_reply(out)
     msg = worker_pb2.WorkerGenerateResponse(
         token_ids=out.token_ids, finish_reason=FINISH_REASONS[reason] if reason is not None else UNFINISHED,
         cached_tokens=out.cached_tokens
@@ -338,8 +342,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if tap is not None and reply is not None and first.finish_reason is None:
                 # Closed again, for good, if pacing starts merging (it buffers from then on).
                 tap.open(reply, self.stream_interval_s)
-            async for out in outputs:
-                yield out.token_ids if out.finish_reason is None and out.logprobs is None else output_to_proto(out)
+            last = first
+            async for last in outputs:
+                yield last.token_ids if last.finish_reason is None and last.logprobs is None else output_to_proto(last)
+            if last.finish_reason is FinishReason.MOVED:
+                raise moved_away()
 
     async def SubscribeKvEvents(self, request: worker_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext):
         self._subscribed()

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from testkit.metrics import value
+from testkit.metrics import find, value
 from testkit.sse import Streamed, completion_body, stream_sync
 from tests.procs import Etcd, Proc, ServiceMesh, registered, wait_until
 
@@ -95,6 +95,36 @@ def test_a_drained_worker_finishes_its_stream_then_exits_0(mesh: ServiceMesh) ->
     # New work goes to the worker that stayed.
     survivor = next(w for w in workers if w != drained.worker)
     assert mesh.complete("after the drain", 2).headers["x-kvmesh-worker"] == survivor
+
+
+def test_a_drained_worker_hands_its_stream_over_with_its_kv_and_nothing_is_recomputed(mesh: ServiceMesh) -> None:
+    # NIXL on both workers (the KV moves between them); no prefill pool to ask.
+    workers = two_workers(mesh, "--kv-transfer", "nixl", "--no-remote-prefill", "--drain-timeout", "60")
+    exited = threading.Event()
+
+    def drain(s: Streamed) -> None:
+        workers[s.worker].popen.send_signal(signal.SIGTERM)
+
+    def on_chunk(s: Streamed) -> None:
+        fire(s)
+        if workers[s.worker].popen.poll() is not None:
+            exited.set()  # before the stream's end: a drain that waited for it would still be running
+
+    fire = act_after(5, drain)
+    moved = stream(mesh, "hand me over with my cache", on_chunk)
+    assert moved.error is None and moved.completion_tokens == MAX_TOKENS and moved.finish == "length"
+    assert workers[moved.worker].popen.wait(30) == 0
+    assert "handed over" in workers[moved.worker].tail()
+    processor = mesh.metrics("processor")
+    assert value(processor, "kvmesh_processor_handoffs_total") == 1
+    assert value(processor, "kvmesh_processor_migrations_total") == 0
+    # The survivor decoded from the pulled KV: nothing recomputed.
+    survivor = mesh.metrics("decode-worker")
+    assert value(survivor, "kvmesh_decode_moved_in_total", kv="pulled") == 1
+    assert find(survivor, "kvmesh_decode_moved_in_total", kv="recomputed") in (None, 0)
+    assert exited.is_set()
+    # The same request, never moved, gives the same text.
+    assert "".join(moved.text) == "".join(stream(mesh, "hand me over with my cache").text)
 
 
 def test_a_drain_deadline_moves_what_is_still_running(mesh: ServiceMesh) -> None:

@@ -33,6 +33,7 @@ from services.processor.choice_stream import (
 from services.processor.tokenizer import ModelTokenizer
 from services.routing.router_client import RouteChoice
 from services.tools.make_demo_model import ensure_demo_model
+from services.worker.kv_pull import kv_pull_from_proto, kv_pull_to_proto
 from tests.unit.in_process_grpc import serving
 
 PROMPT = [11, 12, 13, 14]
@@ -47,6 +48,8 @@ class Attempt:
     tokens: int = MAX_TOKENS
     outcome: int | None = None
     param: str = ""
+    # Hands the call over after `tokens` (a draining worker), with this KV ({}: none held).
+    handoff: dict | None = None
 
 
 @dataclass
@@ -70,10 +73,18 @@ class ScriptedWorkers(worker_pb2_grpc.WorkerServicer):
         done = request.resumed_tokens
         left = request.sampling.max_tokens
         for i in range(min(attempt.tokens, left)):
-            last = attempt.outcome is None and i == left - 1
+            last = attempt.outcome is None and attempt.handoff is None and i == left - 1
             yield worker_pb2.WorkerGenerateResponse(
                 token_ids=[BASE + done + i], cached_tokens=2,
                 finish_reason=common_pb2.FINISH_REASON_LENGTH if last else common_pb2.FINISH_REASON_UNSPECIFIED)
+        if attempt.handoff is not None:
+            reply = worker_pb2.WorkerGenerateResponse()
+            if attempt.handoff:
+                reply.handoff.CopyFrom(kv_pull_to_proto(attempt.handoff))
+            else:
+                reply.handoff.SetInParent()
+            yield reply
+            raise CallError(common_pb2.OUTCOME_PEER_DRAINING, "scripted drain")
         if attempt.outcome is not None:
             raise CallError(attempt.outcome, f"scripted {common_pb2.Outcome.Name(attempt.outcome)}", attempt.param)
 
@@ -85,6 +96,7 @@ class Run:
     workers: ScriptedWorkers
     failed: list[str]
     migrations: int
+    handoffs: int = 0
 
     def tokens(self) -> list[int]:
         return [t for e in self.events if isinstance(e, Delta) for t in e.response.delta.token_ids]
@@ -113,6 +125,7 @@ async def run(tokenizer: ModelTokenizer, attempts: list[Attempt], max_attempts: 
               structured: bool = False, lora_name: str = "") -> Run:
     failed: list[str] = []
     migrations = [0]
+    handoffs = [0]
     async with workers(attempts) as (scripted, sessions):
         address = scripted.address  # type: ignore[attr-defined]
 
@@ -123,7 +136,8 @@ async def run(tokenizer: ModelTokenizer, attempts: list[Attempt], max_attempts: 
         if structured:
             sampling.structured.regex = "[0-9]+"
         ctx = ChoiceContext(tokenizer, sessions, ChoiceLimits(30, max_attempts, migration_limit), route, failed.append,
-                            lambda: migrations.__setitem__(0, migrations[0] + 1))
+                            lambda: migrations.__setitem__(0, migrations[0] + 1),
+                            on_handoff=lambda: handoffs.__setitem__(0, handoffs[0] + 1))
         choice = ChoiceStream(ChoiceSpec("r", 0, PROMPT, sampling, [], lora_name), ctx)
         events: list[object] = []
         failure = None
@@ -132,7 +146,7 @@ async def run(tokenizer: ModelTokenizer, attempts: list[Attempt], max_attempts: 
                 events.append(event)
         except ChoiceFailure as exc:
             failure = exc
-        return Run(events, failure, scripted, failed, migrations[0])
+        return Run(events, failure, scripted, failed, migrations[0], handoffs[0])
 
 
 EVERY_TOKEN = [BASE + p for p in range(MAX_TOKENS)]
@@ -233,3 +247,26 @@ async def test_a_worker_past_the_deadline_ends_the_choice_as_a_timeout(tokenizer
     r = await run(tokenizer, [Attempt(0, common_pb2.OUTCOME_DEADLINE), Attempt()])
     assert r.failure is not None and r.failure.outcome == common_pb2.OUTCOME_DEADLINE
     assert "took longer than 30s" in r.failure.message and len(r.workers.requests) == 1
+
+
+HELD = {"agent": "w0", "request_id": "r", "nbytes": 4096, "checksum": 2**63 + 5}
+
+
+async def test_a_handed_over_choice_moves_with_its_kv_counting_no_failure(tokenizer: ModelTokenizer) -> None:
+    r = await run(tokenizer, [Attempt(3, handoff=HELD), Attempt(2, handoff={}), Attempt()], migration_limit=0)
+    assert r.failure is None and r.tokens() == EVERY_TOKEN
+    # Nothing failed: no worker set aside, no migration counted (the limit of 0 would have refused one).
+    assert r.failed == [] and r.migrations == 0 and r.handoffs == 2
+    assert [e.worker_id for e in r.events if isinstance(e, Started)] == ["w0"], "announced once"
+    second, third = r.workers.requests[1], r.workers.requests[2]
+    assert (list(second.token_ids), second.resumed_tokens, second.moved_from) == (PROMPT + EVERY_TOKEN[:3], 3, "w0")
+    assert kv_pull_from_proto(second.moved_kv) == HELD, "the handoff's KV, exact (a 64-bit checksum)"
+    # Handed over without KV: the next worker is told where it came from, and computes it.
+    assert (third.resumed_tokens, third.moved_from, third.HasField("moved_kv")) == (5, "w1", False)
+
+
+async def test_a_structured_choice_handed_over_mid_stream_ends_rather_than_restart_its_grammar(
+        tokenizer: ModelTokenizer) -> None:
+    r = await run(tokenizer, [Attempt(3, handoff=HELD), Attempt()], structured=True)
+    assert r.failure is not None and r.failure.outcome == common_pb2.OUTCOME_NO_WORKER
+    assert "structured-output" in r.failure.message and r.handoffs == 0

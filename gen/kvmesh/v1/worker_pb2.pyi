@@ -152,7 +152,7 @@ class ReleaseKvResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "prefix_hit_rate", "resumed_tokens", "lora_name", "session", "media")
+    __slots__ = ("request_id", "token_ids", "sampling", "prefix_hit_rate", "resumed_tokens", "lora_name", "session", "media", "moved_kv", "moved_from")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,8 @@ class WorkerGenerateRequest(_message.Message):
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
+    MOVED_KV_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FROM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -169,23 +171,27 @@ class WorkerGenerateRequest(_message.Message):
     lora_name: str
     session: _common_pb2.SessionRef
     media: _containers.RepeatedCompositeFieldContainer[_common_pb2.MediaItem]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefix_hit_rate: _Optional[float] = ..., resumed_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., session: _Optional[_Union[_common_pb2.SessionRef, _Mapping]] = ..., media: _Optional[_Iterable[_Union[_common_pb2.MediaItem, _Mapping]]] = ...) -> None: ...
+    moved_kv: KvPull
+    moved_from: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefix_hit_rate: _Optional[float] = ..., resumed_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., session: _Optional[_Union[_common_pb2.SessionRef, _Mapping]] = ..., media: _Optional[_Iterable[_Union[_common_pb2.MediaItem, _Mapping]]] = ..., moved_kv: _Optional[_Union[KvPull, _Mapping]] = ..., moved_from: _Optional[str] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "prompt_tokens", "cached_tokens", "prefill")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "prompt_tokens", "cached_tokens", "prefill", "handoff")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     finish_reason: _common_pb2.FinishReason
     prompt_tokens: int
     cached_tokens: int
     prefill: _common_pb2.PrefillLocation
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill: _Optional[_Union[_common_pb2.PrefillLocation, _Mapping]] = ...) -> None: ...
+    handoff: KvPull
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill: _Optional[_Union[_common_pb2.PrefillLocation, _Mapping]] = ..., handoff: _Optional[_Union[KvPull, _Mapping]] = ...) -> None: ...
 
 class SubscribeKvEventsRequest(_message.Message):
     __slots__ = ("from_event_id", "snapshot", "incarnation")

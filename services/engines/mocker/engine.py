@@ -52,6 +52,7 @@ from services.engines.output_channel import OutputChannel
 from services.engines.mocker.output_tokens import OutputTokens
 from services.engines.mocker.kv_transfer import KvTransferError, NixlKvEndpoint
 from services.engines.mocker.load_terms import host_tier_load, prefill_cost
+from services.engines.mocker.moves import MoveOut
 from services.engines.mocker.request_checks import check_request
 from services.engines.mocker.sequence import Seq
 from services.engines.mocker.session_pins import SessionPins
@@ -86,6 +87,7 @@ class MockerEngine(Engine):
         self._prompt_tokens_seen = 0
         self._prompt_tokens_hit = 0
         self.kv_endpoint = kv_endpoint
+        self._moves = MoveOut(kv_endpoint, self.blocks.free)
         # Summing every running sequence's length each step only where the profile charges it.
         self._charges_context = config.timing.cost.decode_per_context_token_s > 0
         self._adapter_loads = SimulatedAdapterLoader(config.timing, self._wake.set)
@@ -165,6 +167,18 @@ class MockerEngine(Engine):
     async def release_kv(self, request_id: str) -> bool:
         return self.kv_endpoint is not None and self.kv_endpoint.release(request_id)
 
+    @property
+    def can_move(self) -> bool:
+        return self.kv_endpoint is not None
+
+    async def move_out(self) -> int:
+        seqs = await self._moves.take(self._wake.set)
+        await self._moves.hand_over(seqs)
+        return len(seqs)
+
+    def moves_unpulled(self) -> int:
+        return self._moves.unpulled
+
     async def generate(self, request: EngineRequest, tap: RowTap | None = None) -> AsyncGenerator[EngineOutput, None]:
         self._check(request)
         seq = Seq(
@@ -234,6 +248,7 @@ class MockerEngine(Engine):
         loop = asyncio.get_running_loop()
         step_end: float | None = None
         while True:
+            self._moves.at_boundary(self._running, self._waiting)  # a drain's move_out, between steps
             self.sessions.expire(loop.time())  # a heap peek, nothing when no pin is due
             if not self._waiting and not self._running and not self._adapter_loads.queued:
                 self._wake.clear()

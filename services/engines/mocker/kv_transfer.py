@@ -85,6 +85,21 @@ def _fill(region: torch.Tensor, tokens: list[int], bytes_per_token: int) -> int:
     return checksum(region)
 
 
+def tokens_digest(tokens: list[int]) -> int:
+    """What the held KV was computed for: a puller checks it against its own tokens, so KV held
+    for another sequence (or a shorter one) is refused before it is decoded from."""
+    return xxhash.xxh3_64_intdigest(np.asarray(tokens, dtype="<u4").tobytes())
+
+
+def check_pull_tokens(params: dict, tokens: list[int]) -> None:
+    """Refuses KV held for other tokens than the request's (parameters from before this check
+    name none)."""
+    held = params.get("tokens")
+    if held is not None and (held != len(tokens) or params.get("tokens_digest") != tokens_digest(tokens)):
+        raise KvTransferError(f"the KV held by {params.get('agent')} is for other tokens ({held}) than the "
+                              f"request's ({len(tokens)}): refusing to pull it")
+
+
 def checksum(buffer: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(buffer.numpy().data)
 
@@ -138,6 +153,8 @@ class _Held:
     offset: int
     size: int
     expires_at: float
+    # Called once the hold ends (pulled, released or expired): a moved request's blocks go then.
+    on_release: Callable[[], None] | None = None
 
 
 class NixlKvEndpoint:
@@ -182,10 +199,14 @@ class NixlKvEndpoint:
     # -- prefill side --------------------------------------------------------------------------
 
     async def hold(self, request_id: str, tokens: list[int], lora_name: str = "",
-                   bytes_per_token: int | None = None) -> dict:
+                   bytes_per_token: int | None = None, *, expires_s: float | None = None,
+                   on_release: Callable[[], None] | None = None, with_metadata: bool = False) -> dict:
         """Writes the prompt's KV (computed with LoRA adapter `lora_name`) into the arena and
         returns what a decode worker needs to read it. `bytes_per_token`: another size than the
-        KV's (an image's features, held by an encode worker).
+        KV's (an image's features, held by an encode worker). `expires_s`: how long it waits for
+        its pull (default: the endpoint's hold timeout); `on_release`: called once it ends.
+        `with_metadata`: the parameters carry this agent's NIXL metadata (a draining worker's
+        handoff: its etcd record, where peers find the metadata, is gone already).
 
         Building and checksumming megabytes runs on a worker thread, off the engine's event loop.
         """
@@ -201,16 +222,23 @@ class NixlKvEndpoint:
         except BaseException:
             self._arena.release(offset, nbytes)
             raise
-        self._held[request_id] = _Held(offset, nbytes, time.monotonic() + self._hold_timeout_s)
+        timeout = self._hold_timeout_s if expires_s is None else expires_s
+        self._held[request_id] = _Held(offset, nbytes, time.monotonic() + timeout, on_release)
         descs = self._agent.get_serialized_descs(self._agent.get_xfer_descs(region))
-        return {"agent": self.name, "request_id": request_id, "nbytes": nbytes,
-                "checksum": digest, "descs": base64.b64encode(descs).decode(), "lora_name": lora_name}
+        params = {"agent": self.name, "request_id": request_id, "nbytes": nbytes, "checksum": digest,
+                  "descs": base64.b64encode(descs).decode(), "lora_name": lora_name,
+                  "tokens": len(tokens), "tokens_digest": tokens_digest(tokens)}
+        if with_metadata:
+            params["agent_metadata"] = base64.b64encode(self.metadata()).decode()
+        return params
 
     def release(self, request_id: str) -> bool:
         held = self._held.pop(request_id, None)
         if held is None:
             return False
         self._arena.release(held.offset, held.size)
+        if held.on_release is not None:
+            held.on_release()
         return True
 
     @property
@@ -241,7 +269,7 @@ class NixlKvEndpoint:
         self._retry_releases()
         peer = params["agent"]
         try:
-            await asyncio.wait_for(self._connect(peer), deadline - time.perf_counter())
+            await asyncio.wait_for(self._connect(peer, params.get("agent_metadata")), deadline - time.perf_counter())
         except TimeoutError:
             raise KvTransferError(f"prefill worker {peer}'s NIXL metadata not found in time") from None
         offset = self._arena.alloc(nbytes)
@@ -289,12 +317,17 @@ class NixlKvEndpoint:
         for transfer in pending:
             self._release(transfer, retry=True)
 
-    async def _connect(self, peer: str) -> None:
+    async def _connect(self, peer: str, inline: str | None = None) -> None:
+        """Knows `peer`'s agent from here on: by the metadata the pull carries (`inline`, base64),
+        else by its record in etcd."""
         if peer in self._peers:
             return
-        if self.metadata_lookup is None:
+        if inline is not None:
+            metadata: bytes | None = base64.b64decode(inline)
+        elif self.metadata_lookup is None:
             raise KvTransferError("no NIXL metadata store configured")
-        metadata = await self.metadata_lookup(peer)
+        else:
+            metadata = await self.metadata_lookup(peer)
         if metadata is None:
             raise KvTransferError(f"prefill worker {peer} has no NIXL metadata in etcd (gone?)")
         self._agent.add_remote_agent(metadata)

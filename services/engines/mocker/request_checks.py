@@ -1,6 +1,6 @@
 """What the mocker refuses before a request takes anything: images for a text model, sampling
 fields a hash cannot honour, a prompt past the context, a request that could never fit its KV
-cache, an unknown LoRA adapter, a KV pull of another adapter."""
+cache, an unknown LoRA adapter, a KV pull of another adapter or of other tokens."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from services.engines.base import EngineInfo, EngineRequest, UnsupportedFieldErr
 from services.engines.lora import AdapterSet
 from services.engines.mocker.config import MockerConfig
 from services.engines.mocker.encoder import ImageEncoder
-from services.engines.mocker.kv_transfer import check_pull_adapter
+from services.engines.mocker.kv_transfer import check_pull_adapter, check_pull_tokens
 
 
 def check_request(request: EngineRequest, info: EngineInfo, config: MockerConfig, encoder: ImageEncoder,
@@ -40,3 +40,4 @@ def check_request(request: EngineRequest, info: EngineInfo, config: MockerConfig
         adapters().get(request.lora_name)  # unknown: refused now, not after a wait
     if request.kv_pull is not None:
         check_pull_adapter(request.kv_pull, request.lora_name)
+        check_pull_tokens(request.kv_pull, request.token_ids)
