@@ -142,6 +142,9 @@ class ChoiceContext:
     on_cached: Callable[[RouteChoice, int, int], None] | None = None
     # Hears each choice a draining worker handed over (moved with its KV where it held any).
     on_handoff: Callable[[], None] | None = None
+    # Hears the tokens a worker computed again for a choice it took mid-stream (a migration, or a
+    # handoff without usable KV): prompt and output so far, less what it found cached.
+    on_recomputed: Callable[[int], None] | None = None
 
 
 @dataclass
@@ -308,6 +311,8 @@ class ChoiceStream:
                         first = False
                         if not self.generated:
                             self.cached_tokens = msg.cached_tokens
+                        elif self.ctx.on_recomputed is not None and msg.prefill.site != common_pb2.PrefillLocation.SITE_REMOTE:
+                            self.ctx.on_recomputed(max(0, prompt_tokens - msg.cached_tokens))
                         on_cached = self.ctx.on_cached
                         if on_cached is not None and msg.prefill.site != common_pb2.PrefillLocation.SITE_REMOTE:
                             on_cached(route, prompt_tokens, msg.cached_tokens)

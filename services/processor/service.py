@@ -95,6 +95,9 @@ class ProcessorMetrics:
                                   "choices moved to another decode worker after their first token", registry=registry)
         self.handoffs = Counter("kvmesh_processor_handoffs", "choices a draining decode worker handed over (moved "
                                 "with their KV where it held any)", registry=registry)
+        self.recomputed = Counter("kvmesh_processor_resumed_tokens_recomputed", "tokens decode workers computed "
+                                  "again for choices they took mid-stream (migrated, or handed over without usable "
+                                  "KV), less what they found cached", registry=registry)
         self.inflight = Gauge("kvmesh_processor_inflight_requests", "requests this processor is serving",
                               registry=registry)
         self.worker_failures = Counter("kvmesh_processor_worker_failures",
@@ -309,7 +312,7 @@ class ProcessorServicer(processor_pb2_grpc.ProcessorServicer):
         ctx = ChoiceContext(self._tok, self._sessions, self._limits, route_fn, self._worker_failed,
                             self._metrics.migrations.inc, self._parsers.for_request(request),
                             call.reply if len(running) == 1 else None, each_routing_once(self._routers.report),
-                            self._metrics.handoffs.inc)
+                            self._metrics.handoffs.inc, self._metrics.recomputed.inc)
         stops = tuple(request.stop)
         choices = [
             ChoiceStream(spec=ChoiceSpec(f"{rid}-{i}" if n > 1 else rid, request.choice_offset + i, tokens,

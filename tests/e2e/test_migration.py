@@ -118,6 +118,7 @@ def test_a_drained_worker_hands_its_stream_over_with_its_kv_and_nothing_is_recom
     processor = mesh.metrics("processor")
     assert value(processor, "kvmesh_processor_handoffs_total") == 1
     assert value(processor, "kvmesh_processor_migrations_total") == 0
+    assert value(processor, "kvmesh_processor_resumed_tokens_recomputed_total") == 0
     # The survivor decoded from the pulled KV: nothing recomputed.
     survivor = mesh.metrics("decode-worker")
     assert value(survivor, "kvmesh_decode_moved_in_total", kv="pulled") == 1
@@ -132,7 +133,10 @@ def test_a_drain_deadline_moves_what_is_still_running(mesh: ServiceMesh) -> None
     moved = stream(mesh, "move me at the deadline",
                    act_after(5, lambda s: workers[s.worker].popen.send_signal(signal.SIGTERM)))
     assert moved.error is None and moved.completion_tokens == MAX_TOKENS
-    assert value(mesh.metrics("processor"), "kvmesh_processor_migrations_total") == 1
+    processor = mesh.metrics("processor")
+    assert value(processor, "kvmesh_processor_migrations_total") == 1
+    # Recomputed there: the prompt and the tokens so far (nothing of it cached on that worker).
+    assert value(processor, "kvmesh_processor_resumed_tokens_recomputed_total") > 5
     assert workers[moved.worker].popen.wait(30) == 0
     assert "".join(moved.text) == "".join(stream(mesh, "move me at the deadline").text)
 
