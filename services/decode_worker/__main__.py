@@ -19,7 +19,7 @@ from services.mesh.discovery import DECODE_WORKER, ROUTER
 from services.routing.router_client import RouterClient
 from services.worker.kv_event_log import KvEventLog
 from services.contract.worker_roles import RoleName
-from services.worker.handoff import MoveMetrics, move_away
+from services.worker.handoff import MoveMetrics, hand_over, move_away
 from services.worker.remote_encode import remote_encoder
 from services.worker.role_switch import always
 from services.worker.runtime import Role, ServicesFactory, WorkerContext, WorkerServices, main
@@ -48,6 +48,8 @@ async def prepare(ctx: WorkerContext) -> ServicesFactory:
         if ctx.args.drain_mode is DrainMode.MOVE and engine.can_move:
             built = dataclasses.replace(built, drain=lambda: move_away(engine, worker_id, ctx.mesh.drain_timeout_s,
                                                                        moves))
+            if switch is not None:
+                switch.hand_over = lambda: hand_over(engine, frozenset(decode.running_ids), moves)
         return built
 
     return services

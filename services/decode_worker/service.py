@@ -68,6 +68,8 @@ class DecodeServicer(WorkerServicer):
         self.moves = moves
         # Releases of KV we abandoned, sent after our own request was cancelled: owned here.
         self._releases: set[asyncio.Task[None]] = set()
+        # The engine ids of the decode calls in flight: what a role switch hands over.
+        self.running_ids: set[str] = set()
 
     async def stop(self) -> None:
         await cancel_and_wait(*self._releases)
@@ -85,6 +87,7 @@ class DecodeServicer(WorkerServicer):
             with self.tracing.server_span("decode", call, GENERATE_RPC) as span:
                 if span.is_recording():
                     span.set_attributes(generate_attributes(request, self.worker_id))
+                self.running_ids.add(request.request_id)
                 try:
                     async for msg in self._generate(request, call.reply):
                         yield msg
@@ -92,6 +95,8 @@ class DecodeServicer(WorkerServicer):
                     raise refused(exc) from exc
                 except AdapterError as exc:  # forgotten between the check and the engine's `use`
                     raise adapter_refused(exc) from exc
+                finally:
+                    self.running_ids.discard(request.request_id)
 
     async def _generate(self, request: worker_pb2.WorkerGenerateRequest,
                         reply: Callable[[TokenRow], None] | None) -> AsyncIterator[GenerateReply]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import abc
 import enum
 import time
-from collections.abc import AsyncGenerator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from services.engines.lora import AdapterSet
@@ -300,8 +300,9 @@ class Engine(abc.ABC):
         export a running request's blocks says no: its drain waits for its requests instead)."""
         return False
 
-    async def move_out(self) -> int:
-        """Stops every request in flight at a step boundary and hands it over: each one's last
+    async def move_out(self, request_ids: Collection[str] | None = None) -> int:
+        """Stops every request in flight (or those of `request_ids`) at a step boundary and hands
+        it over: each one's last
         output has finish reason MOVED and, in `kv_pull`, where the engine holds the KV of its
         tokens so far for the next worker to pull (None: it holds none, the request had not
         started); its blocks stay taken until that pull or `moves_unpulled`'s expiry. Returns

@@ -56,6 +56,13 @@ class MoveMetrics:
                                 "whether their KV was pulled or recomputed", ["kv"], registry=registry)
 
 
+async def hand_over(engine: Engine, request_ids: frozenset[str], metrics: MoveMetrics) -> int:
+    """Hands the requests of `request_ids` over (a role switch's decode calls); how many."""
+    handed = await engine.move_out(request_ids)
+    metrics.handed_over.inc(handed)
+    return handed
+
+
 async def move_away(engine: Engine, worker_id: str, timeout_s: float, metrics: MoveMetrics) -> None:
     """The drain's move step (above): returns once nothing runs on the engine and every handed
     over KV is pulled, or after `timeout_s`."""

@@ -7,9 +7,11 @@ call of the other role ends OUTCOME_PEER_DRAINING, which callers retry on anothe
    so routers drop it from the old pool at once and add it to the new one (routers, processors
    and decode workers see it within one watch round-trip);
 3. opens the gate to the new role;
-4. lets work of the old role in flight finish until the deadline, then ends what is left with
-   OUTCOME_PEER_DRAINING, which the processor migrates from as from a failed worker (the engine's
-   output is deterministic, so the stream continues exactly where it stopped).
+4. hands the decode role's requests over with their KV where the worker moves them
+   (`hand_over`, worker/handoff.py: decode to prefill), lets work of the old role in flight
+   finish until the deadline, then ends what is left with OUTCOME_PEER_DRAINING, which the
+   processor migrates from as from a failed worker (the engine's output is deterministic, so the
+   stream continues exactly where it stopped).
 The engine and its prefix cache stay: nothing is reloaded, nothing restarted.
 """
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 import grpc
 
@@ -67,6 +69,8 @@ class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
         self._ending: set[asyncio.Task[object]] = set()
         self._lock = asyncio.Lock()
         self.switches = 0
+        # Hands the decode calls in flight over to other workers (returns how many); None: they finish.
+        self.hand_over: Callable[[], Awaitable[int]] | None = None
 
     @property
     def registered_role(self) -> RoleName:
@@ -112,11 +116,11 @@ class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
             previous = self._registered_role
             if previous == target:
                 return worker_pb2.SwitchRoleResponse(previous_role=ROLE_OF[previous], role=request.role)
-            finished, ended = await self._switch(previous, target, deadline_s)
+            finished, ended, handed = await self._switch(previous, target, deadline_s)
             return worker_pb2.SwitchRoleResponse(previous_role=ROLE_OF[previous], role=request.role, finished=finished,
-                                                 ended=ended)
+                                                 ended=ended, handed_over=handed)
 
-    async def _switch(self, previous: RoleName, target: RoleName, deadline_s: float) -> tuple[int, int]:
+    async def _switch(self, previous: RoleName, target: RoleName, deadline_s: float) -> tuple[int, int, int]:
         assert self._record is not None
         started = time.monotonic()
         self.role = None
@@ -126,11 +130,23 @@ class RoleSwitch(worker_pb2_grpc.RoleControlServicer):
         # The engine serves both kinds of work at once: the new role's calls are taken while
         # the old role's finish, so the worker is useful as soon as routers see it.
         self.role = target
-        finished, ended = await self._drain(previous, deadline_s)
+        handed = await self._hand_over(previous, deadline_s)
+        finished, ended = await self._drain(previous, max(0.0, deadline_s - (time.monotonic() - started)))
         self.switches += 1
-        log.info("worker %s switched from %s to %s in %.2fs (%d calls finished, %d ended for migration)",
-                 new_info.instance_id, previous, target, time.monotonic() - started, finished, ended)
-        return finished, ended
+        log.info("worker %s switched from %s to %s in %.2fs (%d calls handed over, %d finished, %d ended for "
+                 "migration)", new_info.instance_id, previous, target, time.monotonic() - started, handed,
+                 finished, ended)
+        return finished, ended, handed
+
+    async def _hand_over(self, role: RoleName, deadline_s: float) -> int:
+        """The decode role's calls in flight handed over with their KV, where the worker can."""
+        if role != RoleName.DECODE or self.hand_over is None or not self._inflight[role]:
+            return 0
+        try:
+            return await asyncio.wait_for(self.hand_over(), deadline_s)
+        except TimeoutError:
+            log.warning("handing the decode calls over took past the %.1fs deadline; ending them instead", deadline_s)
+            return 0
 
     async def _drain(self, role: RoleName, deadline_s: float) -> tuple[int, int]:
         """Waits for the old role's calls; ends those still running at the deadline."""

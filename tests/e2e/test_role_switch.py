@@ -12,6 +12,7 @@ import pytest
 from gen.kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.mesh.discovery import DECODE_WORKER, PREFILL_WORKER, ROUTER
 from services.contract.worker_roles import ROLE_OF
+from testkit.metrics import value
 from testkit.sse import completion_body, stream_sync
 from tests.procs import MODEL, Etcd, ServiceMesh, registered, wait_until
 
@@ -83,7 +84,11 @@ def test_a_worker_switches_roles_under_load_and_loses_no_request(mesh: ServiceMe
         outcomes = [r.result() for r in results]
 
     assert (reply.previous_role, reply.role) == (common_pb2.WORKER_ROLE_DECODE, common_pb2.WORKER_ROLE_PREFILL)
-    assert reply.finished + reply.ended > 0, "the switch found no work in flight: the test did not load the worker"
+    assert reply.finished + reply.ended + reply.handed_over > 0, "the switch found no work in flight"
+    # Its decode streams were handed over with their KV (a switchable worker moves them), each
+    # once; none of them recomputed (a call not yet in the engine may still end at the deadline).
+    assert reply.handed_over > 0
+    assert value(mesh.metrics("processor"), "kvmesh_processor_handoffs_total") == reply.handed_over
     assert all(status == 200 for status, _, _ in outcomes), outcomes
     assert [completion for _, completion, _ in outcomes] == [MAX_TOKENS] * REQUESTS
     assert all(last == "data: [DONE]" for _, _, last in outcomes)

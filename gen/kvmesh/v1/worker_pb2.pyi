@@ -328,16 +328,18 @@ class SwitchRoleRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
 
 class SwitchRoleResponse(_message.Message):
-    __slots__ = ("previous_role", "role", "finished", "ended")
+    __slots__ = ("previous_role", "role", "finished", "ended", "handed_over")
     PREVIOUS_ROLE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ENDED_FIELD_NUMBER: _ClassVar[int]
+    HANDED_OVER_FIELD_NUMBER: _ClassVar[int]
     previous_role: _common_pb2.WorkerRole
     role: _common_pb2.WorkerRole
     finished: int
     ended: int
-    def __init__(self, previous_role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., finished: _Optional[int] = ..., ended: _Optional[int] = ...) -> None: ...
+    handed_over: int
+    def __init__(self, previous_role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., finished: _Optional[int] = ..., ended: _Optional[int] = ..., handed_over: _Optional[int] = ...) -> None: ...
 
 class WorkerCall(_message.Message):
     __slots__ = ("stream_id", "timeout_ms", "metadata", "request")

@@ -598,8 +598,9 @@ class RoleControlServicer:
     """
 
     def SwitchRole(self, request, context):
-        """Stops taking work in the current role, lets what it holds finish (or, past the deadline,
-        ends it so the processor migrates it), and registers under the other pool. Answers once
+        """Stops taking work in the current role, hands its decode requests over with their KV where
+        the worker moves them (`--drain-mode move`), lets what it holds finish (or, past the
+        deadline, ends it so the processor migrates it), and registers under the other pool. Answers once
         the worker is registered in its new role.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Collection
 from contextlib import AsyncExitStack
 from dataclasses import replace
 
@@ -171,8 +171,8 @@ class MockerEngine(Engine):
     def can_move(self) -> bool:
         return self.kv_endpoint is not None
 
-    async def move_out(self) -> int:
-        seqs = await self._moves.take(self._wake.set)
+    async def move_out(self, request_ids: Collection[str] | None = None) -> int:
+        seqs = await self._moves.take(self._wake.set, request_ids)
         await self._moves.hand_over(seqs)
         return len(seqs)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from services.engines.base import EngineOutput, FinishReason
 from services.engines.mocker.kv_transfer import NixlKvEndpoint
@@ -34,14 +34,18 @@ class MoveOut:
         self._endpoint = endpoint
         self._free = free_blocks
         self._asked: asyncio.Future[list[Seq]] | None = None
+        # The requests asked for (None: all), by the pending `take`.
+        self._only: Collection[str] | None = None
         # Handed over with KV that no destination has pulled yet.
         self.unpulled = 0
 
-    async def take(self, wake: Callable[[], None]) -> list[Seq]:
-        """Every sequence in the schedule, taken out at the step loop's next boundary (`wake`
-        starts an idle loop)."""
-        if self._asked is None:
-            self._asked = asyncio.get_running_loop().create_future()
+    async def take(self, wake: Callable[[], None], request_ids: Collection[str] | None = None) -> list[Seq]:
+        """Every sequence in the schedule (or those of `request_ids`), taken out at the step
+        loop's next boundary (`wake` starts an idle loop). One take at a time."""
+        if self._asked is not None:
+            raise RuntimeError("a move is under way already")
+        self._asked = asyncio.get_running_loop().create_future()
+        self._only = request_ids
         asked = self._asked
         wake()
         return await asyncio.wait_for(asyncio.shield(asked), BOUNDARY_WAIT_S)
@@ -52,9 +56,14 @@ class MoveOut:
         if asked is None:
             return
         self._asked = None
-        seqs = [seq for seq in (*running, *waiting) if not seq.done]
-        running.clear()
+        only = self._only
+        seqs = [seq for seq in (*running, *waiting)
+                if not seq.done and (only is None or seq.request.request_id in only)]
+        taken = set(seqs)
+        running[:] = [seq for seq in running if seq not in taken]
+        kept = [seq for seq in waiting if seq not in taken]
         waiting.clear()
+        waiting.extend(kept)
         for seq in seqs:
             seq.done = True  # its generator's end must not free blocks a pull may still read
         if not asked.done():
