@@ -8,13 +8,14 @@ What it does, and why:
 1. Starts etcd and, each as its own process in one fresh namespace, 2 kv-routers, 2 processors,
    1 frontend, 2 prefill workers and 4 decode workers on the mocker, disaggregated (decode
    workers send prompts of more than 256 uncached tokens to the prefill workers over NIXL).
-   A request streams for about a second (48 tokens at the mocker's 12 ms decode step).
+   A request streams for about 3 s (240 tokens at the mocker's 12 ms decode step; the quick
+   run's 48 tokens, about half a second).
 2. Streams a seeded mix of short text prompts and long token-id prompts at `--rate` requests/s
    from a bounded pool of clients, all `ignore_eos` with a fixed `max_tokens` and greedy or
    seeded sampling, so every answer is a known pure function of its request.
 3. Meanwhile carries out a seeded fault schedule (faults.py): SIGKILL a decode
    worker, a prefill worker, a processor and a router, each replaced at once; roll (SIGTERM) a
-   decode worker; stop etcd for `--etcd-outage` seconds and restart it on the same ports and
+   decode worker, which hands its streams over to the others with their KV; stop etcd for `--etcd-outage` seconds and restart it on the same ports and
    data dir. The load runs until the last fault has played out.
 4. Afterwards re-sends each distinct request once to the settled mesh and compares every
    completed stream with it; sums the processors' and decode workers' counters (scraped all
@@ -48,8 +49,10 @@ from bench.chaos.report import print_report, result_line, summarize
 from testkit.proc import ProcFailed
 
 # Short form for the test suite: ~40 s of load, a 12 s outage, a small catalogue to verify.
-QUICK = {"duration": 40.0, "rate": 2.0, "etcd_outage": 12.0, "shorts": 4, "longs": 8}
-DEFAULT = {"duration": 150.0, "rate": 2.0, "etcd_outage": 30.0, "shorts": 10, "longs": 30}
+# The full run's answers outlast a drain's propagation delay (1 s), so the rolled decode worker
+# has streams left to hand over; the quick run's are short (the suite's time).
+QUICK = {"duration": 40.0, "rate": 2.0, "etcd_outage": 12.0, "shorts": 4, "longs": 8, "max_tokens": 48}
+DEFAULT = {"duration": 150.0, "rate": 2.0, "etcd_outage": 30.0, "shorts": 10, "longs": 30, "max_tokens": 240}
 TAIL_S = 5.0  # load kept up after the last fault has played out
 FAULTS_GRACE_S = 150.0  # the most the faults may overrun the planned duration
 
@@ -76,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
     p.add_argument("--seed", type=int, default=0, help="seeds the requests, the fault order, times and victims")
     p.add_argument("--etcd-outage", type=float, help="seconds etcd stays down (default 30; quick 12)")
     p.add_argument("--clients", type=int, default=16, help="most streams in flight at once")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, help="tokens per answer (default 240; quick 48)")
     p.add_argument("--speedup", type=float, default=1.0, help="mocker speedup (1: 12 ms per decode step)")
     p.add_argument("--keep", action="store_true", help="keep the run directory even when the run passes")
     a = p.parse_args(argv)
@@ -84,7 +87,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
     opts = Options(duration=a.duration or base["duration"], rate=a.rate or base["rate"], seed=a.seed,
                    etcd_outage=base["etcd_outage"] if a.etcd_outage is None else a.etcd_outage,
                    shorts=int(base["shorts"]), longs=int(base["longs"]), clients=a.clients,
-                   max_tokens=a.max_tokens, speedup=a.speedup, keep=a.keep)
+                   max_tokens=a.max_tokens or int(base["max_tokens"]), speedup=a.speedup, keep=a.keep)
     if opts.duration <= 0 or opts.rate <= 0 or opts.etcd_outage < 0 or opts.clients < 1 or opts.max_tokens < 1:
         p.error("--duration, --rate, --clients and --max-tokens must be > 0, --etcd-outage >= 0")
     return opts

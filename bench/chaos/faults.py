@@ -5,8 +5,9 @@ the run), the etcd outage taking its length out of the gaps. `FaultRunner` carri
 
 - kill-decode / kill-prefill / kill-processor / kill-router: SIGKILL one running instance and
   start a replacement at once (a crash and the orchestrator's restart);
-- roll-decode: SIGTERM one decode worker (it drains) and start its replacement beside it (a
-  rolling update);
+- roll-decode: SIGTERM one decode worker (it drains, handing its running requests over to the
+  others with their KV: `--drain-mode move`) and start its replacement beside it (a rolling
+  update);
 - etcd-outage: stop etcd for the outage length and start it again on the same ports and data dir.
 
 A decode-worker victim is the one streaming the most requests right now (ties broken by the
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import signal
 import time
 from collections import Counter
@@ -63,6 +65,13 @@ def plan(seed: int, duration_s: float, outage_s: float) -> list[Fault]:
         faults.append(Fault(kind, round(at + rng.uniform(0, 0.3 * gap), 1)))
         at += gap + (outage_s if kind == OUTAGE else 0.0)
     return faults
+
+
+def _handed_over(victim: Proc) -> str:
+    """What the drained worker's log says it handed over (its streams that were still running
+    after the propagation delay), or that its drain never got to the move step."""
+    found = [m for line in victim.lines if (m := re.search(r"drain of \w+: (\d+) requests handed over", line))]
+    return f", handed over {sum(int(m.group(1)) for m in found)}" if found else ", no move step in its log"
 
 
 class FaultRunner:
@@ -134,7 +143,7 @@ class FaultRunner:
             victim.send(signal.SIGKILL)
             await victim.wait_async(10)
         elif sig == signal.SIGTERM:
-            fault.note = f"drained, exit {code} at {self.now()}s"
+            fault.note = f"drained, exit {code} at {self.now()}s{_handed_over(victim)}"
             if code != 0:
                 fault.fail(f"drain exit status {code} (want 0)")
         try:

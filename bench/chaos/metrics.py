@@ -24,7 +24,9 @@ WORKER_FAILURES = "kvmesh_processor_worker_failures_total"
 FALLBACKS = "kvmesh_decode_prefill_fallback_total"
 REMOTE = "kvmesh_decode_remote_prefill_total"
 LOCAL = "kvmesh_decode_local_prefill_total"
-WANTED = (MIGRATIONS, WORKER_FAILURES, FALLBACKS, REMOTE, LOCAL)
+HANDOFFS = "kvmesh_processor_handoffs_total"
+RECOMPUTED = "kvmesh_processor_resumed_tokens_recomputed_total"
+WANTED = (MIGRATIONS, WORKER_FAILURES, FALLBACKS, REMOTE, LOCAL, HANDOFFS, RECOMPUTED)
 SCRAPE_EVERY_S = 2.0
 
 

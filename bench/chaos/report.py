@@ -11,11 +11,14 @@ from dataclasses import dataclass, field
 
 from bench.chaos.faults import Fault
 from bench.chaos.load import Load, Outcome, Verdict
-from bench.chaos.metrics import FALLBACKS, LOCAL, MIGRATIONS, REMOTE, WORKER_FAILURES, MetricsWatcher
+from bench.chaos.faults import ROLL
+from bench.chaos.metrics import (FALLBACKS, HANDOFFS, LOCAL, MIGRATIONS, RECOMPUTED, REMOTE, WORKER_FAILURES,
+                                 MetricsWatcher)
 from bench.chaos.procs import Leftover
 from bench.common.report import table
 
-SUMMARY = ["sent", "completed", "failed", "corrupted", "migrated", "fell back to local prefill", "retried"]
+SUMMARY = ["sent", "completed", "failed", "corrupted", "migrated", "handed over", "fell back to local prefill",
+           "retried"]
 
 
 @dataclass
@@ -28,6 +31,8 @@ class Summary:
     migrated: int
     fallbacks: int
     retried: int
+    # Handed over by a draining decode worker (the roll), with their KV where it held any.
+    handed_over: int = 0
     reasons: list[str] = field(default_factory=list)
 
     @property
@@ -41,7 +46,8 @@ def summarize(load: Load, verdict: Verdict, metrics: MetricsWatcher, faults: lis
     failed = load.sent - completed  # sent with no outcome at all (still streaming at the deadline) failed too
     migrated = int(metrics.total(MIGRATIONS))
     s = Summary(load.sent, completed, failed, len(verdict.corrupted), len(verdict.unverified), migrated,
-                int(metrics.total(FALLBACKS)), max(0, int(metrics.total(WORKER_FAILURES)) - migrated))
+                int(metrics.total(FALLBACKS)), max(0, int(metrics.total(WORKER_FAILURES)) - migrated),
+                int(metrics.total(HANDOFFS)))
     for count, what in ((s.failed, "failed"), (s.corrupted, "corrupted"), (s.unverified, "unverifiable"),
                         (len(orphans), "orphaned processes"),
                         (len(process_problems), "processes that exited unasked or not 0 on SIGTERM")):
@@ -49,6 +55,9 @@ def summarize(load: Load, verdict: Verdict, metrics: MetricsWatcher, faults: lis
             s.reasons.append(f"{count} {what}")
     if s.completed == 0:
         s.reasons.append("no request completed")
+    for f in faults:
+        if f.kind == ROLL and "no move step" in f.note:
+            s.reasons.append("the rolled decode worker's drain did not run its move step")
     s.reasons += [f"fault {f.kind}: {f.note}" for f in faults if not f.ok]
     s.reasons += [f"fault {f.kind} never ran (the schedule overran)" for f in faults if f.started_s is None]
     return s
@@ -56,11 +65,13 @@ def summarize(load: Load, verdict: Verdict, metrics: MetricsWatcher, faults: lis
 
 def print_report(s: Summary, load: Load, verdict: Verdict, metrics: MetricsWatcher, faults: list[Fault],
                  names: dict[str, str], process_problems: list[str], orphans: list[Leftover]) -> None:
-    table("Chaos run", SUMMARY, [[s.sent, s.completed, s.failed, s.corrupted, s.migrated, s.fallbacks, s.retried]])
+    table("Chaos run", SUMMARY, [[s.sent, s.completed, s.failed, s.corrupted, s.migrated, s.handed_over, s.fallbacks,
+                                  s.retried]])
     print(f"counters: the last scrape of {metrics.instances('processor')} processor and "
           f"{metrics.instances('decode-worker')} decode-worker instances over {metrics.scrapes} scrapes, summed; they "
           "reset with each process, and what a killed instance counted after its last scrape is lost. "
           "retried = worker failures - migrations (no retry counter is exported). "
+          f"tokens recomputed for requests taken mid-stream (migrations): {metrics.total(RECOMPUTED):.0f}. "
           f"fallback reasons: {_fmt_counts(metrics.fallback_reasons())}; decode prefills remote "
           f"{metrics.total(REMOTE):.0f} / local {metrics.total(LOCAL):.0f}.")
     print(f"headers of answered requests: prefill {_fmt_counts(_prefill_kinds(load.outcomes))}; decode workers "

@@ -249,3 +249,26 @@ def test_timing_model_charges_uncached_prefill_and_batch_size() -> None:
     c = t.cost
     assert t.step_seconds([1000, 1000], 0) == pytest.approx(c.prefill_base_s + 2 * c.prompt_s(1000))
     assert t.step_seconds([1000, 1000], 0) < t.step_seconds([2000], 0)
+
+
+async def test_move_out_hands_over_the_requests_asked_for_at_a_step_boundary_and_leaves_the_rest() -> None:
+    # No NIXL arena here: handed over without KV (the e2e tests move it), blocks freed at once.
+    e = engine(speedup=100)
+    await e.start()
+    try:
+        streams = {rid: e.generate(EngineRequest(rid, list(range(i, i + 40)), Sampling(max_tokens=1000)))
+                   for i, rid in enumerate(("a", "b"))}
+        firsts = {rid: await anext(s) for rid, s in streams.items()}
+        assert all(o.finish_reason is None for o in firsts.values())
+        assert await e.move_out({"b"}) == 1
+        outs = [o async for o in streams["b"]]
+        assert outs[-1].finish_reason == "moved" and outs[-1].kv_pull is None and outs[-1].token_ids == []
+        assert all(o.finish_reason is None for o in outs[:-1]), "every token before the handoff went out as usual"
+        assert e.load().request_active_slots == 1 and not e.can_move and e.moves_unpulled() == 0
+        # "a" runs on; nothing is left of "b" (its blocks freed: it held no KV for a pull).
+        assert (await anext(streams["a"])).finish_reason is None
+        await streams["a"].aclose()
+        assert await eventually(lambda: e.load().kv_active_blocks == 0, 5)
+        assert await e.move_out() == 0, "nothing to hand over: the next boundary answers at once"
+    finally:
+        await e.stop()

@@ -1,0 +1,113 @@
+"""The moves run's load: agent-session-like streams, long contexts and short answers.
+
+A fixed number of clients, each sending greedy streaming /v1/completions back to back: a token-id
+prompt of a seeded random length in [8k, 64k] tokens, `ignore_eos`, `MAX_TOKENS` out. Every
+request is bounded in time (`REQUEST_TIMEOUT_S`) and the load in count (`MAX_REQUESTS` per client)
+and time (until `stop` is set, and `LOAD_LIMIT_S` at most). What each client saw is kept
+(`Sent`: the stream, with its chunks' arrival times, and the request id the mesh gave it), for
+the run to read per window and per rolled worker afterwards.
+
+The bodies are encoded with msgspec: a 64k-token prompt is 400 kB of JSON, and the stdlib encoder
+would hold the event loop (where the chunk timestamps are taken) for tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass
+
+import aiohttp
+import msgspec
+import numpy as np
+
+from testkit.sse import Streamed, completion_body, stream
+
+CLIENTS = 6
+MIN_PROMPT, MAX_PROMPT = 8192, 65536
+MAX_TOKENS = 384
+# Token ids past the demo model's special tokens and below its vocabulary (1114).
+TOKEN_LOW, TOKEN_HIGH = 10, 1100
+REQUEST_TIMEOUT_S = 120.0
+MAX_REQUESTS = 400
+LOAD_LIMIT_S = 240.0
+
+
+@dataclass
+class Sent:
+    """One request: its client, its prompt length and what came back."""
+
+    client: int
+    prompt_tokens: int
+    out: Streamed
+
+    @property
+    def request_id(self) -> str:
+        return self.out.headers.get("x-request-id", "")
+
+    @property
+    def exact(self) -> bool:
+        """Completed with every token asked for and no error."""
+        return self.out.complete and self.out.completion_tokens == MAX_TOKENS
+
+    def running_at(self, t: float) -> bool:
+        return self.out.started <= t < self.out.ended
+
+    def tokens_between(self, start: float, end: float) -> float:
+        """Its output tokens delivered within [start, end), if it completed exactly: each chunk
+        with text counts completion_tokens / chunks (a chunk may carry several tokens)."""
+        arrivals = self.out.content_arrivals
+        if not self.exact or not arrivals:
+            return 0.0
+        return MAX_TOKENS / len(arrivals) * sum(start <= t < end for t in arrivals)
+
+    def longest_gap_s(self, start: float = -math.inf, end: float = math.inf) -> float:
+        """The longest wait between two chunks, of the gaps that overlap [start, end) (NaN: none);
+        from the request's start, so a stream still waiting for its first token counts too."""
+        times = [self.out.started, *self.out.arrivals]
+        gaps = [b - a for a, b in zip(times, times[1:]) if b > start and a < end]
+        return max(gaps) if gaps else math.nan
+
+
+class Load:
+    """The clients; `sent` every request so far, in the order they started."""
+
+    def __init__(self, base_url: str, seed: int) -> None:
+        self.base_url = base_url
+        self.seed = seed
+        self.sent: list[Sent] = []
+        self.stop = asyncio.Event()
+
+    async def run(self) -> None:
+        """Until `stop` is set (or the limits): each client's requests back to back; returns once
+        the requests in flight have ended (each bounded by its timeout)."""
+        timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+        connector = aiohttp.TCPConnector(limit=CLIENTS)
+        async with aiohttp.ClientSession(self.base_url, timeout=timeout, connector=connector,
+                                         json_serialize=lambda o: msgspec.json.encode(o).decode()) as session:
+            try:
+                async with asyncio.timeout(LOAD_LIMIT_S):
+                    await asyncio.gather(*(self._client(session, i) for i in range(CLIENTS)))
+            except TimeoutError:
+                pass  # the load's own bound: what was in flight is kept as it stood
+
+    async def _client(self, session: aiohttp.ClientSession, client: int) -> None:
+        # numpy: 64k tokens drawn one by one in Python would hold the loop for tens of ms.
+        rng = np.random.default_rng(self.seed * 1000 + client)
+        for _ in range(MAX_REQUESTS):
+            if self.stop.is_set():
+                return
+            n = int(rng.integers(MIN_PROMPT, MAX_PROMPT + 1))
+            prompt = rng.integers(TOKEN_LOW, TOKEN_HIGH, n).tolist()
+            sent = Sent(client, n, Streamed())
+            self.sent.append(sent)
+            # The record is filled as it streams: a load cut off by its bound keeps what came.
+            await stream(session, "/v1/completions", completion_body(prompt, MAX_TOKENS, temperature=0),
+                         out=sent.out)
+
+    def ended_between(self, start: float, end: float) -> list[Sent]:
+        return [s for s in self.sent if start <= s.out.ended < end]
+
+    def goodput(self, start: float, end: float) -> float:
+        """Output tokens of exact streams delivered per second within [start, end)."""
+        return sum(s.tokens_between(start, end) for s in self.sent) / (end - start)
