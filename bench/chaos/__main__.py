@@ -15,8 +15,9 @@ What it does, and why:
    seeded sampling, so every answer is a known pure function of its request.
 3. Meanwhile carries out a seeded fault schedule (faults.py): SIGKILL a decode
    worker, a prefill worker, a processor and a router, each replaced at once; roll (SIGTERM) a
-   decode worker, which hands its streams over to the others with their KV; stop etcd for `--etcd-outage` seconds and restart it on the same ports and
-   data dir. The load runs until the last fault has played out.
+   decode worker, which hands its streams over to the others with their KV; stop etcd for
+   `--etcd-outage` seconds and restart it on the same ports and data dir. The load runs until
+   the last fault has played out.
 4. Afterwards re-sends each distinct request once to the settled mesh and compares every
    completed stream with it; sums the processors' and decode workers' counters (scraped all
    along, as restarts reset them).
