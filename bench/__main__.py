@@ -10,6 +10,7 @@ from bench.hot_path import detokenize, http_edge, one_worker, request_profile
 from bench.hot_path import run as hot_path
 from bench.indexer import run as indexer
 from bench.lora import run as lora
+from bench.moves import run as moves
 from bench.multimodal import run as multimodal
 from bench.nixl import run as nixl
 from bench.overload import run as overload
@@ -35,6 +36,7 @@ BENCHMARKS = {
     "lora": lora.run,
     "multimodal": multimodal.run,
     "agents": agents.run_all,
+    "moves": moves.run,
 }
 
 

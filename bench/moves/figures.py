@@ -43,8 +43,6 @@ class RunRecord:
     roll: Roll
     counters: Counters
     sent: list[Sent]
-    # Why a system could not report some figures ("" when it reports them all).
-    note: str = ""
 
     @property
     def roll_window(self) -> tuple[float, float]:
@@ -62,7 +60,7 @@ def moved_streams(record: RunRecord) -> list[tuple[Sent, float, float]]:
     out = []
     for r in record.roll.rolled:
         for s in record.sent:
-            if s.running_at(r.terminated_at) and (s.out.worker == r.worker_id or s.request_id in r.gave_up):
+            if s.running_at(r.terminated_at) and (s.out.worker == r.worker_id or s.request_id in r.served):
                 out.append((s, r.terminated_at, r.exited_at))
     return out
 

@@ -72,9 +72,13 @@ class Sent:
 class Load:
     """The clients; `sent` every request so far, in the order they started."""
 
-    def __init__(self, base_url: str, seed: int) -> None:
+    def __init__(self, base_url: str, seed: int, request_ids: bool = False) -> None:
+        """`request_ids`: each request carries an x-request-id of its own (Dynamo logs it beside
+        the worker it chose; kvmesh echoes a client's id and logs its own, which it sends back
+        when the client sent none)."""
         self.base_url = base_url
         self.seed = seed
+        self.request_ids = request_ids
         self.sent: list[Sent] = []
         self.stop = asyncio.Event()
 
@@ -101,9 +105,10 @@ class Load:
             prompt = rng.integers(TOKEN_LOW, TOKEN_HIGH, n).tolist()
             sent = Sent(client, n, Streamed())
             self.sent.append(sent)
+            headers = {"x-request-id": f"moves-{self.seed}-{client}-{len(self.sent)}"} if self.request_ids else None
             # The record is filled as it streams: a load cut off by its bound keeps what came.
             await stream(session, "/v1/completions", completion_body(prompt, MAX_TOKENS, temperature=0),
-                         out=sent.out)
+                         headers=headers, out=sent.out)
 
     def ended_between(self, start: float, end: float) -> list[Sent]:
         return [s for s in self.sent if start <= s.out.ended < end]

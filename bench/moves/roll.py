@@ -42,9 +42,10 @@ class Rolled:
     # From its drain line (move mode only): requests handed over, and how long that took.
     handed_over: int | None = None
     handover_s: float | None = None
-    # Requests the processor says it gave up (moved, migrated or retried elsewhere): filled by
-    # `Roll.attribute` once the load has ended, so a line written after the exit counts too.
-    gave_up: set[str] = field(default_factory=set)
+    # Requests known to have been on it (by the id their client saw), beside the x-kvmesh-worker
+    # header: those the processor says it gave up (moved, migrated or retried elsewhere), read by
+    # `Roll.attribute` once the load has ended; Dynamo's, those its router sent it.
+    served: set[str] = field(default_factory=set)
 
     @property
     def exit_s(self) -> float:
@@ -88,11 +89,11 @@ class Roll:
     processor_mark: int  # the processor's log lines before the roll
 
     def attribute(self, processor_lines: list[str]) -> None:
-        """Each rolled worker's `gave_up`, from the processor's lines since the roll began."""
+        """Each rolled worker's `served`, from the processor's lines since the roll began."""
         by_id = {r.worker_id: r for r in self.rolled}
         for line in processor_lines[self.processor_mark:]:
             if (m := GAVE_UP.search(line)) and (done := by_id.get(m.group(2))) is not None:
-                done.gave_up.add(m.group(1))
+                done.served.add(m.group(1))
 
 
 async def roll(mesh: MovesMesh, replacement_mode: DrainMode) -> Roll:

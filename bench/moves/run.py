@@ -24,7 +24,7 @@ tables, goals and plot: bench/moves/report.py; Dynamo: bench/moves/dynamo_roll.p
 from __future__ import annotations
 
 import asyncio
-import math
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -56,9 +56,10 @@ Roller = Callable[[], Awaitable[Roll]]
 
 
 async def measure(base_url: str, mode: str, repeat: int, roller: Roller,
-                  counters: Callable[[], Awaitable[dict[str, float]]] | None) -> RunRecord:
-    """One run: the load, its steady window, the roll, then the load stopped and waited for."""
-    load = Load(base_url, seed=repeat)
+                  counters: Callable[[], Awaitable[dict[str, float]]] | None, request_ids: bool = False) -> RunRecord:
+    """One run: the load, its steady window, the roll, then the load stopped and waited for
+    (`counters`: the processor's, read before the roll and once the load has ended)."""
+    load = Load(base_url, seed=repeat, request_ids=request_ids)
     clients = asyncio.create_task(load.run())
     try:
         await asyncio.sleep(WARMUP_S)
@@ -96,7 +97,7 @@ async def kvmesh_runs(run_dir: Path) -> list[RunRecord]:
 
         for i, (mode, repeat) in enumerate(order):
             following = order[min(i + 1, len(order) - 1)][0]
-            record = await measure(mesh.base_url, mode.name, repeat, lambda m=following: roll(mesh, m), counters)
+            record = await measure(mesh.base_url, mode.name, repeat, functools.partial(roll, mesh, following), counters)
             record.roll.attribute(mesh.processor_lines())
             records.append(record)
             print(f"  {mode.name} (repeat {repeat + 1}): {report.one_line(figures(record))}", flush=True)
@@ -108,14 +109,15 @@ async def kvmesh_runs(run_dir: Path) -> list[RunRecord]:
     return records
 
 
-async def dynamo_runs() -> tuple[list[RunRecord], str]:
-    """Dynamo's rolling restart, or why it did not run."""
+async def dynamo_runs(run_dir: Path) -> tuple[list[RunRecord], str]:
+    """Dynamo's rolling restarts on one deployment (a roll leaves it with 3 fresh mockers), or
+    why they did not run."""
     records = []
     try:
-        for repeat in range(REPEATS):
-            async with dynamo_roll.serving(WORKERS) as dynamo:
-                record = await measure(dynamo.base_url, dynamo_roll.NAME, repeat, dynamo.roll, None)
-                record.note = dynamo_roll.NOTE
+        async with dynamo_roll.serving(run_dir, WORKERS) as dynamo:
+            for repeat in range(REPEATS):
+                record = await measure(dynamo.base_url, dynamo_roll.NAME, repeat, dynamo.roll, None, request_ids=True)
+                dynamo.attribute(record.roll)
                 records.append(record)
                 print(f"  {dynamo_roll.NAME} (repeat {repeat + 1}): {report.one_line(figures(record))}", flush=True)
     except Unavailable as exc:
@@ -129,13 +131,9 @@ def run() -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"moves: rolling restarts of {WORKERS} decode workers under load; logs in {run_dir}", flush=True)
     records = asyncio.run(kvmesh_runs(run_dir))
-    dynamo, why_not = asyncio.run(dynamo_runs())
+    dynamo, why_not = asyncio.run(dynamo_runs(run_dir))
     runs: dict[str, list[dict[str, float]]] = {m.name: [] for m in MODES}
     for record in records:
         runs[record.mode].append(figures(record))
     runs[dynamo_roll.NAME] = [figures(r) for r in dynamo]
-    report.report(runs, {dynamo_roll.NAME: why_not} if why_not else {}, time.monotonic() - started)
-
-
-def _finite(values: list[float]) -> list[float]:
-    return [v for v in values if not math.isnan(v)]
+    report.report(runs, {dynamo_roll.NAME: why_not or dynamo_roll.NOTE}, time.monotonic() - started)

@@ -15,7 +15,7 @@ _DEFAULTS = DisaggConfig()
 class DrainMode(enum.StrEnum):
     """What a decode worker does with its running requests when it drains (worker/handoff.py)."""
 
-    # Hand them over with their KV (engines that can: `Engine.can_move`); the rest finish.
+    # Hand them over with their KV (engines that can: `Engine.can_move`); otherwise they finish.
     MOVE = "move"
     # Let them finish within the drain timeout.
     FINISH = "finish"
@@ -50,5 +50,5 @@ def disagg_config(args: argparse.Namespace, can_receive_kv: bool) -> DisaggConfi
 def add_drain_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-mode", type=DrainMode, choices=list(DrainMode), default=DrainMode.MOVE,
                         help="at a drain (SIGTERM): move hands running requests over to other decode workers with "
-                             "their KV (engines that can: the mocker with --kv-transfer nixl; the others finish), "
-                             "finish lets them finish within --drain-timeout")
+                             "their KV (with --kv-transfer nixl; without it they finish), finish lets them finish "
+                             "within --drain-timeout")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,14 +21,10 @@ from services.engines.base import (
     EngineInfo,
     EngineOutput,
     EngineRequest,
-    FinishReason,
     LoadSnapshot,
     MediaInput,
     PrefillResult,
     RowTap,
-    Sampling,
-    Structured,
-    TokenLogprobs,
     UnsupportedFieldError,
 )
 from services.engines.lora import LORA_OFF, LoraConfig
@@ -38,6 +34,8 @@ from services.engines.vllm_images import IMAGES_PER_PROMPT, vllm_prompt
 from services.engines.vllm_kv_events import VllmKvEventListener
 from services.engines.vllm_stats import LoadRecorder
 from services.engines.vllm_lora import held_lora, lora_engine_args, preload, vllm_adapters
+from services.engines.vllm_moves import VllmMoves
+from services.engines.vllm_outputs import finish_reason_of, logprobs_of, param_of, structured_outputs
 from services.engines.vllm_row_tap import tap_request
 from services.engines.vllm_warmup import WarmUpPlan, warm_up
 
@@ -139,6 +137,7 @@ class VllmEngine(Engine):
         share = config.encoder_cache
         self._features = FeatureWriter(share, facts.vision) if share is not None and share.producer else None
         self._load = LoadRecorder(self.record_kv_transfer)
+        self._moves = VllmMoves(kv_bytes_per_token(config.model_dir))
         self._num_blocks = 0
         self._events: VllmKvEventListener | None = None
         self.adapters = vllm_adapters(config.lora, lambda: self._llm)
@@ -267,7 +266,7 @@ class VllmEngine(Engine):
         if s.bad_words:
             kwargs["bad_words"] = list(s.bad_words)
         if s.structured is not None:
-            kwargs["structured_outputs"] = _structured_outputs(s.structured)
+            kwargs["structured_outputs"] = structured_outputs(s.structured)
         if extra_args:
             kwargs["extra_args"] = extra_args
         return SamplingParams(**kwargs)
@@ -275,10 +274,33 @@ class VllmEngine(Engine):
     async def generate(self, request: EngineRequest, tap: RowTap | None = None) -> AsyncGenerator[EngineOutput, None]:
         # `tap`: vLLM's per-step output loop may hand plain outputs to it (vllm_row_tap.py).
         extra = {"kv_transfer_params": request.kv_pull} if request.kv_pull else None
-        # The adapter stays resident (held) until the request's last output, or its abort.
-        async with held_lora(self.adapters, request.lora_name) as lora:
-            async for output in self._generate(request, extra, tap=tap, lora=lora):
-                yield output
+        live = self._moves.track(request, tap)
+        try:
+            # The adapter stays resident (held) until the request's last output, or its abort.
+            async with held_lora(self.adapters, request.lora_name) as lora:
+                outputs = self._generate(request, extra, tap=tap, lora=lora, seen=live.generated.extend)
+                async with aclosing(outputs):  # closed early: vLLM aborts the request
+                    async for output in outputs:
+                        live.generated += output.token_ids
+                        yield output
+                        if output.finish_reason is not None:
+                            return
+                        if live.moving is not None:
+                            break  # handed over (vllm_moves.py): stopped at this output
+            if live.moving is not None:
+                yield await self._moves.hand_over(live, self.prefill)
+        finally:
+            self._moves.untrack(live)
+
+    @property
+    def can_move(self) -> bool:
+        return bool(self.config.kv_connector)
+
+    async def move_out(self, request_ids: Collection[str] | None = None) -> int:
+        return await self._moves.move_out(request_ids) if self.can_move else 0
+
+    def moves_unpulled(self) -> int:
+        return self._moves.unpulled()
 
     async def prefill(self, request: EngineRequest) -> PrefillResult:
         """Prompt with one output token; vLLM keeps the KV for the decode engine to pull via NIXL."""
@@ -314,7 +336,9 @@ class VllmEngine(Engine):
 
     async def _generate(self, request: EngineRequest, extra_args: dict[str, Any] | None,
                         keep_params: bool = False, tap: RowTap | None = None,
-                        lora: Any = None) -> AsyncIterator[EngineOutput]:
+                        lora: Any = None,
+                        seen: Callable[[list[int]], object] | None = None) -> AsyncGenerator[EngineOutput, None]:
+        """`seen`: hears the tokens the tap delivers past this generator."""
         if self._llm is None:
             raise RuntimeError("vLLM engine is not started")
         from vllm.exceptions import VLLMClientError
@@ -329,59 +353,25 @@ class VllmEngine(Engine):
                 # vLLM refused the request itself (a token out of vocabulary, a schema its grammar
                 # backend cannot compile, ...): the Engine interface says ValueError, which
                 # workers answer with OUTCOME_BAD_REQUEST, naming the field when vLLM names one.
-                raise UnsupportedFieldError(_param_of(exc, request.sampling), str(exc)) from exc
+                raise UnsupportedFieldError(param_of(exc, request.sampling), str(exc)) from exc
             except StopAsyncIteration:
                 return
             if tap is not None and not first.finished:
-                tap_request(self._llm, request.request_id, tap)
+                tap_request(self._llm, request.request_id, tap, seen)
             async for out in _prepend(first, stream):
                 completion = out.outputs[0]
                 result = EngineOutput(
                     token_ids=list(completion.token_ids),
-                    finish_reason=_finish_reason(completion.finish_reason) if out.finished else None,
+                    finish_reason=finish_reason_of(completion.finish_reason) if out.finished else None,
                     cached_tokens=int(out.num_cached_tokens or 0),
-                    logprobs=_logprobs(completion) if request.sampling.logprobs is not None else None,
+                    logprobs=logprobs_of(completion) if request.sampling.logprobs is not None else None,
                 )
                 if keep_params and out.kv_transfer_params:
                     result.kv_pull = dict(out.kv_transfer_params)
                 yield result
 
 
-def _structured_outputs(spec: Structured) -> Any:
-    from vllm.sampling_params import StructuredOutputsParams
-
-    field = {"json": "json", "json_object": "json_object", "regex": "regex", "choice": "choice",
-             "grammar": "grammar"}[spec.kind]
-    value: Any = True if spec.kind == "json_object" else list(spec.value or ()) if spec.kind == "choice" else spec.value
-    return StructuredOutputsParams(**{field: value})
-
-
-def _param_of(exc: Exception, sampling: Sampling) -> str:
-    """The request field a vLLM refusal names, in the API's terms: a constraint error names
-    the field the constraint came from."""
-    param = str(getattr(exc, "parameter", None) or "")
-    if sampling.structured is not None and ("structured" in param or "guided" in param or "grammar" in str(exc)):
-        return sampling.structured.param
-    return param
-
-
 async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
     yield first
     async for item in rest:
         yield item
-
-
-def _finish_reason(reason: str | None) -> FinishReason:
-    """vLLM's reason, where OpenAI has it; anything else (vLLM's "abort", an error) is an abort."""
-    return FinishReason(reason) if reason in (FinishReason.STOP, FinishReason.LENGTH) else FinishReason.ABORT
-
-
-def _logprobs(completion: Any) -> list[TokenLogprobs] | None:
-    if not completion.logprobs:
-        return None
-    result = []
-    for token_id, entries in zip(completion.token_ids, completion.logprobs):
-        chosen = entries.get(token_id)
-        top = tuple(sorted(((t, float(lp.logprob)) for t, lp in entries.items()), key=lambda x: -x[1]))
-        result.append(TokenLogprobs(token_id, float(chosen.logprob) if chosen else 0.0, top))
-    return result

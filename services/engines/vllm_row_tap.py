@@ -18,6 +18,7 @@ goes the per-request way.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from services.engines.base import EngineOutput, RowTap
@@ -25,9 +26,9 @@ from services.engines.base import EngineOutput, RowTap
 log = logging.getLogger(__name__)
 
 
-def tap_request(llm: Any, request_id: str, tap: RowTap) -> bool:
-    """Wraps the collector of `request_id` (one sequence, n=1) so plain outputs may go to `tap`;
-    False where the collector cannot be found."""
+def tap_request(llm: Any, request_id: str, tap: RowTap, seen: Callable[[list[int]], object] | None = None) -> bool:
+    """Wraps the collector of `request_id` (one sequence, n=1) so plain outputs may go to `tap`
+    (`seen` hears the tokens of each); False where the collector cannot be found."""
     processor: Any = getattr(llm, "output_processor", None)
     internal = getattr(processor, "external_req_ids", {}).get(request_id)
     state = processor.request_states.get(internal[0]) if internal and len(internal) == 1 else None
@@ -51,8 +52,10 @@ def tap_request(llm: Any, request_id: str, tap: RowTap) -> bool:
         if (waiting[0] and collector.output is None and not getattr(output, "finished", True)
                 and not getattr(output, "kv_transfer_params", None)):
             completion = output.outputs[0]
-            if completion.logprobs is None and tap.take(
-                    EngineOutput(list(completion.token_ids), cached_tokens=int(output.num_cached_tokens or 0))):
+            ids = list(completion.token_ids)
+            if completion.logprobs is None and tap.take(EngineOutput(ids, cached_tokens=int(output.num_cached_tokens or 0))):
+                if seen is not None:
+                    seen(ids)
                 return
         put(output)
 

@@ -9,8 +9,9 @@ engine must not stop under them) and repeats for any call that arrived meanwhile
 is left or the drain timeout passes; what is still running then is ended by the server's stop
 and moved by recomputing, as without moves.
 
-An engine that cannot move (`Engine.can_move`: vLLM, a mocker without NIXL) drains as before:
-its requests finish, within the drain timeout.
+An engine that cannot move (`Engine.can_move`: one started without NIXL) drains as before: its
+requests finish, within the drain timeout. How each engine hands a request over:
+engines/mocker/moves.py, engines/vllm_moves.py.
 """
 
 from __future__ import annotations
@@ -64,23 +65,19 @@ async def hand_over(engine: Engine, request_ids: frozenset[str], metrics: MoveMe
 
 
 async def move_away(engine: Engine, worker_id: str, timeout_s: float, metrics: MoveMetrics) -> None:
-    """The drain's move step (above): returns once nothing runs on the engine and every handed
-    over KV is pulled, or after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
+    """The drain's move step (above): hands over what runs until nothing does and every handed
+    over KV is pulled, or `timeout_s` has passed."""
     started = time.monotonic()
+    deadline = started + timeout_s
     moved = 0
     while True:
-        load = engine.load()
-        if load.request_active_slots or load.num_requests_waiting:
-            try:
-                handed = await asyncio.wait_for(engine.move_out(), max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                break
-            moved += handed
-            metrics.handed_over.inc(handed)
-        elif not engine.moves_unpulled():
+        try:
+            handed = await asyncio.wait_for(engine.move_out(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
             break
-        if time.monotonic() >= deadline:
+        moved += handed
+        metrics.handed_over.inc(handed)
+        if (not handed and not engine.moves_unpulled()) or time.monotonic() >= deadline:
             break
         await asyncio.sleep(DRAIN_POLL_S)
     left = engine.moves_unpulled()
