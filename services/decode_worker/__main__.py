@@ -47,7 +47,7 @@ async def prepare(ctx: WorkerContext) -> ServicesFactory:
                                                                                   encoder)
         if ctx.args.drain_mode is DrainMode.MOVE and engine.can_move:
             built = dataclasses.replace(built, drain=lambda: move_away(engine, worker_id, ctx.mesh.drain_timeout_s,
-                                                                       moves))
+                                                                       moves, lambda: decode.running_ids))
             if switch is not None:
                 switch.hand_over = lambda: hand_over(engine, frozenset(decode.running_ids), moves)
         return built

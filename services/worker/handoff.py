@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Collection
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -64,15 +65,17 @@ async def hand_over(engine: Engine, request_ids: frozenset[str], metrics: MoveMe
     return handed
 
 
-async def move_away(engine: Engine, worker_id: str, timeout_s: float, metrics: MoveMetrics) -> None:
-    """The drain's move step (above): hands over what runs until nothing does and every handed
-    over KV is pulled, or `timeout_s` has passed."""
+async def move_away(engine: Engine, worker_id: str, timeout_s: float, metrics: MoveMetrics,
+                    decoding: Callable[[], Collection[str]]) -> None:
+    """The drain's move step (above): hands over the decode calls in flight (`decoding`: their
+    request ids; a switchable worker's engine may be prefilling for others too) until none is
+    left and every handed over KV is pulled, or `timeout_s` has passed."""
     started = time.monotonic()
     deadline = started + timeout_s
     moved = 0
     while True:
         try:
-            handed = await asyncio.wait_for(engine.move_out(), max(0.0, deadline - time.monotonic()))
+            handed = await asyncio.wait_for(engine.move_out(frozenset(decoding())), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             break
         moved += handed
