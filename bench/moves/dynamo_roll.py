@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bench.common.side_venv import Unavailable
 from bench.hot_path import dynamo
-from bench.moves.roll import EXIT_LIMIT_S, KvPulls, Roll, Rolled
+from bench.moves.roll import KvPulls, Roll, terminated
 from services.mesh.net import free_port
 from services.tools.make_demo_model import ensure_demo_model
 from testkit.etcd import Etcd
@@ -105,28 +105,33 @@ class DynamoPool:
         """Each mocker running now replaced: a new one registered, then SIGTERM to the old one and
         the wait for its exit (SIGKILL past `EXIT_LIMIT_S`)."""
         started_at = time.perf_counter()
+        mark = len(self.frontend_lines())
         rolled = []
         for old in [m for m in self.mockers if m.alive]:
             await self.start_mocker()
-            terminated_at = time.perf_counter()
-            old.terminate()
-            code = await old.wait_async(EXIT_LIMIT_S)
-            exited_at = time.perf_counter()
-            if code is None:
-                code = await old.stop_async(10)
-            rolled.append(Rolled(old.ids[0], terminated_at, exited_at, code))
-        return Roll(started_at, time.perf_counter(), rolled, KvPulls(), 0)
+            rolled.append(await terminated(old, old.ids[0]))
+        return Roll(started_at, time.perf_counter(), rolled, KvPulls(), mark)
 
-    def attribute(self, roll: Roll) -> None:
-        """Each rolled mocker's `served`: the client ids of the requests the router sent it."""
+    def frontend_lines(self) -> list[str]:
         assert self.frontend is not None
+        return self.frontend.lines
+
+    def attribute(self, roll: Roll) -> float:
+        """Each rolled mocker's `served`: the client ids of the requests the router sent it.
+        Returns the requests the router chose a worker for again since the roll began (its
+        migrations and retries: Dynamo counts neither where it can be read)."""
         client_of, by_worker = {}, {r.worker_id: r for r in roll.rolled}
-        for raw in self.frontend.lines:
+        routed: dict[str, int] = {}
+        for i, raw in enumerate(self.frontend_lines()):
             line = ANSI.sub("", raw)
             if m := RECEIVED.search(line):
                 client_of[m.group(1)] = m.group(2)
-            elif (m := SELECTED.search(line)) and (done := by_worker.get(m.group(2))) is not None:
-                done.served.add(client_of.get(m.group(1), ""))
+            elif m := SELECTED.search(line):
+                if i >= roll.log_mark:
+                    routed[m.group(1)] = routed.get(m.group(1), 0) + 1
+                if (done := by_worker.get(m.group(2))) is not None:
+                    done.served.add(client_of.get(m.group(1), ""))
+        return float(sum(n - 1 for n in routed.values()))
 
     async def stop(self) -> None:
         procs = [p for p in (*self.mockers, self.frontend) if p is not None and p.alive]
@@ -143,6 +148,7 @@ async def serving(run_dir: Path, workers: int) -> AsyncIterator[DynamoPool]:
     try:
         await etcd.serve_async()
     except ProcFailed as exc:
+        await etcd.stop_async(10)
         raise Unavailable(f"etcd: {str(exc).splitlines()[0]}") from exc
     pool = DynamoPool(run_dir, interpreter, etcd)
     try:

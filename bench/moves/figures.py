@@ -8,6 +8,17 @@ stream that had moved there from a worker rolled before). Their gap is the longe
 two chunks, over the whole stream as asked (it includes waits behind other requests' prefills,
 which the mocker runs whole in one step, stalling every stream of its worker), and also over the
 drain alone: the gaps that overlap [SIGTERM, exit], where the move (or recompute) happens.
+
+The move's own part of a gap is read from the processor's log: from its line saying the worker
+gave the request up mid-stream (handed it over, or failed it at a recompute drain) to the
+stream's next chunk: the re-route, the KV pull (or the prefill again) and the destination's
+next step. Before that line, the stream waited for the old worker's step boundary and for the
+KV of the requests handed over before it to be held.
+
+The KV transfer time is the destinations' own reading of each pull (the histogram
+kvmesh_kv_transfer_duration_seconds, moves included; no prefill worker pulls here): its p50
+interpolated, its max only as the upper bound of the highest bucket with a pull in it. The chunk
+gaps cannot give it: every one also holds a step or more of the destination's schedule.
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ from dataclasses import dataclass
 from bench.common.mesh_metrics import quantile
 from bench.common.report import median, percentile
 from bench.moves.load import Sent
-from bench.moves.roll import Roll
+from bench.moves.roll import Roll, Rolled
 
 # After the last old worker's exit, the roll window runs on this long: the requests moved
 # last resume (recompute: their prefill runs again) within it.
@@ -55,14 +66,44 @@ def goodput(sent: Sequence[Sent], window: tuple[float, float]) -> float:
     return sum(s.tokens_between(start, end) for s in sent) / (end - start)
 
 
-def moved_streams(record: RunRecord) -> list[tuple[Sent, float, float]]:
-    """(stream, SIGTERM, exit) for each stream on a rolled worker at its SIGTERM."""
-    out = []
-    for r in record.roll.rolled:
-        for s in record.sent:
-            if s.running_at(r.terminated_at) and (s.out.worker == r.worker_id or s.request_id in r.served):
-                out.append((s, r.terminated_at, r.exited_at))
-    return out
+@dataclass
+class Moved:
+    """A stream on a rolled worker at its SIGTERM."""
+
+    sent: Sent
+    rolled: Rolled
+
+    @property
+    def gap_s(self) -> float:
+        return self.sent.longest_gap_s()
+
+    @property
+    def drain_gap_s(self) -> float:
+        return self.sent.longest_gap_s(self.rolled.terminated_at, self.rolled.exited_at)
+
+    @property
+    def resumed_s(self) -> float:
+        """From the processor's give-up line to the next chunk (NaN: not given up mid-stream)."""
+        at = self.rolled.gave_up_at.get(self.sent.request_id)
+        return math.nan if at is None else self.sent.resumed_after_s(at)
+
+    def detail(self) -> dict[str, object]:
+        """For the JSON: what one moved stream saw, times in ms from the SIGTERM."""
+        t0, out = self.rolled.terminated_at, self.sent.out
+        gaps = [(round((a - t0) * 1000), round((b - a) * 1000)) for a, b in zip(out.arrivals, out.arrivals[1:])
+                if b - a > 0.05]
+        at = self.rolled.gave_up_at.get(self.sent.request_id)
+        return {"request_id": self.sent.request_id, "prompt_tokens": self.sent.prompt_tokens,
+                "worker": self.rolled.worker_id, "exit_ms": round(self.rolled.exit_s * 1000),
+                "given_up_ms": None if at is None else round((at - t0) * 1000),
+                "resumed_ms": None if math.isnan(self.resumed_s) else round(self.resumed_s * 1000),
+                "gaps_over_50ms_at_ms": gaps, "exact": self.sent.exact}
+
+
+def moved_streams(record: RunRecord) -> list[Moved]:
+    """Each stream on a rolled worker at its SIGTERM."""
+    return [Moved(s, r) for r in record.roll.rolled for s in record.sent
+            if s.running_at(r.terminated_at) and (s.out.worker == r.worker_id or s.request_id in r.served)]
 
 
 def _stats(values: Sequence[float], prefix: str, scale: float = 1.0) -> dict[str, float]:
@@ -93,7 +134,7 @@ def figures(record: RunRecord) -> dict[str, float]:
     handed = [r.handed_over for r in rolled if r.handed_over is not None]
     out = {
         "steady_tok_s": steady,
-        "steady_requests": float(sum(s.exact for s in steady_streams)),
+        "steady_requests": float(sum(s.exact for s in record.sent if record.steady[0] <= s.out.ended < record.steady[1])),
         "roll_tok_s": during,
         "goodput_ratio": during / steady if steady else math.nan,
         "roll_s": window[1] - window[0],
@@ -104,8 +145,10 @@ def figures(record: RunRecord) -> dict[str, float]:
         "moved_in_pulled": record.roll.pulls.moved_in.get("pulled", math.nan),
         "moved_in_recomputed": record.roll.pulls.moved_in.get("recomputed", math.nan),
         "moved_streams": float(len(moved)),
-        **_stats([s.longest_gap_s() for s, _, _ in moved], "gap_ms", 1000),
-        **_stats([s.longest_gap_s(t, e) for s, t, e in moved], "drain_gap_ms", 1000),
+        "given_up_mid_stream": float(sum(not math.isnan(m.resumed_s) for m in moved)),
+        **_stats([m.gap_s for m in moved], "gap_ms", 1000),
+        **_stats([m.drain_gap_s for m in moved], "drain_gap_ms", 1000),
+        **_stats([m.resumed_s for m in moved], "resumed_ms", 1000),
         **_stats([s.longest_gap_s() for s in steady_streams], "steady_gap_ms", 1000),
         **transfer_figures(record.roll.pulls.buckets),
         "kv_pulled_mib": record.roll.pulls.bytes / 2**20,

@@ -1,7 +1,10 @@
-"""The moves run's load: agent-session-like streams, long contexts and short answers.
+"""The moves run's load: agent sessions, long contexts and short answers.
 
-A fixed number of clients, each sending greedy streaming /v1/completions back to back: a token-id
-prompt of a seeded random length in [8k, 64k] tokens, `ignore_eos`, `MAX_TOKENS` out. Every
+A fixed number of clients, each an agent session sending greedy streaming /v1/completions back to
+back, `ignore_eos`, `MAX_TOKENS` out: its context (token ids) opens at a seeded random length in
+[8k, 32k] tokens and grows by a seeded [TURN_MIN, TURN_MAX] tokens a turn, as an agent's does
+(the previous turn's context is the prefix of the next, so KV routing keeps a session where its
+context is cached and each turn prefills its new part only); past 64k the session starts over. Every
 request is bounded in time (`REQUEST_TIMEOUT_S`) and the load in count (`MAX_REQUESTS` per client)
 and time (until `stop` is set, and `LOAD_LIMIT_S` at most). What each client saw is kept
 (`Sent`: the stream, with its chunks' arrival times, and the request id the mesh gave it), for
@@ -23,8 +26,11 @@ import numpy as np
 
 from testkit.sse import Streamed, completion_body, stream
 
-CLIENTS = 6
+CLIENTS = 8
 MIN_PROMPT, MAX_PROMPT = 8192, 65536
+# A session's opening context is at most this long; each turn adds TURN_MIN..TURN_MAX tokens.
+MAX_OPENING = 32768
+TURN_MIN, TURN_MAX = 200, 800
 MAX_TOKENS = 384
 # Token ids past the demo model's special tokens and below its vocabulary (1114).
 TOKEN_LOW, TOKEN_HIGH = 10, 1100
@@ -63,10 +69,18 @@ class Sent:
 
     def longest_gap_s(self, start: float = -math.inf, end: float = math.inf) -> float:
         """The longest wait between two chunks, of the gaps that overlap [start, end) (NaN: none);
-        from the request's start, so a stream still waiting for its first token counts too."""
-        times = [self.out.started, *self.out.arrivals]
+        the wait for the first chunk is the prefill's, not a gap."""
+        times = self.out.arrivals
         gaps = [b - a for a, b in zip(times, times[1:]) if b > start and a < end]
         return max(gaps) if gaps else math.nan
+
+    def resumed_after_s(self, t: float) -> float:
+        """From `t` to the next chunk, for a stream that had chunks before `t` (NaN otherwise):
+        how long a stream given up mid-stream at `t` waited to go on."""
+        times = self.out.arrivals
+        if not times or times[0] > t:
+            return math.nan
+        return next((a - t for a in times if a > t), math.nan)
 
 
 class Load:
@@ -98,21 +112,18 @@ class Load:
     async def _client(self, session: aiohttp.ClientSession, client: int) -> None:
         # numpy: 64k tokens drawn one by one in Python would hold the loop for tens of ms.
         rng = np.random.default_rng(self.seed * 1000 + client)
+        prompt: list[int] = []
         for _ in range(MAX_REQUESTS):
             if self.stop.is_set():
                 return
-            n = int(rng.integers(MIN_PROMPT, MAX_PROMPT + 1))
-            prompt = rng.integers(TOKEN_LOW, TOKEN_HIGH, n).tolist()
+            if not prompt or len(prompt) + TURN_MAX > MAX_PROMPT:  # a new session
+                prompt = rng.integers(TOKEN_LOW, TOKEN_HIGH, int(rng.integers(MIN_PROMPT, MAX_OPENING + 1))).tolist()
+            else:  # the session's next turn: its context so far, and a new part
+                prompt = prompt + rng.integers(TOKEN_LOW, TOKEN_HIGH, int(rng.integers(TURN_MIN, TURN_MAX + 1))).tolist()
+            n = len(prompt)
             sent = Sent(client, n, Streamed())
             self.sent.append(sent)
             headers = {"x-request-id": f"moves-{self.seed}-{client}-{len(self.sent)}"} if self.request_ids else None
             # The record is filled as it streams: a load cut off by its bound keeps what came.
             await stream(session, "/v1/completions", completion_body(prompt, MAX_TOKENS, temperature=0),
                          headers=headers, out=sent.out)
-
-    def ended_between(self, start: float, end: float) -> list[Sent]:
-        return [s for s in self.sent if start <= s.out.ended < end]
-
-    def goodput(self, start: float, end: float) -> float:
-        """Output tokens of exact streams delivered per second within [start, end)."""
-        return sum(s.tokens_between(start, end) for s in self.sent) / (end - start)

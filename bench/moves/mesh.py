@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client.samples import Sample
@@ -52,7 +52,6 @@ class Worker:
     metrics_port: int
     mode: DrainMode
     instance_id: str = ""
-    samples: list[Sample] = field(default_factory=list)  # its /metrics, last read
 
 
 class MovesMesh:
@@ -112,10 +111,9 @@ class MovesMesh:
         return [w for w in self.workers if w.proc.alive and not w.proc.signalled]
 
     async def worker_samples(self, worker: Worker) -> list[Sample]:
-        """The worker's /metrics now (kept in `worker.samples`), read off the event loop: the
-        clients' chunk timestamps are taken on it."""
-        worker.samples = await asyncio.to_thread(metrics.scrape, metrics.metrics_url(worker.metrics_port), 5)
-        return worker.samples
+        """The worker's /metrics now, read off the event loop: the clients' chunk timestamps are
+        taken on it."""
+        return await asyncio.to_thread(metrics.scrape, metrics.metrics_url(worker.metrics_port), 5)
 
     async def processor_samples(self) -> list[Sample]:
         return await asyncio.to_thread(metrics.scrape, metrics.metrics_url(self.processor_metrics_port), 5)

@@ -12,7 +12,10 @@ workers rolled before), each replacement's at the end; the difference is the rol
 
 from __future__ import annotations
 
+import asyncio
+import datetime
 import re
+import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,13 +24,15 @@ from prometheus_client.samples import Sample
 
 from bench.moves.mesh import DrainMode, MovesMesh, Worker
 from testkit import metrics
+from testkit.proc import Proc
 
 # A drain waits for its streams at most this long (the wait mode's streams finish in seconds).
 EXIT_LIMIT_S = 60.0
 DRAIN_LINE = re.compile(r"drain of (\S+): (\d+) requests handed over in ([\d.]+)s")
 # The processor's line for each request a worker gave up: handed over (a move), failed after
 # its first token (a migration) or before it (a retry).
-GAVE_UP = re.compile(r"request (\S+): worker (\S+) (?:handed it over|failed after|failed before)")
+GAVE_UP = re.compile(r"^(\S+ \S+) .*request (\S+): worker (\S+) (?:handed it over|failed after|failed before)")
+LOG_TIME = "%Y-%m-%d %H:%M:%S,%f"
 TRANSFER = "kvmesh_kv_transfer_duration_seconds"
 
 
@@ -46,6 +51,9 @@ class Rolled:
     # header: those the processor says it gave up (moved, migrated or retried elsewhere), read by
     # `Roll.attribute` once the load has ended; Dynamo's, those its router sent it.
     served: set[str] = field(default_factory=set)
+    # When the processor logged that the worker gave each request up (kvmesh only), on the
+    # clients' clock: the next chunk's wait from there is the move's own (or the recompute's).
+    gave_up_at: dict[str, float] = field(default_factory=dict)
 
     @property
     def exit_s(self) -> float:
@@ -86,14 +94,20 @@ class Roll:
     ended_at: float
     rolled: list[Rolled]
     pulls: KvPulls
-    processor_mark: int  # the processor's log lines before the roll
+    # The lines of the log requests are routed by before the roll: the processor's (Dynamo: its
+    # frontend's).
+    log_mark: int
 
     def attribute(self, processor_lines: list[str]) -> None:
         """Each rolled worker's `served`, from the processor's lines since the roll began."""
         by_id = {r.worker_id: r for r in self.rolled}
-        for line in processor_lines[self.processor_mark:]:
-            if (m := GAVE_UP.search(line)) and (done := by_id.get(m.group(2))) is not None:
-                done.served.add(m.group(1))
+        # The log's wall-clock times (local, to the millisecond) on the perf_counter clock.
+        offset = time.time() - time.perf_counter()
+        for line in processor_lines[self.log_mark:]:
+            if (m := GAVE_UP.search(line)) and (done := by_id.get(m.group(3))) is not None:
+                done.served.add(m.group(2))
+                wall = datetime.datetime.strptime(m.group(1), LOG_TIME).timestamp()
+                done.gave_up_at.setdefault(m.group(2), wall - offset)
 
 
 async def roll(mesh: MovesMesh, replacement_mode: DrainMode) -> Roll:
@@ -116,16 +130,25 @@ async def roll(mesh: MovesMesh, replacement_mode: DrainMode) -> Roll:
     return Roll(started_at, time.perf_counter(), rolled, pulls, mark)
 
 
-async def _drain(worker: Worker) -> Rolled:
-    """SIGTERM, and the wait for its exit (SIGKILL past `EXIT_LIMIT_S`)."""
-    worker.proc.signalled = "SIGTERM"
+async def terminated(proc: Proc, instance_id: str) -> Rolled:
+    """SIGTERM, and the wait for the exit (SIGKILL past `EXIT_LIMIT_S`). Waited for on a thread:
+    the exit is timed to the millisecond, not to a polling interval."""
+    proc.signalled = "SIGTERM"
     terminated_at = time.perf_counter()
-    worker.proc.terminate()
-    code = await worker.proc.wait_async(EXIT_LIMIT_S)
+    proc.terminate()
+    try:
+        code: int | None = await asyncio.to_thread(proc.popen.wait, EXIT_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        code = None
     exited_at = time.perf_counter()
     if code is None:
-        code = await worker.proc.stop_async(10)
-    done = Rolled(worker.instance_id, terminated_at, exited_at, code)
+        code = await proc.stop_async(10)
+    return Rolled(instance_id, terminated_at, exited_at, code)
+
+
+async def _drain(worker: Worker) -> Rolled:
+    """`terminated`, and what the worker's drain line says."""
+    done = await terminated(worker.proc, worker.instance_id)
     for line in worker.proc.lines:
         if m := DRAIN_LINE.search(line):
             done.handed_over, done.handover_s = int(m.group(2)), float(m.group(3))

@@ -6,8 +6,9 @@ The setting: etcd, a kv-router (`--router-mode kv`), a processor, a frontend and
 workers, each its own process, with `--kv-transfer nixl --no-remote-prefill`, 1024 KV bytes per
 token (a 64k-token context is 64 MiB of the 256 MiB NIXL arena) and `--speedup 8` on the default
 timing (h100-8b: a 64k-token prompt prefills in 21 s at speedup 1, here 2.6 s; a decode step
-takes 1.5 ms). Six clients send streaming greedy completions back to back: token-id prompts of a
-seeded random length in [8k, 64k], `ignore_eos`, 384 tokens out (bench/moves/load.py).
+takes 1.5 ms). Eight clients, each an agent session, send streaming greedy completions back to
+back: token-id contexts opening at 8k-32k tokens and growing a few hundred a turn up to 64k,
+`ignore_eos`, 384 tokens out (bench/moves/load.py).
 
 The drain modes of the rolled workers:
 - move: `--drain-mode move` (the default): running requests are handed over with their KV;
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from bench.common.side_venv import Unavailable
 from bench.moves import dynamo_roll, report
-from bench.moves.figures import Counters, RunRecord, figures
+from bench.moves.figures import Counters, RunRecord, figures, moved_streams
 from bench.moves.load import REQUEST_TIMEOUT_S, Load
 from bench.moves.mesh import DrainMode, MovesMesh
 from bench.moves.roll import Roll, roll
@@ -46,7 +47,7 @@ REPEATS = 2
 WORKERS = 3
 # The clients' first requests all prefill at once; the steady window starts after them.
 WARMUP_S = 5.0
-STEADY_S = 20.0
+STEADY_S = 30.0
 PROCESSOR_COUNTERS = {"handoffs": "kvmesh_processor_handoffs_total",
                       "migrations": "kvmesh_processor_migrations_total",
                       "recomputed": "kvmesh_processor_resumed_tokens_recomputed_total"}
@@ -117,7 +118,7 @@ async def dynamo_runs(run_dir: Path) -> tuple[list[RunRecord], str]:
         async with dynamo_roll.serving(run_dir, WORKERS) as dynamo:
             for repeat in range(REPEATS):
                 record = await measure(dynamo.base_url, dynamo_roll.NAME, repeat, dynamo.roll, None, request_ids=True)
-                dynamo.attribute(record.roll)
+                record.counters.migrations = dynamo.attribute(record.roll)
                 records.append(record)
                 print(f"  {dynamo_roll.NAME} (repeat {repeat + 1}): {report.one_line(figures(record))}", flush=True)
     except Unavailable as exc:
@@ -133,7 +134,9 @@ def run() -> None:
     records = asyncio.run(kvmesh_runs(run_dir))
     dynamo, why_not = asyncio.run(dynamo_runs(run_dir))
     runs: dict[str, list[dict[str, float]]] = {m.name: [] for m in MODES}
-    for record in records:
+    runs[dynamo_roll.NAME] = []
+    streams: dict[str, list[object]] = {name: [] for name in runs}
+    for record in [*records, *dynamo]:
         runs[record.mode].append(figures(record))
-    runs[dynamo_roll.NAME] = [figures(r) for r in dynamo]
-    report.report(runs, {dynamo_roll.NAME: why_not or dynamo_roll.NOTE}, time.monotonic() - started)
+        streams[record.mode].append([m.detail() for m in moved_streams(record)])
+    report.report(runs, {dynamo_roll.NAME: why_not or dynamo_roll.NOTE}, time.monotonic() - started, streams)

@@ -278,6 +278,7 @@ class CarrierListener:
         self._ssl = tls.server_ssl_context() if tls is not None else None
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
+        self._cutting = False
 
     async def start(self, host: str) -> int:
         """Listens on `host` (a free port; one socket, as the gRPC server binds `host`: a name
@@ -308,6 +309,12 @@ class CarrierListener:
                 connection.close()
         except (OSError, TimeoutError) as exc:  # ConnectionError and ssl.SSLError are OSErrors
             log.debug("a session connection ended: %s", exc or type(exc).__name__)
+        except asyncio.CancelledError:
+            # Cut by `stop` past its grace: ended here, since asyncio's server logs a cancelled
+            # connection task as an ERROR ("Exception in callback ...connection_made").
+            if not self._cutting:
+                raise
+            log.debug("a session connection was cut at the server's stop")
         finally:
             self._connections.discard(task)
             writer.close()
@@ -320,6 +327,7 @@ class CarrierListener:
         open_now = set(self._connections)
         if open_now:
             await asyncio.wait(open_now, timeout=grace_s)
+        self._cutting = True
         for task in open_now:
             task.cancel()
         await asyncio.gather(*open_now, return_exceptions=True)

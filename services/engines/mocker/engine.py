@@ -200,7 +200,8 @@ class MockerEngine(Engine):
                 seq.remote_kv = True
             if request.session is not None and not seq.remote_kv:
                 self._prefetch(seq)
-            self._waiting.append(seq)
+            # A request moved here mid-stream with its KV was running: it goes before new prompts.
+            (self._waiting.appendleft if seq.remote_kv and request.resumed_tokens else self._waiting.append)(seq)
             self._wake.set()
             try:
                 while True:

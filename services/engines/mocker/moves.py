@@ -5,7 +5,8 @@ tokens so far (prompt, and every token generated, whose output has gone out alre
 to the NIXL arena for the next worker to pull, as a prefill worker holds a prompt's, and its
 blocks stay taken until that pull, as a real engine's stay while a peer reads them. A sequence
 with no blocks (still waiting, or preempted) is handed over without KV: the next worker
-computes it, as this one would have.
+computes it, as this one would have. One within FINISH_HERE_TOKENS of its max_tokens stays and
+finishes here (the drain waits for it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ log = logging.getLogger(__name__)
 MOVE_HOLD_S = 10.0
 # The longest a step runs before its boundary (a long prefill on a slow profile).
 BOUNDARY_WAIT_S = 60.0
+# A request this close to its max_tokens finishes here: a few steps cost less than a move.
+FINISH_HERE_TOKENS = 16
 
 
 class MoveOut:
@@ -58,7 +61,8 @@ class MoveOut:
         self._asked = None
         only = self._only
         seqs = [seq for seq in (*running, *waiting)
-                if not seq.done and (only is None or seq.request.request_id in only)]
+                if not seq.done and (only is None or seq.request.request_id in only)
+                and seq.request.sampling.max_tokens - seq.generated > FINISH_HERE_TOKENS]
         taken = set(seqs)
         running[:] = [seq for seq in running if seq not in taken]
         kept = [seq for seq in waiting if seq not in taken]
