@@ -31,7 +31,8 @@ MIN_PROMPT, MAX_PROMPT = 8192, 65536
 # A session's opening context is at most this long; each turn adds TURN_MIN..TURN_MAX tokens.
 MAX_OPENING = 32768
 TURN_MIN, TURN_MAX = 200, 800
-MAX_TOKENS = 384
+# Answers long enough that a rolled worker has streams running past its drain's propagation delay.
+MAX_TOKENS = 1536
 # Token ids past the demo model's special tokens and below its vocabulary (1114).
 TOKEN_LOW, TOKEN_HIGH = 10, 1100
 REQUEST_TIMEOUT_S = 120.0

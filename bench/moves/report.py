@@ -152,7 +152,7 @@ def report(runs: Runs, notes: dict[str, str], wall_s: float, streams: dict[str, 
     rows = [[label] + [median_range(_values(runs, n, key), fmt) if runs[n] else "-" for n in names]
             for label, key, fmt in ROWS]
     table(f"Rolling restart of every decode worker under load, median [range] of {repeats} runs each "
-          f"({CLIENTS} clients, prompts {MIN_PROMPT // 1024}k-{MAX_PROMPT // 1024}k tokens, {MAX_TOKENS} out, "
+          f"({CLIENTS} agent sessions of {MIN_PROMPT // 1024}k-{MAX_PROMPT // 1024}k tokens, {MAX_TOKENS} out, "
           f"mocker at speedup {SPEEDUP:g}, {KV_BYTES_PER_TOKEN} KV bytes/token)", ["", *heads], rows)
     for name, why in notes.items():
         print(f"{name}: {why}")

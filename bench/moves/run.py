@@ -8,7 +8,7 @@ token (a 64k-token context is 64 MiB of the 256 MiB NIXL arena) and `--speedup 8
 timing (h100-8b: a 64k-token prompt prefills in 21 s at speedup 1, here 2.6 s; a decode step
 takes 1.5 ms). Eight clients, each an agent session, send streaming greedy completions back to
 back: token-id contexts opening at 8k-32k tokens and growing a few hundred a turn up to 64k,
-`ignore_eos`, 384 tokens out (bench/moves/load.py).
+`ignore_eos`, 1536 tokens out (bench/moves/load.py).
 
 The drain modes of the rolled workers:
 - move: `--drain-mode move` (the default): running requests are handed over with their KV;

@@ -74,9 +74,13 @@ class MoveOut:
             asked.set_result(seqs)
 
     async def hand_over(self, seqs: list[Seq]) -> None:
-        for seq in seqs:
-            params = await self._hold(seq) if seq.blocks else None
-            seq.out.put(EngineOutput([], FinishReason.MOVED, seq.cached_tokens, kv_pull=params))
+        """Holds every sequence's KV at once (each is written on a worker thread): a short one's
+        handoff does not wait for a long one's."""
+        await asyncio.gather(*(self._hand_over(seq) for seq in seqs))
+
+    async def _hand_over(self, seq: Seq) -> None:
+        params = await self._hold(seq) if seq.blocks else None
+        seq.out.put(EngineOutput([], FinishReason.MOVED, seq.cached_tokens, kv_pull=params))
 
     async def _hold(self, seq: Seq) -> dict | None:
         """Holds the sequence's KV for a pull, its blocks taken until then; None (blocks freed)
