@@ -137,7 +137,7 @@ class VllmEngine(Engine):
         share = config.encoder_cache
         self._features = FeatureWriter(share, facts.vision) if share is not None and share.producer else None
         self._load = LoadRecorder(self.record_kv_transfer)
-        self._moves = VllmMoves(kv_bytes_per_token(config.model_dir))
+        self._moves = VllmMoves(lambda: kv_bytes_per_token(config.model_dir))
         self._num_blocks = 0
         self._events: VllmKvEventListener | None = None
         self.adapters = vllm_adapters(config.lora, lambda: self._llm)

@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 NEXT_OUTPUT_S = 60.0
 PULL_FLOOR_S = 3.0
 PULL_MIN_BYTES_PER_S = 25e6
+# KV bytes per token where the model's config.json does not state its attention at the top (a
+# vision-language model's text config): an 8B model's.
+FALLBACK_KV_BYTES_PER_TOKEN = 128 << 10
 
 
 @dataclass(eq=False)
@@ -51,8 +54,11 @@ class Live:
 
 
 class VllmMoves:
-    def __init__(self, kv_bytes_per_token: int) -> None:
-        self._kv_bytes_per_token = kv_bytes_per_token
+    def __init__(self, kv_bytes_per_token: Callable[[], int]) -> None:
+        """`kv_bytes_per_token`: read at the first handoff (a worker that never moves anything
+        never reads it)."""
+        self._read_kv_bytes = kv_bytes_per_token
+        self._kv_bytes_per_token = 0
         self._live: dict[str, Live] = {}
         # When each handoff's pull may have ended at the latest (monotonic).
         self._pulls_end: list[float] = []
@@ -93,7 +99,7 @@ class VllmMoves:
         try:
             result = await prefill(again)
             params = result.kv_pull
-            nbytes = len(tokens) * self._kv_bytes_per_token
+            nbytes = len(tokens) * self._bytes_per_token()
             self._pulls_end.append(time.monotonic() + PULL_FLOOR_S + nbytes / PULL_MIN_BYTES_PER_S)
             log.info("request %s: handed over after %d tokens; %d of its %d tokens computed again (its last, "
                      "partial block)", request.request_id, len(live.generated), len(tokens) - result.cached_tokens,
@@ -104,6 +110,14 @@ class VllmMoves:
         if live.moving is not None and not live.moving.done():
             live.moving.set_result(True)
         return EngineOutput([], FinishReason.MOVED, kv_pull=params)
+
+    def _bytes_per_token(self) -> int:
+        if not self._kv_bytes_per_token:
+            try:
+                self._kv_bytes_per_token = self._read_kv_bytes()
+            except (KeyError, ValueError, TypeError, OSError):
+                self._kv_bytes_per_token = FALLBACK_KV_BYTES_PER_TOKEN
+        return self._kv_bytes_per_token
 
     def unpulled(self) -> int:
         now = time.monotonic()
