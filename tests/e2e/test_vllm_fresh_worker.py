@@ -1,7 +1,7 @@
-"""A freshly started vLLM decode worker (its own mesh, no other worker at first), in three steps,
-in this order: its very first request; a second worker joins and the one serving a stream is
-drained, handing the stream over with its KV; the death of the one left under a structured-output
-stream. Two engine starts serve all three (the suite's time goes to vLLM starts).
+"""Two freshly started vLLM decode workers (their own mesh, started side by side), in three steps,
+in this order: their very first requests; the one serving a stream is drained, handing the
+stream over with its KV; the death of the one left under a structured-output stream. Two engine
+starts serve all three (the suite's time goes to vLLM starts).
 
 1. The first request is a 2-token prompt, and it is answered. On a CPU with AMX tiles such a first
    request killed the engine (vLLM's attention used AMX before anything had asked Linux for it;
@@ -42,59 +42,50 @@ MOVED_TOKENS = 120
 
 
 @dataclass
-class FreshWorker:
+class FreshWorkers:
     mesh: ServiceMesh
-    worker: Proc
-    instance_id: str
-    # Every worker started, by instance id (the second joins in step 2).
+    # The workers still running, by instance id.
     workers: dict[str, Proc]
-
-    def start_worker(self) -> tuple[Proc, str]:
-        mesh = self.mesh
-        worker = service("services.decode_worker", "--etcd-endpoints", mesh.etcd, "--namespace", mesh.namespace,
-                         "--engine", "vllm", "--kv-transfer", "nixl", "--no-remote-prefill", "--drain-timeout", "8",
-                         name="decode-worker")
-        mesh.procs.append(worker)
-        (instance,) = worker.wait_for(r"decode-worker ready: (.+)$", 240).group(1).split()
-        self.workers[instance] = worker
-        return worker, instance
 
 
 @pytest.fixture(scope="module")
-def fresh(etcd: Etcd) -> Iterator[FreshWorker]:
+def fresh(etcd: Etcd) -> Iterator[FreshWorkers]:
     mesh = ServiceMesh(etcd.endpoint)
     try:
-        started = FreshWorker(mesh, None, "", {})  # type: ignore[arg-type]
-        started.worker, started.instance_id = started.start_worker()
-        yield started
+        procs = [service("services.decode_worker", "--etcd-endpoints", mesh.etcd, "--namespace", mesh.namespace,
+                         "--engine", "vllm", "--kv-transfer", "nixl", "--no-remote-prefill", "--drain-timeout", "8",
+                         name=f"decode-worker-{i}") for i in range(2)]
+        mesh.procs += procs
+        ids = [proc.wait_for(r"decode-worker ready: (.+)$", 300).group(1).split()[0] for proc in procs]
+        yield FreshWorkers(mesh, dict(zip(ids, procs, strict=True)))
     finally:
         mesh.stop()
 
 
-def test_a_fresh_vllm_workers_first_request_of_two_tokens_is_answered(fresh: FreshWorker) -> None:
-    mesh, worker = fresh.mesh, fresh.worker
+def test_fresh_vllm_workers_first_requests_of_two_tokens_and_one_are_answered(fresh: FreshWorkers) -> None:
+    mesh = fresh.mesh
     first = httpx.post(mesh.url("/v1/completions"), json={"model": MODEL, "prompt": "ab", "max_tokens": 4}, timeout=60)
     assert first.status_code == 200, first.text
     body = first.json()
     assert body["usage"]["prompt_tokens"] == 2, body["usage"]
     assert body["usage"]["completion_tokens"] == 4 and body["choices"][0]["finish_reason"] == "length", body
-    assert first.headers["x-kvmesh-worker"] == fresh.instance_id
+    assert first.headers["x-kvmesh-worker"] in fresh.workers
 
-    # The engine lived through it: the worker still serves (1 token now) and is still registered.
+    # The engines lived through it: the workers still serve (1 token now) and are still registered.
     again = httpx.post(mesh.url("/v1/completions"), json={"model": MODEL, "prompt": "a", "max_tokens": 2}, timeout=60)
     assert again.status_code == 200, again.text
-    assert [w.instance_id for w in registered(mesh.etcd, mesh.namespace, "decode-worker")] == [fresh.instance_id]
-    assert worker.popen.poll() is None
+    assert {w.instance_id for w in registered(mesh.etcd, mesh.namespace, "decode-worker")} == set(fresh.workers)
+    assert all(worker.popen.poll() is None for worker in fresh.workers.values())
 
     # The warm-up ran, and before the worker registered.
-    lines = list(worker.lines)
-    warmed = [i for i, line in enumerate(lines) if "vLLM warm-up: a 64-token prompt, then prompts of 1 and 2" in line]
-    ready = [i for i, line in enumerate(lines) if "decode-worker ready: " in line]
-    assert warmed and warmed[0] < ready[0], worker.tail()
+    for worker in fresh.workers.values():
+        lines = list(worker.lines)
+        warmed = [i for i, line in enumerate(lines) if "vLLM warm-up: a 64-token prompt, then prompts of 1 and 2" in line]
+        ready = [i for i, line in enumerate(lines) if "decode-worker ready: " in line]
+        assert warmed and warmed[0] < ready[0], worker.tail()
 
 
-def test_a_drained_vllm_worker_hands_its_stream_over_with_its_kv(fresh: FreshWorker) -> None:
-    fresh.start_worker()
+def test_a_drained_vllm_worker_hands_its_stream_over_with_its_kv(fresh: FreshWorkers) -> None:
     prompt = "the stream that moves between vLLM workers"
 
     def drain(s: Streamed) -> None:
@@ -116,7 +107,7 @@ def test_a_drained_vllm_worker_hands_its_stream_over_with_its_kv(fresh: FreshWor
     assert len(recomputed) == 1 and recomputed[0] < 32, drained.tail()  # its last, partial block (32 on CPU)
 
 
-def test_a_structured_stream_whose_worker_dies_ends_with_an_error_never_invalid_text(fresh: FreshWorker) -> None:
+def test_a_structured_stream_whose_worker_dies_ends_with_an_error_never_invalid_text(fresh: FreshWorkers) -> None:
     (worker,) = fresh.workers.values()  # the one step 2 left
     engines = engine_processes(worker.popen.pid)
     assert engines, "vLLM runs its engine in child processes"
