@@ -130,6 +130,18 @@ class SessionRetention:
     retain_s: float
 
 
+# A KV pull's deadline: this floor plus its size at this rate. A link that slow, or a peer cut off
+# mid-transfer, costs the request at most that long before it is computed locally instead; a
+# holder that cannot see the pull keeps the KV that long (vllm_moves.py).
+PULL_FLOOR_S = 3.0
+PULL_MIN_BYTES_PER_S = 25e6
+
+
+def pull_deadline_s(nbytes: int) -> float:
+    """How long a pull of `nbytes` of KV may take."""
+    return PULL_FLOOR_S + nbytes / PULL_MIN_BYTES_PER_S
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillResult:
     # What a decode engine needs to pull the prompt's KV (engine-specific, JSON-serialisable).

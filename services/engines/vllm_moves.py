@@ -17,8 +17,8 @@ three steps:
 A request whose re-prefill fails moves without KV (recomputed where it goes).
 
 Whether a pull happened is not visible from here (vLLM's scheduler frees the blocks in its own
-process): a handoff counts as unpulled for as long as its puller may still be pulling (the pull
-deadline a mocker puller keeps, 3 s plus 25 MB/s of the KV's size).
+process): a handoff counts as unpulled for as long as its puller may still be pulling
+(`pull_deadline_s` of the KV's size, the deadline a mocker puller keeps).
 """
 
 from __future__ import annotations
@@ -29,14 +29,12 @@ import time
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field, replace
 
-from services.engines.base import EngineOutput, EngineRequest, FinishReason, PrefillResult, RowTap
+from services.engines.base import EngineOutput, EngineRequest, FinishReason, PrefillResult, RowTap, pull_deadline_s
 
 log = logging.getLogger(__name__)
 
 # The longest a request takes to reach its next output (a long prefill in the same step).
 NEXT_OUTPUT_S = 60.0
-PULL_FLOOR_S = 3.0
-PULL_MIN_BYTES_PER_S = 25e6
 # KV bytes per token where the model's config.json does not state its attention at the top (a
 # vision-language model's text config): an 8B model's.
 FALLBACK_KV_BYTES_PER_TOKEN = 128 << 10
@@ -100,7 +98,7 @@ class VllmMoves:
             result = await prefill(again)
             params = result.kv_pull
             nbytes = len(tokens) * self._bytes_per_token()
-            self._pulls_end.append(time.monotonic() + PULL_FLOOR_S + nbytes / PULL_MIN_BYTES_PER_S)
+            self._pulls_end.append(time.monotonic() + pull_deadline_s(nbytes))
             log.info("request %s: handed over after %d tokens; %d of its %d tokens computed again (its last, "
                      "partial block)", request.request_id, len(live.generated), len(tokens) - result.cached_tokens,
                      len(tokens))

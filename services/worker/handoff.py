@@ -75,11 +75,11 @@ async def move_away(engine: Engine, worker_id: str, timeout_s: float, metrics: M
     moved = 0
     while True:
         try:
-            handed = await asyncio.wait_for(engine.move_out(frozenset(decoding())), max(0.0, deadline - time.monotonic()))
+            handed = await asyncio.wait_for(hand_over(engine, frozenset(decoding()), metrics),
+                                            max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             break
         moved += handed
-        metrics.handed_over.inc(handed)
         if (not handed and not engine.moves_unpulled()) or time.monotonic() >= deadline:
             break
         await asyncio.sleep(DRAIN_POLL_S)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xxhash
 
-from services.engines.base import EngineBusy
+from services.engines.base import EngineBusy, pull_deadline_s
 
 if TYPE_CHECKING:
     import torch
@@ -38,10 +38,6 @@ log = logging.getLogger(__name__)
 DONE_PREFIX = b"kvmesh-done:"
 NOTIF_POLL_S = 0.005
 TRANSFER_POLL_S = 0.0005
-# A pull's deadline: this floor plus its size at this rate. A link that slow, or a peer cut off
-# mid-transfer, costs the request at most that long before it is prefilled locally instead.
-PULL_FLOOR_S = 3.0
-PULL_MIN_BYTES_PER_S = 25e6
 
 
 class KvTransferError(Exception):
@@ -65,33 +61,23 @@ def nixl_metadata_key(namespace: str, instance_id: str) -> str:
     return f"/{namespace}/nixl/{instance_id}"
 
 
-def synthetic_kv(tokens: list[int], bytes_per_token: int) -> torch.Tensor:
-    """KV bytes that depend on every token and its position, so a transfer of the wrong prompt
-    cannot pass the checksum; built at memory speed (a random row per request, tiled, with each
-    token id mixed into its own row)."""
-    import torch  # NIXL registers torch tensors; imported only where KV transfer is used
-
-    ids = np.asarray(tokens, dtype="<u4")
-    words = max(1, bytes_per_token // 4)
-    row = np.random.default_rng(xxhash.xxh3_64_intdigest(ids.tobytes())).integers(0, 2**32, size=words, dtype=np.uint32)
-    kv = np.tile(row, (len(tokens), 1))
-    kv[:, 0] ^= ids
-    kv[:, -1] += np.arange(len(tokens), dtype=np.uint32)
-    return torch.from_numpy(kv.reshape(-1).view(np.uint8)[: len(tokens) * bytes_per_token].copy())
-
-
 def _fill(region: torch.Tensor, tokens: list[int], bytes_per_token: int) -> int:
-    """`synthetic_kv` written into `region` in place (a whole number of words per token: no
-    intermediate copies of megabytes), then checksummed."""
-    if bytes_per_token % 4:
-        region.copy_(synthetic_kv(tokens, bytes_per_token))
-        return checksum(region)
+    """Writes KV bytes that depend on every token and its position into `region`, so a transfer of
+    the wrong prompt cannot pass the checksum, and returns their checksum. Built at memory speed:
+    a random row of words per request, each token's id mixed into its row's first word and its
+    position into the last, written in place (a size that is no whole number of words is built
+    beside and cut to `bytes_per_token` a row)."""
     ids = np.asarray(tokens, dtype="<u4")
-    kv = region.numpy().view(np.uint32).reshape(len(tokens), bytes_per_token // 4)
-    kv[:] = np.random.default_rng(xxhash.xxh3_64_intdigest(ids.tobytes())).integers(
-        0, 2**32, size=kv.shape[1], dtype=np.uint32)
+    words = -(-bytes_per_token // 4)
+    aligned = words * 4 == bytes_per_token
+    out = region.numpy()
+    kv = out.view(np.uint32).reshape(len(tokens), words) if aligned else np.empty((len(tokens), words), np.uint32)
+    kv[:] = np.random.default_rng(xxhash.xxh3_64_intdigest(ids.tobytes())).integers(0, 2**32, size=words,
+                                                                                     dtype=np.uint32)
     kv[:, 0] ^= ids
     kv[:, -1] += np.arange(len(tokens), dtype=np.uint32)
+    if not aligned:
+        out.reshape(len(tokens), bytes_per_token)[:] = kv.view(np.uint8)[:, :bytes_per_token]
     return checksum(region)
 
 
@@ -274,8 +260,7 @@ class NixlKvEndpoint:
         """Reads a prefill worker's KV into local memory within `timeout_s` (default: by its size),
         finding the peer and checking the bytes included; returns (bytes, seconds)."""
         nbytes = int(params["nbytes"])
-        deadline = time.perf_counter() + (PULL_FLOOR_S + nbytes / PULL_MIN_BYTES_PER_S if timeout_s is None
-                                          else timeout_s)
+        deadline = time.perf_counter() + (pull_deadline_s(nbytes) if timeout_s is None else timeout_s)
         self._retry_releases()
         peer = params["agent"]
         try:
